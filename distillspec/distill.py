@@ -1,0 +1,205 @@
+"""Distillation of the draft toward the target (DistillSpec Algorithm A.2, Table 1 recipes).
+
+Each step draws its data source: with probability ``lambda1`` the fixed data set; otherwise, with
+probability ``lambda2``, continuations sampled from the draft (on-policy); else from the target (made
+with speculative decoding, which samples the target's distribution exactly). The draft is then moved
+toward the target by the sequence-level divergence of Eq. 2 over the continuation tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from distillspec.data import Example
+from distillspec.divergences import check_divergence, divergence
+from distillspec.errors import DistillSpecError
+from distillspec.speculative import autoregressive_generate, speculative_generate
+
+
+@dataclass(frozen=True)
+class Recipe:
+    lambda1: float  #: share of fixed-data batches
+    lambda2: float  #: of the rest, share of draft-generated (on-policy) batches
+    divergence: str
+
+
+#: Table 1 of the paper: data source and divergence of each KD method.
+RECIPES: dict[str, Recipe] = {
+    "supkd": Recipe(lambda1=1.0, lambda2=0.0, divergence="fkl"),  # fixed data set
+    "seqkd": Recipe(lambda1=0.0, lambda2=0.0, divergence="fkl"),  # target-generated
+    "imitkd": Recipe(lambda1=0.5, lambda2=1.0, divergence="fkl"),  # fixed data + draft-generated
+    "fdistill": Recipe(lambda1=0.0, lambda2=0.5, divergence="tvd"),  # draft + target generated
+    "gkd": Recipe(lambda1=0.0, lambda2=1.0, divergence="jsd"),  # on-policy (draft-generated)
+}
+
+
+def resolve_recipe(cfg) -> Recipe:
+    """The recipe named by ``cfg.recipe`` with ``cfg.divergence``/``lambda1``/``lambda2`` overriding it."""
+    if cfg.recipe not in RECIPES:
+        raise DistillSpecError(f"recipe={cfg.recipe!r}: choose one of {sorted(RECIPES)}")
+    base = RECIPES[cfg.recipe]
+    recipe = Recipe(
+        lambda1=base.lambda1 if cfg.lambda1 is None else cfg.lambda1,
+        lambda2=base.lambda2 if cfg.lambda2 is None else cfg.lambda2,
+        divergence=base.divergence if cfg.divergence is None else cfg.divergence,
+    )
+    check_divergence(recipe.divergence)
+    for name in ("lambda1", "lambda2"):
+        if not 0.0 <= getattr(recipe, name) <= 1.0:
+            raise DistillSpecError(f"{name}={getattr(recipe, name)!r}: must be in [0, 1]")
+    return recipe
+
+
+def draw_source(rng: random.Random, recipe: Recipe) -> str:
+    """``"fixed"``, ``"draft"`` or ``"target"``, as in Algorithm A.2."""
+    if rng.random() < recipe.lambda1:
+        return "fixed"
+    return "draft" if rng.random() < recipe.lambda2 else "target"
+
+
+@dataclass
+class Batch:
+    """Prompts left-padded to one column, continuations after them, right-padded.
+
+    ``loss_mask[b, t]`` is 1 where position t predicts a continuation token (the next token).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+
+    @property
+    def position_ids(self) -> Tensor:
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, lengths: Tensor) -> Batch:
+    cont_mask = (torch.arange(continuation.shape[1], device=lengths.device)[None, :] < lengths[:, None]).long()
+    input_ids = torch.cat([prompt_ids, continuation], 1)
+    attention_mask = torch.cat([prompt_mask, cont_mask], 1)
+    loss_mask = torch.zeros_like(attention_mask)
+    loss_mask[:, prompt_ids.shape[1] - 1 : -1] = cont_mask
+    return Batch(input_ids, attention_mask, loss_mask)
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
+    """Fixed-data batch: prompt + reference + EOS, cut to ``max_len`` tokens (the prompt's start goes first)."""
+    from distillspec.models import encode_prompts  # noqa: PLC0415
+
+    conts = [tokenizer(e.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in examples]
+    conts = [c[: max_len - 1] for c in conts]
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_len - max(len(c) for c in conts))
+    width = max(len(c) for c in conts)
+    continuation = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in conts])
+    return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
+
+
+def generate_batch(
+    source: str, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+    examples: list[Example], *, max_new_tokens: int, temperature: float, gamma: int = 5,
+    generator: torch.Generator | None = None,
+) -> Batch:
+    """Continuations of the prompts sampled from the draft (on-policy) or the target (via SD)."""
+    from distillspec.models import encode_prompts  # noqa: PLC0415
+
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples])
+    prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=tokenizer.eos_token_id,
+                  attention_mask=prompt_mask, generator=generator, pad_token_id=tokenizer.pad_token_id)
+    if source == "draft":
+        out = autoregressive_generate(draft, prompt_ids, **kwargs)
+    else:
+        out = speculative_generate(target, draft, prompt_ids, gamma=gamma, **kwargs)
+    # Inference tensors cannot enter autograd: clone them out.
+    continuation = out.sequences[:, prompt_ids.shape[1] :].clone()
+    return make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
+
+
+def forward_logits(model: PreTrainedModel, batch: Batch) -> Tensor:
+    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+
+
+def lm_loss(model: PreTrainedModel, batch: Batch, mask: Tensor | None = None) -> Tensor:
+    """Next-token cross-entropy at the positions of ``mask`` (default: the continuation)."""
+    mask = batch.loss_mask if mask is None else mask
+    logits = forward_logits(model, batch)[:, :-1]
+    labels = batch.input_ids[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    m = mask[:, :-1].flatten().float()
+    return (nll * m).sum() / m.sum().clamp(min=1)
+
+
+def kd_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: Batch, recipe: Recipe, *, temperature: float = 1.0, beta: float = 0.5) -> Tensor:
+    """The sequence-level divergence D(p || q_theta) of Eq. 2 over the continuation."""
+    with torch.no_grad():
+        target_logits = forward_logits(target, batch)
+    draft_logits = forward_logits(draft, batch)
+    t = temperature if temperature > 0 else 1.0
+    return divergence(recipe.divergence, draft_logits, target_logits, batch.loss_mask, temperature=t, beta=beta, reduction="seq")
+
+
+def make_optimizer(model: PreTrainedModel, lr: float, steps: int, warmup_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with linear warm-up and cosine decay."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
+
+
+class Distiller:
+    """Algorithm A.2 over a prompt set. ``step()`` does one update and returns its record."""
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 train: list[Example], cfg, *, seed: int = 0, max_len: int = 256) -> None:
+        if not train:
+            raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
+        self.target, self.draft, self.tokenizer, self.train, self.cfg = target.eval(), draft, tokenizer, train, cfg
+        self.recipe = resolve_recipe(cfg)
+        self.max_len = max_len
+        self.rng = random.Random(seed)
+        self.generator = torch.Generator(device=draft.device).manual_seed(seed)
+        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
+        self.step_count = 0
+        for p in target.parameters():
+            p.requires_grad_(False)
+
+    def next_batch(self) -> tuple[str, Batch]:
+        source = draw_source(self.rng, self.recipe)
+        examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
+        if source == "fixed":
+            return source, encode_examples(self.tokenizer, examples, self.max_len)
+        self.draft.eval()
+        batch = generate_batch(source, self.target, self.draft, self.tokenizer, examples,
+                               max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                               generator=self.generator)
+        return source, batch
+
+    def step(self) -> dict:
+        source, batch = self.next_batch()
+        self.draft.train()
+        loss = kd_loss(self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.draft.eval()
+        self.step_count += 1
+        return {"step": self.step_count, "source": source, "loss": float(loss), "tokens": batch.tokens,
+                "lr": self.scheduler.get_last_lr()[0]}
+
+    def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:
+        records = []
+        for _ in range(self.cfg.steps if steps is None else steps):
+            records.append(self.step())
+            if callback is not None:
+                callback(records[-1])
+        return records

@@ -1,0 +1,55 @@
+"""Tables and plots of ``results.json`` records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pairs(records: list[dict]) -> list[tuple[dict, dict]]:
+    before = {(r["gamma"], r["temperature"]): r for r in records if r["phase"] == "before"}
+    return [(before[(r["gamma"], r["temperature"])], r) for r in records
+            if r["phase"] == "after" and (r["gamma"], r["temperature"]) in before]
+
+
+def format_table(records: list[dict]) -> str:
+    """gamma x temperature: alpha and tau before / after, the change in tau, and speedups where measured."""
+    lines = [f"{'gamma':>5} {'temp':>5} | {'alpha before':>12} {'alpha after':>11} | {'tau before':>10} {'tau after':>9} {'change':>8}"
+             f" | {'speedup before':>14} {'speedup after':>13}"]
+    lines.append("-" * len(lines[0]))
+    for b, a in _pairs(records):
+        change = 100.0 * (a["tau"] / b["tau"] - 1.0)
+        sb = f"{b['measured_speedup']:.2f}x" if "measured_speedup" in b else "-"
+        sa = f"{a['measured_speedup']:.2f}x" if "measured_speedup" in a else "-"
+        lines.append(f"{b['gamma']:>5} {b['temperature']:>5g} | {b['alpha']:>12.3f} {a['alpha']:>11.3f} | "
+                     f"{b['tau']:>10.3f} {a['tau']:>9.3f} {change:>+7.1f}% | {sb:>14} {sa:>13}")
+    for r in records:
+        if "measured_speedup" in r:
+            lines.append(f"{r['phase']:>6} gamma={r['gamma']} T={r['temperature']:g}: c={r['c']:.3f}, "
+                         f"speedup measured {r['measured_speedup']:.2f}x / predicted {r['predicted_speedup']:.2f}x "
+                         f"= {r['measured_over_predicted']:.2f}")
+    return "\n".join(lines)
+
+
+def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
+    """Grouped bars of tau before / after per (gamma, temperature), with the gamma + 1 ceiling."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    pairs = _pairs(records)
+    labels = [f"γ={b['gamma']}\nT={b['temperature']:g}" for b, _ in pairs]
+    x = range(len(pairs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(pairs)), 4))
+    ax.bar([i - 0.2 for i in x], [b["tau"] for b, _ in pairs], 0.4, label="before (fine-tuned draft)", color="#9bb")
+    ax.bar([i + 0.2 for i in x], [a["tau"] for _, a in pairs], 0.4, label="after (distilled draft)", color="#157")
+    for i, (b, a) in enumerate(pairs):
+        ax.hlines(b["gamma"] + 1, i - 0.4, i + 0.4, colors="grey", linestyles=":")
+        ax.text(i + 0.2, a["tau"], f"{100 * (a['tau'] / b['tau'] - 1):+.0f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("block efficiency τ (tokens / target call)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,372 @@
+"""Speculative decoding (DistillSpec Algorithm A.1; Leviathan et al., 2023) and plain decoding.
+
+Both decoders share one piece of KV-cache bookkeeping, :class:`CachedLM`. Rejected draft positions
+are never re-run: they stay in the cache as *holes* (attention-mask 0), and every row keeps its own
+position counter, so each row of a batch accepts its own number of tokens and stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from distillspec.errors import DistillSpecError
+
+#: Lenience functions ``f(p, epsilon)`` of lossy speculative decoding (paper Sec. 5.2).
+LENIENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "lin": lambda p, epsilon: p / epsilon,
+    "sq": lambda p, epsilon: p / epsilon**2,
+    "exp": lambda p, epsilon: p.pow(epsilon),
+}
+
+
+def check_decoding_args(
+    *, gamma: int = 1, max_new_tokens: int, temperature: float, lenience: str | None, epsilon: float
+) -> None:
+    """Raise :class:`DistillSpecError` naming the bad value and the fix."""
+    if not isinstance(gamma, int) or gamma < 1:
+        raise DistillSpecError(f"gamma={gamma!r}: gamma (draft tokens per block) must be an integer >= 1")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise DistillSpecError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    if temperature < 0:
+        raise DistillSpecError(f"temperature={temperature!r}: must be >= 0 (0 means greedy)")
+    if lenience is not None and lenience not in LENIENCES:
+        raise DistillSpecError(f"lenience={lenience!r}: choose one of {sorted(LENIENCES)} or None (lossless)")
+    if not 0.0 < epsilon <= 1.0:
+        raise DistillSpecError(f"epsilon={epsilon!r}: must be in (0, 1]; 1 is lossless")
+
+
+def check_pair(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """The target and the draft must share one vocabulary."""
+    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    if vt != vd:
+        raise DistillSpecError(
+            f"draft vocab {vd} != target vocab {vt}: the draft and target must share one tokenizer"
+        )
+
+
+class CachedLM:
+    """A causal LM with a KV cache whose rows may hold holes (rejected positions).
+
+    ``mask`` [B, cache_len] marks valid cache columns; ``next_pos`` [B] is each row's next position id.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask: Tensor | None = None
+        self.next_pos: Tensor | None = None
+        self.calls = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Run the (left-padded) prompt; return the logits of its last position, [B, V]."""
+        self.mask = attention_mask.long()
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.next_pos = self.mask.sum(-1)
+        return self._forward(input_ids, positions)[:, -1]
+
+    @torch.inference_mode()
+    def step(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Append ``tokens`` [B, k] (``valid`` marks real ones; others become holes); return logits [B, k, V]."""
+        valid = torch.ones_like(tokens) if valid is None else valid.long()
+        positions = self.next_pos[:, None] + (valid.cumsum(-1) - 1).clamp(min=0)
+        self.mask = torch.cat([self.mask, valid], dim=-1)
+        self.next_pos = self.next_pos + valid.sum(-1)
+        return self._forward(tokens, positions)
+
+    def reject_tail(self, n_rejected: Tensor) -> None:
+        """Turn the last ``n_rejected[b]`` cache columns of each row into holes."""
+        width = int(n_rejected.max()) if n_rejected.numel() else 0
+        if width == 0:
+            return
+        cols = torch.arange(width, 0, -1, device=self.mask.device)  # distance from the end: width..1
+        hole = cols[None, :] <= n_rejected[:, None]
+        self.mask[:, -width:] = self.mask[:, -width:].masked_fill(hole, 0)
+        self.next_pos = self.next_pos - n_rejected
+        self._crop_common_tail()
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only ``rows`` of the batch (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]
+        self._crop_common_tail()
+
+    def _crop_common_tail(self) -> None:
+        valid_cols = self.mask.any(0).nonzero()
+        keep = int(valid_cols[-1]) + 1 if len(valid_cols) else 0
+        if keep < self.mask.shape[1]:
+            self.cache.crop(keep - self.mask.shape[1])  # HF v5: a negative count removes tokens
+            self.mask = self.mask[:, :keep]
+
+    def _forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        self.calls += 1
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits.float()
+
+
+def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
+    """Sampling distribution: softmax(logits / T), or a one-hot argmax when T == 0 (greedy)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row of ``probs`` [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@dataclass
+class SpecStats:
+    """Per-row statistics of a speculative decoding run (tensors on CPU)."""
+
+    gamma: int
+    blocks: Tensor  # [B] target calls (draft-and-verify blocks) in which the row took part
+    accepted: Tensor  # [B, gamma] accepted draft tokens, by draft position
+    rejected: Tensor  # [B] blocks that ended in a rejection
+    new_tokens: Tensor  # [B] tokens emitted after EOS / max_new_tokens truncation
+    target_calls: int  # target forward passes for the whole batch (prefill excluded)
+    draft_calls: int  # draft forward passes for the whole batch (prefill excluded)
+
+    @property
+    def drafted(self) -> Tensor:
+        """[B] draft tokens proposed."""
+        return self.blocks * self.gamma
+
+    @property
+    def alpha(self) -> float:
+        """Empirical acceptance rate: accepted / draft tokens that were judged (MLE of alpha)."""
+        acc = float(self.accepted.sum())
+        judged = acc + float(self.rejected.sum())
+        return acc / judged if judged else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Empirical block efficiency: tokens per target call (accepted + 1 per block), at most gamma + 1."""
+        blocks = float(self.blocks.sum())
+        return (float(self.accepted.sum()) + blocks) / blocks if blocks else float("nan")
+
+    def to_dict(self) -> dict:
+        return {
+            "gamma": self.gamma,
+            "alpha": self.alpha,
+            "tau": self.tau,
+            "drafted": int(self.drafted.sum()),
+            "accepted": int(self.accepted.sum()),
+            "accepted_per_position": self.accepted.sum(0).tolist(),
+            "blocks": int(self.blocks.sum()),
+            "new_tokens": int(self.new_tokens.sum()),
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+        }
+
+
+@dataclass
+class GenerationOutput:
+    sequences: Tensor  # [B, prompt_len + generated]: prompt, then new tokens, padded after EOS
+    num_new_tokens: Tensor  # [B]
+    stats: SpecStats | None = None
+
+
+class _Emitter:
+    """Collects emitted tokens per original row and retires rows at EOS or the token budget."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_token_id: int | None, pad: int, device) -> None:
+        self.out = torch.full((batch, max_new_tokens), pad, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_new_tokens, self.eos = max_new_tokens, eos_token_id
+
+    def emit(self, rows: Tensor, tokens: Tensor, n: Tensor) -> Tensor:
+        """Append the first ``n[i]`` of ``tokens[i]`` to original row ``rows[i]``; return a done mask."""
+        k = tokens.shape[1]
+        offs = torch.arange(k, device=tokens.device)
+        take = offs[None, :] < n[:, None]
+        if self.eos is not None:  # cut after the first EOS
+            is_eos = (tokens == self.eos) & take
+            first = torch.where(is_eos.any(1), is_eos.float().argmax(1), k)
+            take &= offs[None, :] <= first[:, None]
+        start = self.count[rows]
+        pos = start[:, None] + offs[None, :]
+        take &= pos < self.max_new_tokens
+        r, c = take.nonzero(as_tuple=True)
+        self.out[rows[r], pos[r, c]] = tokens[r, c]
+        self.count[rows] = start + take.sum(1)
+        done = self.count[rows] >= self.max_new_tokens
+        if self.eos is not None:
+            done |= ((tokens == self.eos) & take).any(1)
+        return done
+
+
+def _prepare(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise DistillSpecError(f"input_ids of shape {tuple(input_ids.shape)}: expected [batch, prompt_len >= 1]")
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    if not bool(mask[:, -1].all()):
+        raise DistillSpecError("prompts must be left-padded: attention_mask[:, -1] must be 1 for every row")
+    return mask
+
+
+def _pad_value(pad_token_id: int | None, eos_token_id: int | None) -> int:
+    return pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+
+
+def autoregressive_generate(
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    eos_token_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pad_token_id: int | None = None,
+) -> GenerationOutput:
+    """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`."""
+    check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
+    mask = _prepare(input_ids, attention_mask)
+    lm = CachedLM(model)
+    emitter = _Emitter(len(input_ids), max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), input_ids.device)
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    logits = lm.prefill(input_ids, mask)
+    while True:
+        token = sample(probs_from_logits(logits, temperature), generator)
+        done = emitter.emit(rows, token[:, None], torch.ones_like(token))
+        if bool(done.all()):
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            rows, token = rows[keep], token[keep]
+            lm.select_rows(keep)
+        logits = lm.step(token[:, None])[:, -1]
+    return GenerationOutput(torch.cat([input_ids, emitter.out], 1), emitter.count.clone())
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    input_ids: Tensor,
+    *,
+    gamma: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    lenience: str | None = None,
+    epsilon: float = 1.0,
+    eos_token_id: int | None = None,
+    attention_mask: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    pad_token_id: int | None = None,
+) -> GenerationOutput:
+    """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
+
+    Lossless when ``lenience`` is None: the output follows the target's distribution at ``temperature``
+    exactly (``temperature=0`` reproduces the target's greedy output). Lossy with ``lenience`` in
+    ``{"lin", "sq", "exp"}``: a draft token ``x`` is accepted with probability
+    ``min(1, f(p(x), epsilon) / q(x))``; on rejection the token is resampled from ``norm(max(0, p - q))``.
+    """
+    check_decoding_args(
+        gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
+    )
+    check_pair(target, draft)
+    mask = _prepare(input_ids, attention_mask)
+    dev, batch = input_ids.device, len(input_ids)
+    f = LENIENCES[lenience] if lenience is not None else (lambda p, _eps: p)
+
+    tgt, drf = CachedLM(target), CachedLM(draft)
+    emitter = _Emitter(batch, max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), dev)
+    blocks = torch.zeros(batch, dtype=torch.long, device=dev)
+    accepted = torch.zeros(batch, gamma, dtype=torch.long, device=dev)
+    rejected = torch.zeros(batch, dtype=torch.long, device=dev)
+    rows = torch.arange(batch, device=dev)
+
+    # Both models see the prompt but its last token; that token is the first input of each.
+    if input_ids.shape[1] > 1:
+        tgt.prefill(input_ids[:, :-1], mask[:, :-1])
+        drf.prefill(input_ids[:, :-1], mask[:, :-1])
+    else:
+        for lm in (tgt, drf):
+            lm.mask = input_ids.new_zeros(batch, 0)
+            lm.next_pos = input_ids.new_zeros(batch)
+    target_in = input_ids[:, -1:]
+    # The draft's input: the last emitted token, preceded after a fully accepted block by d_gamma
+    # (which the draft has not seen yet); after a rejection that column is a hole.
+    draft_in, draft_valid = input_ids[:, -1:], torch.ones_like(input_ids[:, -1:])
+    tgt.calls = drf.calls = 0
+
+    while True:
+        # 1. Draft gamma tokens autoregressively.
+        q = []
+        drafts = []
+        x, valid = draft_in, draft_valid
+        for _ in range(gamma):
+            q_j = probs_from_logits(drf.step(x, valid)[:, -1], temperature)
+            d_j = sample(q_j, generator)
+            q.append(q_j)
+            drafts.append(d_j)
+            x, valid = d_j[:, None], None
+        q, drafts = torch.stack(q, 1), torch.stack(drafts, 1)  # [b, gamma, V], [b, gamma]
+
+        # 2. One target call scores all gamma drafts and the bonus position.
+        p = probs_from_logits(tgt.step(torch.cat([target_in, drafts], 1)), temperature)  # [b, gamma+1, V]
+
+        # 3. Accept draft j with probability min(1, f(p_j(d_j), eps) / q_j(d_j)).
+        p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
+        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+        r = torch.rand(drafts.shape, generator=generator, device=dev)
+        ok = r < (f(p_d, epsilon) / q_d).clamp(max=1.0)  # q_d > 0: d was sampled from q
+        n = ok.long().cumprod(1).sum(1)  # leading accepted drafts per row
+
+        # 4. Next token: bonus from p_{gamma+1} if all accepted, else from norm(max(0, p_{n+1} - q_{n+1})).
+        idx = n[:, None, None].expand(-1, 1, p.shape[-1])
+        p_next = p.gather(1, idx).squeeze(1)
+        q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx).squeeze(1)
+        residual = (p_next - q_next).clamp(min=0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+        new = sample(residual, generator)
+
+        # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts.
+        blocks[rows] += 1
+        accepted[rows] += (torch.arange(gamma, device=dev)[None, :] < n[:, None]).long()
+        rejected[rows] += (n < gamma).long()
+        emitted = torch.cat([drafts, new[:, None]], 1)
+        emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
+        done = emitter.emit(rows, emitted, n + 1)
+
+        tgt.reject_tail(gamma - n)  # target saw target_in, d_1..d_gamma; keep through d_n
+        drf.reject_tail((gamma - 1 - n).clamp(min=0))  # draft saw .., d_1..d_{gamma-1}
+        full = n == gamma
+        target_in = new[:, None]
+        draft_in = torch.stack([drafts[:, -1], new], 1)
+        draft_valid = torch.stack([full.long(), torch.ones_like(n)], 1)
+
+        if bool(done.all()):
+            break
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            rows, target_in, draft_in, draft_valid = rows[keep], target_in[keep], draft_in[keep], draft_valid[keep]
+            tgt.select_rows(keep)
+            drf.select_rows(keep)
+
+    stats = SpecStats(
+        gamma=gamma,
+        blocks=blocks.cpu(),
+        accepted=accepted.cpu(),
+        rejected=rejected.cpu(),
+        new_tokens=emitter.count.cpu(),
+        target_calls=tgt.calls,
+        draft_calls=drf.calls,
+    )
+    return GenerationOutput(torch.cat([input_ids, emitter.out], 1), emitter.count.clone(), stats)
