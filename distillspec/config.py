@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+import types
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -132,8 +133,45 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             if not isinstance(value, dict):
                 raise DistillSpecError(f"config key {where}{key} must be a mapping, got {value!r}")
             value = _build(hint, value, f"{where}{key}.")
+        else:
+            value = _coerce(value, hint, f"{where}{key}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Convert ``value`` to the field's declared type (YAML reads 1e-3 as a string), or say what is wrong."""
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if value is None:
+        if type(None) in get_args(hint):
+            return None
+        raise DistillSpecError(f"config key {key} cannot be null")
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = args[0]
+    if get_origin(hint) is list:
+        if not isinstance(value, list | tuple):
+            value = [value]
+        return [_coerce(v, get_args(hint)[0], key) for v in value]
+    try:
+        if hint is bool:
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if hint is int:
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value))
+        if hint is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if hint is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise DistillSpecError(f"config key {key}={value!r}: expected {hint.__name__}") from None
+    return value
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:

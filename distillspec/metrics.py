@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -48,17 +49,19 @@ class CostRatio:
 
 @torch.inference_mode()
 def measure_cost_ratio(
-    target: PreTrainedModel, draft: PreTrainedModel, input_ids: Tensor, *, steps: int = 32, warmup: int = 4
+    target: PreTrainedModel, draft: PreTrainedModel, input_ids: Tensor, *, steps: int = 64, warmup: int = 8
 ) -> CostRatio:
-    """Time one-token decoding calls of each model (with a KV cache, after a prefill of ``input_ids``)."""
-    ms = []
-    for model in (target, draft):
-        lm = CachedLM(model)
+    """Median time of one-token decoding calls (KV cache, after a prefill), target and draft interleaved."""
+    lms = [CachedLM(target), CachedLM(draft)]
+    for lm in lms:
         lm.prefill(input_ids, torch.ones_like(input_ids))
-        token = input_ids[:, -1:]
-        for i in range(warmup + steps):
-            if i == warmup:
-                start = time.perf_counter()
+    token = input_ids[:, -1:]
+    times: list[list[float]] = [[], []]
+    for i in range(warmup + steps):
+        for lm, t in zip(lms, times):
+            start = time.perf_counter()
             lm.step(token)
-        ms.append((time.perf_counter() - start) / steps * 1e3)
-    return CostRatio(c=ms[1] / ms[0], target_ms=ms[0], draft_ms=ms[1])
+            if i >= warmup:
+                t.append(time.perf_counter() - start)
+    target_ms, draft_ms = (statistics.median(t) * 1e3 for t in times)
+    return CostRatio(c=draft_ms / target_ms, target_ms=target_ms, draft_ms=draft_ms)

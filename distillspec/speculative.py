@@ -122,6 +122,13 @@ def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
+def next_token(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
+    """Greedy (``temperature == 0``) or sampled next token from ``logits`` [..., V]."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return sample(torch.softmax(logits / temperature, dim=-1), generator)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One token per row of ``probs`` [..., V] -> [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
@@ -241,7 +248,7 @@ def autoregressive_generate(
     rows = torch.arange(len(input_ids), device=input_ids.device)
     logits = lm.prefill(input_ids, mask)
     while True:
-        token = sample(probs_from_logits(logits, temperature), generator)
+        token = next_token(logits, temperature, generator)
         done = emitter.emit(rows, token[:, None], torch.ones_like(token))
         if bool(done.all()):
             break
@@ -283,6 +290,7 @@ def speculative_generate(
     mask = _prepare(input_ids, attention_mask)
     dev, batch = input_ids.device, len(input_ids)
     f = LENIENCES[lenience] if lenience is not None else (lambda p, _eps: p)
+    greedy = temperature == 0  # lenience has no effect on greedy decoding: p is one-hot
 
     tgt, drf = CachedLM(target), CachedLM(draft)
     emitter = _Emitter(batch, max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), dev)
@@ -307,35 +315,44 @@ def speculative_generate(
 
     while True:
         # 1. Draft gamma tokens autoregressively.
-        q = []
-        drafts = []
+        q, drafts = [], []
         x, valid = draft_in, draft_valid
         for _ in range(gamma):
-            q_j = probs_from_logits(drf.step(x, valid)[:, -1], temperature)
-            d_j = sample(q_j, generator)
-            q.append(q_j)
+            logits = drf.step(x, valid)[:, -1]
+            if greedy:
+                d_j = logits.argmax(-1)
+            else:
+                q.append(torch.softmax(logits / temperature, dim=-1))
+                d_j = sample(q[-1], generator)
             drafts.append(d_j)
             x, valid = d_j[:, None], None
-        q, drafts = torch.stack(q, 1), torch.stack(drafts, 1)  # [b, gamma, V], [b, gamma]
+        drafts = torch.stack(drafts, 1)  # [b, gamma]
 
         # 2. One target call scores all gamma drafts and the bonus position.
-        p = probs_from_logits(tgt.step(torch.cat([target_in, drafts], 1)), temperature)  # [b, gamma+1, V]
+        target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, gamma+1, V]
 
-        # 3. Accept draft j with probability min(1, f(p_j(d_j), eps) / q_j(d_j)).
-        p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
-        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
-        r = torch.rand(drafts.shape, generator=generator, device=dev)
-        ok = r < (f(p_d, epsilon) / q_d).clamp(max=1.0)  # q_d > 0: d was sampled from q
-        n = ok.long().cumprod(1).sum(1)  # leading accepted drafts per row
+        if greedy:  # p and q are one-hot: accept while the argmaxes agree, then the target's argmax
+            best = target_logits.argmax(-1)
+            n = (drafts == best[:, :gamma]).long().cumprod(1).sum(1)
+            new = best.gather(1, n[:, None]).squeeze(1)
+        else:
+            # 3. Accept draft j with probability min(1, f(p_j(d_j), eps) / q_j(d_j)).
+            p = torch.softmax(target_logits / temperature, dim=-1)
+            q = torch.stack(q, 1)  # [b, gamma, V]
+            p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
+            q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+            r = torch.rand(drafts.shape, generator=generator, device=dev)
+            ok = r < (f(p_d, epsilon) / q_d).clamp(max=1.0)  # q_d > 0: d was sampled from q
+            n = ok.long().cumprod(1).sum(1)  # leading accepted drafts per row
 
-        # 4. Next token: bonus from p_{gamma+1} if all accepted, else from norm(max(0, p_{n+1} - q_{n+1})).
-        idx = n[:, None, None].expand(-1, 1, p.shape[-1])
-        p_next = p.gather(1, idx).squeeze(1)
-        q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx).squeeze(1)
-        residual = (p_next - q_next).clamp(min=0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-        new = sample(residual, generator)
+            # 4. Next token: bonus from p_{gamma+1} if all accepted, else from norm(max(0, p_{n+1} - q_{n+1})).
+            idx = n[:, None, None].expand(-1, 1, p.shape[-1])
+            p_next = p.gather(1, idx).squeeze(1)
+            q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx).squeeze(1)
+            residual = (p_next - q_next).clamp(min=0)
+            mass = residual.sum(-1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+            new = sample(residual, generator)
 
         # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts.
         blocks[rows] += 1

@@ -1,0 +1,150 @@
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
+
+from .conftest import perturbed, tiny_llama
+
+V = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    return tiny_llama(V, d=16, seed=3, sharpness=30.0), tiny_llama(V, d=16, seed=4, sharpness=30.0)
+
+
+def exact_joint(target, prompt):
+    """The target's exact distribution of the next two tokens at temperature 1, flattened [V*V]."""
+    with torch.no_grad():
+        p1 = torch.softmax(target(prompt).logits[0, -1].double(), -1)
+        ext = torch.cat([prompt.repeat(V, 1), torch.arange(V)[:, None]], 1)
+        p2 = torch.softmax(target(ext).logits[:, -1].double(), -1)
+    return (p1[:, None] * p2).flatten()
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_sd_samples_follow_target_distribution(small_vocab_pair, gamma):
+    """Chi-square over 12,000 two-token samples (64 cells), each row of one batch its own chain."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    n = 12_000
+    out = speculative_generate(target, draft, prompt.repeat(n, 1), gamma=gamma, max_new_tokens=2,
+                               temperature=1.0, generator=torch.Generator().manual_seed(gamma))
+    assert 0.0 < out.stats.alpha < 1.0  # the test exercises both acceptance and rejection
+    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
+    expected = exact_joint(target, prompt) * n
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+
+
+def test_chi_square_detects_a_wrong_distribution(small_vocab_pair):
+    """The exactness test has power: the draft's own samples fail it."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    out = autoregressive_generate(draft, prompt.repeat(12_000, 1), max_new_tokens=2, temperature=1.0,
+                                  generator=torch.Generator().manual_seed(0))
+    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
+    expected = exact_joint(target, prompt) * 12_000
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue < 1e-6
+
+
+@pytest.fixture(scope="module")
+def close_pair():
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
+    return target, perturbed(target, 0.01)
+
+
+def left_padded_prompts():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (5, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 5, 7])
+def test_greedy_equals_target_greedy(close_pair, gamma):
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    sd = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
+    for row in range(len(ids)):  # the target's own greedy decoding of the unpadded prompt
+        prompt = ids[row : row + 1, mask[row].bool()]
+        own = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
+    assert 0.0 < sd.stats.alpha < 1.0  # partial acceptance: rejected positions became cache holes
+    assert 1.0 <= sd.stats.tau <= gamma + 1
+
+
+def test_plain_decoding_equals_hf_generate(close_pair):
+    target, _ = close_pair
+    ids, mask = left_padded_prompts()
+    ours = autoregressive_generate(target, ids, max_new_tokens=16, temperature=0, attention_mask=mask)
+    hf = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.sequences, hf)
+
+
+def test_identical_draft_is_always_accepted(close_pair):
+    target, _ = close_pair
+    ids, mask = left_padded_prompts()
+    out = speculative_generate(target, target, ids, gamma=4, max_new_tokens=30, temperature=1.0, attention_mask=mask,
+                               generator=torch.Generator().manual_seed(0))
+    assert out.stats.alpha == pytest.approx(1.0)
+    assert out.stats.tau == pytest.approx(5.0)
+
+
+def test_eos_stops_each_row_and_pads_after(close_pair):
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    free = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=20, temperature=0, attention_mask=mask)
+    eos = int(free.sequences[1, 7 + 4])  # row 1 emits it as its 5th new token
+    out = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=20, temperature=0, attention_mask=mask,
+                               eos_token_id=eos, pad_token_id=63)
+    new = out.sequences[:, 7:]
+    for row, n in enumerate(out.num_new_tokens.tolist()):
+        assert n <= 20
+        assert (new[row, n:] == 63).all()
+        hits = (new[row, :n] == eos).nonzero()
+        if n < 20:
+            assert len(hits) == 1 and int(hits[0]) == n - 1  # stopped right after its first EOS
+    assert out.num_new_tokens[1] <= 5
+
+
+def test_lossy_raises_acceptance_and_epsilon_one_is_lossless(small_vocab_pair):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]]).repeat(2000, 1)
+
+    def run(**kw):
+        return speculative_generate(target, draft, prompt, gamma=3, max_new_tokens=4, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(0), **kw)
+
+    lossless = run()
+    assert torch.equal(run(lenience="lin", epsilon=1.0).sequences, lossless.sequences)
+    for lenience in ("lin", "sq", "exp"):
+        assert run(lenience=lenience, epsilon=0.2).stats.alpha > lossless.stats.alpha + 0.05
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gamma": 0}, "gamma"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"epsilon": 0.0, "lenience": "lin"}, "epsilon"),
+        ({"epsilon": 1.5}, "epsilon"),
+        ({"lenience": "cubic"}, "lenience"),
+    ],
+)
+def test_bad_arguments(close_pair, kwargs, match):
+    target, draft = close_pair
+    args = {"gamma": 3, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(DistillSpecError, match=match):
+        speculative_generate(target, draft, torch.tensor([[1, 2]]), **args)
+
+
+def test_vocab_mismatch_is_refused():
+    target = tiny_llama(64)
+    cfg = LlamaConfig(vocab_size=65, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(DistillSpecError, match="vocab 65 != target vocab 64"):
+        speculative_generate(target, LlamaForCausalLM(cfg), torch.tensor([[1, 2]]), gamma=2, max_new_tokens=2)
