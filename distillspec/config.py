@@ -7,9 +7,9 @@ object then travels unchanged to every component.
 from __future__ import annotations
 
 import dataclasses
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
-import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
@@ -93,12 +93,26 @@ class JobConfig:
 
         resolve_recipe(self.distill)
         for gamma in self.eval.gammas + [self.eval.speedup_gamma]:
-            check_decoding_args(gamma=gamma, max_new_tokens=self.eval.max_new_tokens, temperature=0.0, lenience=None, epsilon=1.0)
+            check_decoding_args(
+                gamma=gamma, max_new_tokens=self.eval.max_new_tokens, temperature=0.0, lenience=None, epsilon=1.0
+            )
         for t in self.eval.temperatures:
             check_decoding_args(max_new_tokens=1, temperature=t, lenience=None, epsilon=1.0)
-        check_decoding_args(max_new_tokens=self.distill.max_new_tokens, temperature=self.distill.temperature, lenience=None, epsilon=1.0)
-        _positive(self, ["distill.steps", "distill.batch_size", "eval.num_prompts", "eval.batch_size", "garden.batch_size",
-                         "garden.vocab_size", "garden.max_len"])
+        check_decoding_args(
+            max_new_tokens=self.distill.max_new_tokens, temperature=self.distill.temperature, lenience=None, epsilon=1.0
+        )
+        _positive(
+            self,
+            [
+                "distill.steps",
+                "distill.batch_size",
+                "eval.num_prompts",
+                "eval.batch_size",
+                "garden.batch_size",
+                "garden.vocab_size",
+                "garden.max_len",
+            ],
+        )
         if self.distill.lr <= 0 or self.garden.lr <= 0:
             raise DistillSpecError("learning rates (distill.lr, garden.lr) must be > 0")
         if (self.target is None) != (self.draft is None):
@@ -126,16 +140,18 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     unknown = set(data) - names
     if unknown:
         raise DistillSpecError(f"unknown config key {where}{sorted(unknown)[0]!r}: known keys are {sorted(names)}")
+    defaults = cls()
     kwargs = {}
     for key, value in data.items():
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise DistillSpecError(f"config key {where}{key} must be a mapping, got {value!r}")
-            value = _build(hint, value, f"{where}{key}.")
+            # Merge into this field's own default (e.g. garden.draft is not a default ModelSize).
+            merged = {**dataclasses.asdict(getattr(defaults, key)), **value}
+            kwargs[key] = _build(hint, merged, f"{where}{key}.")
         else:
-            value = _coerce(value, hint, f"{where}{key}")
-        kwargs[key] = value
+            kwargs[key] = _coerce(value, hint, f"{where}{key}")
     return cls(**kwargs)
 
 

@@ -53,7 +53,9 @@ def score(metric: str | None, predictions: list[str], references: list[str]) -> 
     if metric is None or not predictions:
         return {}
     if metric == "accuracy":
-        hits = [final_number(p) is not None and final_number(p) == final_number(r) for p, r in zip(predictions, references)]
+        hits = [
+            final_number(p) is not None and final_number(p) == final_number(r) for p, r in zip(predictions, references)
+        ]
         return {"accuracy": sum(hits) / len(hits)}
     if metric == "bleu":
         import sacrebleu  # noqa: PLC0415
@@ -116,13 +118,24 @@ def arith_example(rng: random.Random) -> Example:
         c = rng.randint(1, s1)
         loss = rng.choice(["gives", "sells", "loses"])
         tail = f"gives {c} to {other}" if loss == "gives" else f"{loss} {c} of them"
-        question = f"{name} has {a} {item}. {name} {gain} {b} more and then {tail}. How many {item} does {name} have now?"
+        question = (
+            f"{name} has {a} {item}. {name} {gain} {b} more and then {tail}. How many {item} does {name} have now?"
+        )
         res, op2 = s1 - c, f"{s1} - {c}"
     else:
         c = rng.randint(2, 5)
-        question = f"{name} has {a} {item} and {gain} {b} more. {other} has {c} times as many {item} as {name}. How many {item} does {other} have?"
+        question = (
+            f"{name} has {a} {item} and {gain} {b} more. {other} has {c} times as many {item} as {name}. "
+            f"How many {item} does {other} have?"
+        )
         res, op2 = s1 * c, f"{s1} * {c}"
-    first = rng.choice([f"{name} has {a} + {b} = {s1} {item}.", f"First, {a} + {b} = {s1}.", f"{name} now has {a} + {b} = {s1} {item}."])
+    first = rng.choice(
+        [
+            f"{name} has {a} + {b} = {s1} {item}.",
+            f"First, {a} + {b} = {s1}.",
+            f"{name} now has {a} + {b} = {s1} {item}.",
+        ]
+    )
     second = rng.choice([f"Then {op2} = {res}.", f"So the answer is {op2} = {res}.", f"Next, {op2} = {res} {item}."])
     return qa_example(question, f"{first} {second}\n#### {res}")
 
@@ -172,7 +185,9 @@ def load_local(path: Path) -> Task:
         return _split_lm(path.stem, text)
     if (path / "train.jsonl").exists():
         train = _jsonl_examples(_read_jsonl(path / "train.jsonl"), path / "train.jsonl")
-        test_file = next((path / f for f in ("test.jsonl", "validation.jsonl", "val.jsonl") if (path / f).exists()), None)
+        test_file = next(
+            (path / f for f in ("test.jsonl", "validation.jsonl", "val.jsonl") if (path / f).exists()), None
+        )
         test = _jsonl_examples(_read_jsonl(test_file), test_file) if test_file else []
         metric = "accuracy" if train and "####" in train[0].reference else "rouge"
         return Task(path.name, train, test, metric)
@@ -241,8 +256,7 @@ def load_task(spec: str, *, seed: int = 0) -> Task:
         raise DistillSpecError(f"dataset={spec!r}: use 'arith', one of {list(HUB_TASKS)}, or a local path")
     if not task.train:
         raise DistillSpecError(f"dataset {spec!r} has no training examples: it is empty or in an unknown layout")
-    if not task.test:
+    if not task.test:  # hold out 5% for measuring (a one-example set is measured on itself)
         n = max(1, len(task.train) // 20)
-        task.train, task.test = task.train[:-n], task.train[-n:]
+        task.train, task.test = (task.train[:-n], task.train[-n:]) if len(task.train) > 1 else (task.train, task.train)
     return task
-

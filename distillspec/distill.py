@@ -98,15 +98,24 @@ def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example],
 
     conts = [tokenizer(e.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in examples]
     conts = [c[: max_len - 1] for c in conts]
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_len - max(len(c) for c in conts))
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, [e.prompt for e in examples], max_len=max_len - max(len(c) for c in conts)
+    )
     width = max(len(c) for c in conts)
     continuation = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in conts])
     return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
 
 
 def generate_batch(
-    source: str, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-    examples: list[Example], *, max_new_tokens: int, temperature: float, gamma: int = 5,
+    source: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[Example],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    gamma: int = 5,
     generator: torch.Generator | None = None,
 ) -> Batch:
     """Continuations of the prompts sampled from the draft (on-policy) or the target (via SD)."""
@@ -114,8 +123,14 @@ def generate_batch(
 
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples])
     prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=tokenizer.eos_token_id,
-                  attention_mask=prompt_mask, generator=generator, pad_token_id=tokenizer.pad_token_id)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        attention_mask=prompt_mask,
+        generator=generator,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if source == "draft":
         out = autoregressive_generate(draft, prompt_ids, **kwargs)
     else:
@@ -139,16 +154,28 @@ def lm_loss(model: PreTrainedModel, batch: Batch, mask: Tensor | None = None) ->
     return (nll * m).sum() / m.sum().clamp(min=1)
 
 
-def kd_loss(draft: PreTrainedModel, target: PreTrainedModel, batch: Batch, recipe: Recipe, *, temperature: float = 1.0, beta: float = 0.5) -> Tensor:
+def kd_loss(
+    draft: PreTrainedModel,
+    target: PreTrainedModel,
+    batch: Batch,
+    recipe: Recipe,
+    *,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> Tensor:
     """The sequence-level divergence D(p || q_theta) of Eq. 2 over the continuation."""
     with torch.no_grad():
         target_logits = forward_logits(target, batch)
     draft_logits = forward_logits(draft, batch)
     t = temperature if temperature > 0 else 1.0
-    return divergence(recipe.divergence, draft_logits, target_logits, batch.loss_mask, temperature=t, beta=beta, reduction="seq")
+    return divergence(
+        recipe.divergence, draft_logits, target_logits, batch.loss_mask, temperature=t, beta=beta, reduction="seq"
+    )
 
 
-def make_optimizer(model: PreTrainedModel, lr: float, steps: int, warmup_steps: int) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def make_optimizer(
+    model: PreTrainedModel, lr: float, steps: int, warmup_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW with linear warm-up and cosine decay."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
@@ -157,8 +184,17 @@ def make_optimizer(model: PreTrainedModel, lr: float, steps: int, warmup_steps: 
 class Distiller:
     """Algorithm A.2 over a prompt set. ``step()`` does one update and returns its record."""
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 train: list[Example], cfg, *, seed: int = 0, max_len: int = 256) -> None:
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        train: list[Example],
+        cfg,
+        *,
+        seed: int = 0,
+        max_len: int = 256,
+    ) -> None:
         if not train:
             raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
         self.target, self.draft, self.tokenizer, self.train, self.cfg = target.eval(), draft, tokenizer, train, cfg
@@ -177,15 +213,24 @@ class Distiller:
         if source == "fixed":
             return source, encode_examples(self.tokenizer, examples, self.max_len)
         self.draft.eval()
-        batch = generate_batch(source, self.target, self.draft, self.tokenizer, examples,
-                               max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                               generator=self.generator)
+        batch = generate_batch(
+            source,
+            self.target,
+            self.draft,
+            self.tokenizer,
+            examples,
+            max_new_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature,
+            generator=self.generator,
+        )
         return source, batch
 
     def step(self) -> dict:
         source, batch = self.next_batch()
         self.draft.train()
-        loss = kd_loss(self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta)
+        loss = kd_loss(
+            self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
         self.optimizer.step()
@@ -193,8 +238,13 @@ class Distiller:
         self.optimizer.zero_grad(set_to_none=True)
         self.draft.eval()
         self.step_count += 1
-        return {"step": self.step_count, "source": source, "loss": float(loss), "tokens": batch.tokens,
-                "lr": self.scheduler.get_last_lr()[0]}
+        return {
+            "step": self.step_count,
+            "source": source,
+            "loss": float(loss),
+            "tokens": batch.tokens,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
 
     def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:
         records = []

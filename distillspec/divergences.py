@@ -46,7 +46,11 @@ def reduce(values: Tensor, mask: Tensor | None, reduction: str = "seq") -> Tenso
 
 
 def forward_kl(
-    draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, *, temperature: float = 1.0,
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
     reduction: str = "seq",
 ) -> Tensor:
     """FKL = KL(p || q): mode-covering; the divergence of SupKD, SeqKD and ImitKD."""
@@ -55,7 +59,11 @@ def forward_kl(
 
 
 def reverse_kl(
-    draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, *, temperature: float = 1.0,
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
     reduction: str = "seq",
 ) -> Tensor:
     """RKL = KL(q || p): mode-seeking."""
@@ -64,8 +72,13 @@ def reverse_kl(
 
 
 def jsd(
-    draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, *, beta: float = 0.5,
-    temperature: float = 1.0, reduction: str = "seq",
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "seq",
 ) -> Tensor:
     """Generalised JSD[beta] (Eq. A.3): beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q.
 
@@ -80,7 +93,11 @@ def jsd(
 
 
 def tvd(
-    draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, *, temperature: float = 1.0,
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
     reduction: str = "seq",
 ) -> Tensor:
     """Total variation distance 0.5 * sum |p - q|, in [0, 1]; 1 - E[TVD] is the acceptance rate alpha."""
@@ -97,8 +114,14 @@ def check_divergence(name: str) -> None:
 
 
 def divergence(
-    name: str, draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, *,
-    temperature: float = 1.0, beta: float = 0.5, reduction: str = "seq",
+    name: str,
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    reduction: str = "seq",
 ) -> Tensor:
     """Dispatch by name: ``"fkl"``, ``"rkl"``, ``"jsd"`` (uses ``beta``) or ``"tvd"``."""
     check_divergence(name)

@@ -16,9 +16,20 @@ from distillspec.speculative import autoregressive_generate, speculative_generat
 
 @torch.inference_mode()
 def evaluate_sd(
-    target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], *,
-    gamma: int, temperature: float, max_new_tokens: int, batch_size: int = 32, seed: int = 0,
-    references: list[str] | None = None, metric: str | None = None, lenience: str | None = None, epsilon: float = 1.0,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    gamma: int,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    seed: int = 0,
+    references: list[str] | None = None,
+    metric: str | None = None,
+    lenience: str | None = None,
+    epsilon: float = 1.0,
 ) -> dict:
     """Speculative decoding over ``prompts``: empirical alpha/tau, alpha from TVD (Eq. 3), task score."""
     generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -29,9 +40,18 @@ def evaluate_sd(
     for i in range(0, len(prompts), batch_size):
         ids, mask = (t.to(target.device) for t in encode_prompts(tokenizer, prompts[i : i + batch_size]))
         out = speculative_generate(
-            target, draft, ids, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
-            lenience=lenience, epsilon=epsilon, eos_token_id=tokenizer.eos_token_id, attention_mask=mask,
-            generator=generator, pad_token_id=tokenizer.pad_token_id,
+            target,
+            draft,
+            ids,
+            gamma=gamma,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            lenience=lenience,
+            epsilon=epsilon,
+            eos_token_id=tokenizer.eos_token_id,
+            attention_mask=mask,
+            generator=generator,
+            pad_token_id=tokenizer.pad_token_id,
         )
         s = out.stats
         accepted += int(s.accepted.sum())
@@ -43,18 +63,29 @@ def evaluate_sd(
         batch = make_batch(ids, mask, out.sequences[:, ids.shape[1] :], out.num_new_tokens)
         n = batch.loss_mask.sum().item()
         if n:
-            a = alpha_from_tvd(forward_logits(draft, batch), forward_logits(target, batch), batch.loss_mask, temperature)
+            a = alpha_from_tvd(
+                forward_logits(draft, batch), forward_logits(target, batch), batch.loss_mask, temperature
+            )
             tvd_sum += (1.0 - a) * n
             tvd_count += n
     seconds = time.perf_counter() - start
     alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
     alpha_tvd = 1.0 - tvd_sum / tvd_count if tvd_count else float("nan")
     record = {
-        "gamma": gamma, "temperature": temperature, "lenience": lenience, "epsilon": epsilon,
-        "alpha": alpha, "tau": (accepted + blocks) / blocks if blocks else float("nan"),
-        "alpha_tvd": alpha_tvd, "tau_theory": expected_tau(alpha_tvd, gamma),
-        "drafted": blocks * gamma, "accepted": accepted, "target_calls": blocks, "new_tokens": new_tokens,
-        "prompts": len(prompts), "seconds": seconds,
+        "gamma": gamma,
+        "temperature": temperature,
+        "lenience": lenience,
+        "epsilon": epsilon,
+        "alpha": alpha,
+        "tau": (accepted + blocks) / blocks if blocks else float("nan"),
+        "alpha_tvd": alpha_tvd,
+        "tau_theory": expected_tau(alpha_tvd, gamma),
+        "drafted": blocks * gamma,
+        "accepted": accepted,
+        "target_calls": blocks,
+        "new_tokens": new_tokens,
+        "prompts": len(prompts),
+        "seconds": seconds,
     }
     if references is not None and metric is not None:
         record.update(score(metric, predictions, references[: len(predictions)]))
@@ -63,8 +94,15 @@ def evaluate_sd(
 
 @torch.inference_mode()
 def measure_speedup(
-    target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[str], *,
-    gamma: int, temperature: float, max_new_tokens: int, seed: int = 0,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    gamma: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
 ) -> dict:
     """Wall-clock tokens/s of SD vs target-only decoding, one prompt at a time, with the same cache code.
 
@@ -81,12 +119,28 @@ def measure_speedup(
         ids, _ = encode_prompts(tokenizer, [prompt])
         ids = ids.to(target.device)
         start = time.perf_counter()
-        ar = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     eos_token_id=eos, generator=g_ar, pad_token_id=pad)
+        ar = autoregressive_generate(
+            target,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_id=eos,
+            generator=g_ar,
+            pad_token_id=pad,
+        )
         t_ar += time.perf_counter() - start
         start = time.perf_counter()
-        sd = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  eos_token_id=eos, generator=g_sd, pad_token_id=pad)
+        sd = speculative_generate(
+            target,
+            draft,
+            ids,
+            gamma=gamma,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_id=eos,
+            generator=g_sd,
+            pad_token_id=pad,
+        )
         t_sd += time.perf_counter() - start
         n_ar += int(ar.num_new_tokens.sum())
         n_sd += int(sd.num_new_tokens.sum())
@@ -96,7 +150,13 @@ def measure_speedup(
     measured = (n_sd / t_sd) / (n_ar / t_ar)
     predicted = predicted_speedup(tau, cost.c, gamma)
     return {
-        "c": cost.c, "target_ms": cost.target_ms, "draft_ms": cost.draft_ms,
-        "target_tokens_per_s": n_ar / t_ar, "sd_tokens_per_s": n_sd / t_sd, "speedup_tau": tau,
-        "measured_speedup": measured, "predicted_speedup": predicted, "measured_over_predicted": measured / predicted,
+        "c": cost.c,
+        "target_ms": cost.target_ms,
+        "draft_ms": cost.draft_ms,
+        "target_tokens_per_s": n_ar / t_ar,
+        "sd_tokens_per_s": n_sd / t_sd,
+        "speedup_tau": tau,
+        "measured_speedup": measured,
+        "predicted_speedup": predicted,
+        "measured_over_predicted": measured / predicted,
     }

@@ -33,8 +33,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
@@ -42,17 +44,34 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 def make_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, *, max_positions: int = 1024) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=size.d_model, num_hidden_layers=size.n_layers,
-        num_attention_heads=size.n_heads, num_key_value_heads=size.n_heads, intermediate_size=size.d_ff,
-        max_position_embeddings=max_positions, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=size.d_model,
+        num_hidden_layers=size.n_layers,
+        num_attention_heads=size.n_heads,
+        num_key_value_heads=size.n_heads,
+        intermediate_size=size.d_ff,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
 
 
-def train_lm(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, examples: list[Example], *,
-             steps: int, batch_size: int, lr: float, max_len: int, seed: int, bf16: bool = True,
-             desc: str = "train") -> list[float]:
+def train_lm(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    examples: list[Example],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    max_len: int,
+    seed: int,
+    bf16: bool = True,
+    desc: str = "train",
+) -> list[float]:
     """Next-token training on whole examples (prompt and reference). Returns the loss per step.
 
     ``bf16`` runs the forward pass under bfloat16 autocast (weights stay float32): ~2x faster on CPUs
@@ -102,8 +121,18 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         model = make_model(size, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"garden: training the {role} ({n_params / 1e6:.2f}M parameters, {steps} steps)")
-        losses = train_lm(model, tokenizer, train, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                          max_len=cfg.max_len, seed=seed, bf16=cfg.bf16, desc=f"garden {role}")
+        losses = train_lm(
+            model,
+            tokenizer,
+            train,
+            steps=steps,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            max_len=cfg.max_len,
+            seed=seed,
+            bf16=cfg.bf16,
+            desc=f"garden {role}",
+        )
         model.eval().save_pretrained(root / role)
         tokenizer.save_pretrained(root / role)
         meta["models"][role] = {"parameters": n_params, "final_loss": sum(losses[-20:]) / len(losses[-20:])}

@@ -14,7 +14,9 @@ from distillspec.divergences import tvd
 from distillspec.speculative import CachedLM, probs_from_logits
 
 
-def alpha_from_tvd(draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0) -> float:
+def alpha_from_tvd(
+    draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0
+) -> float:
     """alpha = 1 - E[TVD(p, q)] over the positions of target samples (Eq. 3).
 
     At ``temperature == 0`` both distributions are one-hot argmaxes, so alpha is the argmax agreement.

@@ -15,15 +15,22 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
 
 
-def load_model(name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model(
+    name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory."""
     if _looks_local(name) and not Path(name).expanduser().exists():
-        raise DistillSpecError(f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id")
+        raise DistillSpecError(
+            f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
-        raise DistillSpecError(f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): give a local directory or a reachable hub id") from None
+        raise DistillSpecError(
+            f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "
+            "give a local directory or a reachable hub id"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -32,12 +39,19 @@ def load_model(name: str, *, device: str = "cpu", dtype: torch.dtype = torch.flo
 def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
     """The draft and the target must map text to the same ids."""
     if len(target_tok) != len(draft_tok):
-        raise DistillSpecError(f"draft tokenizer has {len(draft_tok)} tokens but the target's has {len(target_tok)}: the draft and target must share one tokenizer")
+        raise DistillSpecError(
+            f"draft tokenizer has {len(draft_tok)} tokens but the target's has {len(target_tok)}: "
+            "the draft and target must share one tokenizer"
+        )
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise DistillSpecError("draft and target tokenizers map tokens to different ids: the draft and target must share one tokenizer")
+        raise DistillSpecError(
+            "draft and target tokenizers map tokens to different ids: the draft and target must share one tokenizer"
+        )
 
 
-def load_pair(target: str, draft: str, *, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pair(
+    target: str, draft: str, *, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     from distillspec.speculative import check_pair  # noqa: PLC0415
 
     target_model, target_tok = load_model(target, device=device)
@@ -47,7 +61,9 @@ def load_pair(target: str, draft: str, *, device: str = "cpu") -> tuple[PreTrain
     return target_model, draft_model, target_tok
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_len: int | None = None) -> tuple[Tensor, Tensor]:
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_len: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Left-padded prompt ids and attention mask (the layout the decoders take)."""
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     if tokenizer.bos_token_id is not None:
@@ -62,4 +78,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_l
 
 
 def decode_new(tokenizer: PreTrainedTokenizerBase, sequences: Tensor, prompt_len: int, num_new: Tensor) -> list[str]:
-    return [tokenizer.decode(seq[prompt_len : prompt_len + int(n)], skip_special_tokens=True) for seq, n in zip(sequences, num_new)]
+    return [
+        tokenizer.decode(seq[prompt_len : prompt_len + int(n)], skip_special_tokens=True)
+        for seq, n in zip(sequences, num_new)
+    ]

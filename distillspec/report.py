@@ -7,26 +7,36 @@ from pathlib import Path
 
 def _pairs(records: list[dict]) -> list[tuple[dict, dict]]:
     before = {(r["gamma"], r["temperature"]): r for r in records if r["phase"] == "before"}
-    return [(before[(r["gamma"], r["temperature"])], r) for r in records
-            if r["phase"] == "after" and (r["gamma"], r["temperature"]) in before]
+    return [
+        (before[(r["gamma"], r["temperature"])], r)
+        for r in records
+        if r["phase"] == "after" and (r["gamma"], r["temperature"]) in before
+    ]
 
 
 def format_table(records: list[dict]) -> str:
     """gamma x temperature: alpha and tau before / after, the change in tau, and speedups where measured."""
-    lines = [f"{'gamma':>5} {'temp':>5} | {'alpha before':>12} {'alpha after':>11} | {'tau before':>10} {'tau after':>9} {'change':>8}"
-             f" | {'speedup before':>14} {'speedup after':>13}"]
+    lines = [
+        f"{'gamma':>5} {'temp':>5} | {'alpha before':>12} {'alpha after':>11} | "
+        f"{'tau before':>10} {'tau after':>9} {'change':>8}"
+        f" | {'speedup before':>14} {'speedup after':>13}"
+    ]
     lines.append("-" * len(lines[0]))
     for b, a in _pairs(records):
         change = 100.0 * (a["tau"] / b["tau"] - 1.0)
         sb = f"{b['measured_speedup']:.2f}x" if "measured_speedup" in b else "-"
         sa = f"{a['measured_speedup']:.2f}x" if "measured_speedup" in a else "-"
-        lines.append(f"{b['gamma']:>5} {b['temperature']:>5g} | {b['alpha']:>12.3f} {a['alpha']:>11.3f} | "
-                     f"{b['tau']:>10.3f} {a['tau']:>9.3f} {change:>+7.1f}% | {sb:>14} {sa:>13}")
+        lines.append(
+            f"{b['gamma']:>5} {b['temperature']:>5g} | {b['alpha']:>12.3f} {a['alpha']:>11.3f} | "
+            f"{b['tau']:>10.3f} {a['tau']:>9.3f} {change:>+7.1f}% | {sb:>14} {sa:>13}"
+        )
     for r in records:
         if "measured_speedup" in r:
-            lines.append(f"{r['phase']:>6} gamma={r['gamma']} T={r['temperature']:g}: c={r['c']:.3f}, "
-                         f"speedup measured {r['measured_speedup']:.2f}x / predicted {r['predicted_speedup']:.2f}x "
-                         f"= {r['measured_over_predicted']:.2f}")
+            lines.append(
+                f"{r['phase']:>6} gamma={r['gamma']} T={r['temperature']:g}: c={r['c']:.3f}, "
+                f"speedup measured {r['measured_speedup']:.2f}x / predicted {r['predicted_speedup']:.2f}x "
+                f"= {r['measured_over_predicted']:.2f}"
+            )
     return "\n".join(lines)
 
 

@@ -44,9 +44,7 @@ def check_pair(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """The target and the draft must share one vocabulary."""
     vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
     if vt != vd:
-        raise DistillSpecError(
-            f"draft vocab {vd} != target vocab {vt}: the draft and target must share one tokenizer"
-        )
+        raise DistillSpecError(f"draft vocab {vd} != target vocab {vt}: the draft and target must share one tokenizer")
 
 
 class CachedLM:
@@ -244,7 +242,9 @@ def autoregressive_generate(
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     lm = CachedLM(model)
-    emitter = _Emitter(len(input_ids), max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), input_ids.device)
+    emitter = _Emitter(
+        len(input_ids), max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), input_ids.device
+    )
     rows = torch.arange(len(input_ids), device=input_ids.device)
     logits = lm.prefill(input_ids, mask)
     while True:

@@ -57,12 +57,32 @@ def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[
     records = []
     grid = [(g, t) for g in cfg.eval.gammas for t in cfg.eval.temperatures]
     for gamma, temperature in tqdm(grid, desc=f"measure {phase}"):
-        rec = evaluate_sd(target, draft, tokenizer, prompts, gamma=gamma, temperature=temperature,
-                          max_new_tokens=cfg.eval.max_new_tokens, batch_size=cfg.eval.batch_size, seed=cfg.seed,
-                          references=refs, metric=task.metric)
+        rec = evaluate_sd(
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            gamma=gamma,
+            temperature=temperature,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            batch_size=cfg.eval.batch_size,
+            seed=cfg.seed,
+            references=refs,
+            metric=task.metric,
+        )
         if gamma == cfg.eval.speedup_gamma and cfg.eval.speedup_prompts:
-            rec.update(measure_speedup(target, draft, tokenizer, prompts[: cfg.eval.speedup_prompts], gamma=gamma,
-                                       temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed))
+            rec.update(
+                measure_speedup(
+                    target,
+                    draft,
+                    tokenizer,
+                    prompts[: cfg.eval.speedup_prompts],
+                    gamma=gamma,
+                    temperature=temperature,
+                    max_new_tokens=cfg.eval.max_new_tokens,
+                    seed=cfg.seed,
+                )
+            )
         records.append({"phase": phase, **rec})
     return records
 
@@ -99,10 +119,16 @@ def main(cfg: JobConfig) -> list[dict]:
 
     records += measure("after", cfg, target, draft, tokenizer, task)
     (out / "results.json").write_text(json.dumps(records, indent=2))
-    plot_tau(records, out / "tau.png", title=f"{task.name}: block efficiency before / after DistillSpec ({cfg.distill.recipe})")
+    plot_tau(
+        records,
+        out / "tau.png",
+        title=f"{task.name}: block efficiency before / after DistillSpec ({cfg.distill.recipe})",
+    )
     print(format_table(records))
-    print(f"\nwrote {out / 'results.json'}, {out / 'tau.png'} and the distilled draft {out / 'draft'} "
-          f"({time.perf_counter() - start:.0f}s)")
+    print(
+        f"\nwrote {out / 'results.json'}, {out / 'tau.png'} and the distilled draft {out / 'draft'} "
+        f"({time.perf_counter() - start:.0f}s)"
+    )
     return records
 
 

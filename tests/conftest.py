@@ -20,9 +20,16 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 def tiny_llama(vocab: int, d: int = 32, layers: int = 1, seed: int = 0, sharpness: float = 1.0) -> LlamaForCausalLM:
     """A random-init Llama; ``sharpness`` scales the output layer (peakier distributions, no near-ties)."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, intermediate_size=2 * d,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        num_hidden_layers=layers,
+        intermediate_size=2 * d,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpness)

@@ -30,8 +30,15 @@ def test_sd_samples_follow_target_distribution(small_vocab_pair, gamma):
     target, draft = small_vocab_pair
     prompt = torch.tensor([[1, 2, 3]])
     n = 12_000
-    out = speculative_generate(target, draft, prompt.repeat(n, 1), gamma=gamma, max_new_tokens=2,
-                               temperature=1.0, generator=torch.Generator().manual_seed(gamma))
+    out = speculative_generate(
+        target,
+        draft,
+        prompt.repeat(n, 1),
+        gamma=gamma,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(gamma),
+    )
     assert 0.0 < out.stats.alpha < 1.0  # the test exercises both acceptance and rejection
     observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
     expected = exact_joint(target, prompt) * n
@@ -42,8 +49,9 @@ def test_chi_square_detects_a_wrong_distribution(small_vocab_pair):
     """The exactness test has power: the draft's own samples fail it."""
     target, draft = small_vocab_pair
     prompt = torch.tensor([[1, 2, 3]])
-    out = autoregressive_generate(draft, prompt.repeat(12_000, 1), max_new_tokens=2, temperature=1.0,
-                                  generator=torch.Generator().manual_seed(0))
+    out = autoregressive_generate(
+        draft, prompt.repeat(12_000, 1), max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
     observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
     expected = exact_joint(target, prompt) * 12_000
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue < 1e-6
@@ -88,8 +96,16 @@ def test_plain_decoding_equals_hf_generate(close_pair):
 def test_identical_draft_is_always_accepted(close_pair):
     target, _ = close_pair
     ids, mask = left_padded_prompts()
-    out = speculative_generate(target, target, ids, gamma=4, max_new_tokens=30, temperature=1.0, attention_mask=mask,
-                               generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(
+        target,
+        target,
+        ids,
+        gamma=4,
+        max_new_tokens=30,
+        temperature=1.0,
+        attention_mask=mask,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.stats.alpha == pytest.approx(1.0)
     assert out.stats.tau == pytest.approx(5.0)
 
@@ -99,8 +115,17 @@ def test_eos_stops_each_row_and_pads_after(close_pair):
     ids, mask = left_padded_prompts()
     free = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=20, temperature=0, attention_mask=mask)
     eos = int(free.sequences[1, 7 + 4])  # row 1 emits it as its 5th new token
-    out = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=20, temperature=0, attention_mask=mask,
-                               eos_token_id=eos, pad_token_id=63)
+    out = speculative_generate(
+        target,
+        draft,
+        ids,
+        gamma=3,
+        max_new_tokens=20,
+        temperature=0,
+        attention_mask=mask,
+        eos_token_id=eos,
+        pad_token_id=63,
+    )
     new = out.sequences[:, 7:]
     for row, n in enumerate(out.num_new_tokens.tolist()):
         assert n <= 20
@@ -116,8 +141,16 @@ def test_lossy_raises_acceptance_and_epsilon_one_is_lossless(small_vocab_pair):
     prompt = torch.tensor([[1, 2, 3]]).repeat(2000, 1)
 
     def run(**kw):
-        return speculative_generate(target, draft, prompt, gamma=3, max_new_tokens=4, temperature=1.0,
-                                    generator=torch.Generator().manual_seed(0), **kw)
+        return speculative_generate(
+            target,
+            draft,
+            prompt,
+            gamma=3,
+            max_new_tokens=4,
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+            **kw,
+        )
 
     lossless = run()
     assert torch.equal(run(lenience="lin", epsilon=1.0).sequences, lossless.sequences)
@@ -144,7 +177,13 @@ def test_bad_arguments(close_pair, kwargs, match):
 
 def test_vocab_mismatch_is_refused():
     target = tiny_llama(64)
-    cfg = LlamaConfig(vocab_size=65, hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=65,
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     with pytest.raises(DistillSpecError, match="vocab 65 != target vocab 64"):
         speculative_generate(target, LlamaForCausalLM(cfg), torch.tensor([[1, 2]]), gamma=2, max_new_tokens=2)

@@ -1,0 +1,100 @@
+import gzip
+import json
+
+import pytest
+
+from distillspec import DistillSpecError
+from distillspec.config import JobConfig, load_config
+from distillspec.data import arith_task, final_number, load_task, score
+
+from .conftest import SHARED_DATA
+
+
+def test_arith_is_reproducible_and_answers_are_right():
+    a, b = arith_task(n_train=50, n_test=5, seed=3), arith_task(n_train=50, n_test=5, seed=3)
+    assert a.train == b.train and a.train != arith_task(n_train=50, n_test=5, seed=4).train
+    for ex in a.train:
+        equations = [line for line in ex.reference.split(".") if "=" in line]
+        for eq in equations:  # every worked step is correct arithmetic
+            lhs, rhs = eq.split("=")
+            assert eval(lhs.split()[-3] + lhs.split()[-2] + lhs.split()[-1]) == int(rhs.split()[0])
+
+
+def test_scores():
+    assert final_number("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert final_number("it is 42.") == "42"
+    assert score("accuracy", ["#### 5", "#### 6"], ["x #### 5", "#### 7"]) == {"accuracy": 0.5}
+    assert score("bleu", ["ein Hund läuft über die Wiese"], ["ein Hund läuft über die Wiese"])["bleu"] == pytest.approx(
+        100.0
+    )
+    rouge = score("rouge", ["the cat sat on the mat"], ["the cat sat on a mat"])
+    assert 0 < rouge["rouge2"] < 1 and 0 < rouge["rougeL"] < 1
+
+
+def test_local_layouts(tmp_path):
+    (tmp_path / "qa").mkdir()
+    (tmp_path / "qa" / "train.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2\n#### 2"}) + "\n")
+    task = load_task(str(tmp_path / "qa"))
+    assert task.metric == "accuracy" and task.train[0].prompt.endswith("Answer:") and task.test
+    (tmp_path / "mt").mkdir()
+    for lang, lines in (("en", "a dog\na cat\n"), ("de", "ein Hund\neine Katze\n")):
+        with gzip.open(tmp_path / "mt" / f"train.{lang}.gz", "wt") as f:
+            f.write(lines)
+    task = load_task(str(tmp_path / "mt"))
+    assert task.metric == "bleu" and task.train[0].reference.strip() in ("ein Hund", "eine Katze")
+    (tmp_path / "lm.txt").write_text(("To be or not to be, that is the question. " * 30 + "\n") * 10)
+    assert load_task(str(tmp_path / "lm.txt")).metric is None
+
+
+@pytest.mark.skipif(not SHARED_DATA.exists(), reason="../shared/data is not beside this checkout")
+def test_shared_data_layouts():
+    gsm = load_task(str(SHARED_DATA / "gsm8k"))
+    assert (len(gsm.train), len(gsm.test), gsm.metric) == (7473, 1319, "accuracy")
+    mt = load_task(str(SHARED_DATA / "multi30k"))
+    assert (len(mt.train), len(mt.test), mt.metric) == (29000, 1000, "bleu")
+    assert load_task(str(SHARED_DATA / "tinyshakespeare")).train
+
+
+def test_bad_datasets(tmp_path):
+    with pytest.raises(DistillSpecError, match="does not exist"):
+        load_task("./no/such/dir")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DistillSpecError, match="no training examples"):
+        load_task(str(tmp_path / "empty.txt"))
+    with pytest.raises(DistillSpecError, match="dataset='squad'"):
+        load_task("squad")
+
+
+def test_config_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("distill:\n  recipe: supkd\n  lr: 1e-3\neval:\n  gammas: [3]\n")
+    cfg = load_config(path, ["distill.steps=7", "eval.temperatures=[0]", "seed=3"])
+    assert isinstance(cfg, JobConfig)
+    assert (cfg.distill.recipe, cfg.distill.lr, cfg.distill.steps, cfg.eval.gammas, cfg.seed) == (
+        "supkd",
+        1e-3,
+        7,
+        [3],
+        3,
+    )
+    assert cfg.eval.temperatures == [0.0]
+    partial = load_config(None, ["garden.draft.d_model=96"])
+    assert (partial.garden.draft.d_model, partial.garden.draft.n_layers) == (96, 1)  # merged into the draft default
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["eval.gammas=[0]"], "gamma=0"),
+        (["distill.recipe=bogus"], "recipe='bogus'"),
+        (["distill.divergence=kl"], "divergence='kl'"),
+        (["distill.max_new_tokens=0"], "max_new_tokens=0"),
+        (["distill.stepz=3"], "unknown config key distill.'stepz'"),
+        (["distill.steps=many"], "distill.steps='many': expected int"),
+        (["target=a"], "give both --target and --draft"),
+        (["nonsense"], "section.key=value"),
+    ],
+)
+def test_bad_config(overrides, match):
+    with pytest.raises(DistillSpecError, match=match):
+        load_config(None, overrides)

@@ -1,0 +1,84 @@
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from distillspec import DistillSpecError
+from distillspec.config import DistillConfig
+from distillspec.distill import (
+    RECIPES,
+    Distiller,
+    draw_source,
+    encode_examples,
+    kd_loss,
+    make_optimizer,
+    resolve_recipe,
+)
+
+
+@pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
+def test_kd_step_lowers_loss_on_fixed_batch(text_pair, tokenizer, task, name):
+    target, draft = text_pair
+    draft = AutoModelForCausalLM.from_config(draft.config)
+    draft.load_state_dict(text_pair[1].state_dict())
+    batch = encode_examples(tokenizer, task.train[:8], max_len=96)
+    recipe = resolve_recipe(DistillConfig(recipe="supkd", divergence=name))
+    optimizer, _ = make_optimizer(draft, 3e-3, steps=10, warmup_steps=0)
+    losses = []
+    for _ in range(6):
+        loss = kd_loss(draft, target, batch, recipe)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_batch_layout(tokenizer, task):
+    batch = encode_examples(tokenizer, task.train[:4], max_len=128)
+    for row, ex in enumerate(task.train[:4]):
+        cont = tokenizer(ex.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        predicted = batch.input_ids[row, 1:][batch.loss_mask[row, :-1].bool()]
+        assert predicted.tolist() == cont  # the loss covers exactly the reference and its EOS
+    assert (batch.attention_mask[:, -1] + (batch.loss_mask.sum(1) > 0)).all()
+
+
+def test_recipes_and_sources():
+    assert set(RECIPES) == {"supkd", "seqkd", "imitkd", "fdistill", "gkd"}
+    rng = random.Random(0)
+    mixed = resolve_recipe(DistillConfig(recipe="gkd", lambda1=0.5, lambda2=0.5, divergence="tvd"))
+    counts = {s: 0 for s in ("fixed", "draft", "target")}
+    for _ in range(4000):
+        counts[draw_source(rng, mixed)] += 1
+    assert abs(counts["fixed"] / 4000 - 0.5) < 0.03 and abs(counts["draft"] / 4000 - 0.25) < 0.03
+    assert draw_source(rng, RECIPES["supkd"]) == "fixed"
+    with pytest.raises(DistillSpecError, match="recipe='minillm'"):
+        resolve_recipe(DistillConfig(recipe="minillm"))
+    with pytest.raises(DistillSpecError, match="divergence='l2'"):
+        resolve_recipe(DistillConfig(divergence="l2"))
+    with pytest.raises(DistillSpecError, match="lambda1"):
+        resolve_recipe(DistillConfig(lambda1=1.5))
+
+
+@pytest.mark.parametrize(
+    ("lambda1", "lambda2", "source"), [(1.0, 0.0, "fixed"), (0.0, 1.0, "draft"), (0.0, 0.0, "target")]
+)
+def test_distiller_steps_from_each_source(text_pair, tokenizer, task, tmp_path, lambda1, lambda2, source):
+    target, draft = text_pair
+    draft = AutoModelForCausalLM.from_config(draft.config)
+    cfg = DistillConfig(recipe="gkd", lambda1=lambda1, lambda2=lambda2, steps=2, batch_size=4, max_new_tokens=8)
+    distiller = Distiller(target, draft, tokenizer, task.train, cfg)
+    before = [p.detach().clone() for p in draft.parameters()]
+    records = distiller.run()
+    assert [r["source"] for r in records] == [source, source]
+    assert all(r["tokens"] > 0 and torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert any(not torch.equal(a, b) for a, b in zip(before, draft.parameters()))
+    draft.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.lm_head.weight, draft.lm_head.weight)
+
+
+def test_empty_dataset_is_refused(text_pair, tokenizer):
+    with pytest.raises(DistillSpecError, match="empty"):
+        Distiller(*text_pair, tokenizer, [], DistillConfig())

@@ -1,0 +1,119 @@
+"""End-to-end smoke tests of jobs/distill.py, run as a user runs it (a subprocess)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from distillspec import DistillSpecError
+from distillspec.models import load_model, load_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "garden.vocab_size=300",
+    "garden.train_examples=300",
+    "garden.target_steps=15",
+    "garden.draft_steps=15",
+    "garden.target.d_model=64",
+    "garden.target.n_layers=2",
+    "garden.target.d_ff=128",
+    "garden.target.n_heads=2",
+    "garden.draft.d_model=32",
+    "garden.draft.d_ff=64",
+    "garden.draft.n_heads=2",
+    "garden.batch_size=8",
+    "distill.steps=3",
+    "distill.batch_size=4",
+    "distill.max_new_tokens=8",
+    "eval.gammas=[2,3]",
+    "eval.num_prompts=6",
+    "eval.batch_size=3",
+    "eval.max_new_tokens=8",
+    "eval.speedup_prompts=2",
+    "eval.speedup_gamma=3",
+]
+
+
+def run_job(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "jobs" / "distill.py"), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"TQDM_DISABLE": "1", "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def job_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("job")
+    proc = run_job("--output-dir", str(out / "run"), f"garden.cache_dir={out / 'garden'}", *TINY)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_job_writes_results_plot_and_draft(job_run):
+    out, proc = job_run
+    records = json.loads((out / "run" / "results.json").read_text())
+    assert {(r["phase"], r["gamma"], r["temperature"]) for r in records} == {
+        (p, g, t) for p in ("before", "after") for g in (2, 3) for t in (0.0, 1.0)
+    }
+    for r in records:
+        assert 0.0 <= r["alpha"] <= 1.0 and 1.0 <= r["tau"] <= r["gamma"] + 1 and "accuracy" in r
+        if r["gamma"] == 3:
+            assert r["measured_speedup"] > 0 and r["c"] > 0 and r["predicted_speedup"] > 0
+    assert (out / "run" / "tau.png").stat().st_size > 1000
+    assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 1
+    assert "tau before" in proc.stdout
+    garden = next((out / "garden").iterdir())
+    assert json.loads((garden / "garden.json").read_text())["models"]["target"]["parameters"] > 0
+
+
+def test_garden_is_reused_and_models_load(job_run):
+    out, _ = job_run
+    garden = next((out / "garden").iterdir())
+    target, draft, tokenizer = load_pair(str(garden / "target"), str(garden / "draft"))
+    assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer)
+    proc = run_job(
+        "--output-dir",
+        str(out / "again"),
+        f"garden.cache_dir={out / 'garden'}",
+        *TINY,
+        "eval.gammas=[2]",
+        "eval.temperatures=[0]",
+        "eval.speedup_prompts=0",
+    )
+    assert proc.returncode == 0 and "garden: reusing" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
+    out, _ = job_run
+    garden = next((out / "garden").iterdir())
+    from distillspec.garden import train_tokenizer
+
+    other = train_tokenizer(["completely different text " * 50], vocab_size=280)
+    model, _ = load_model(str(garden / "draft"))
+    model.save_pretrained(tmp_path / "odd")
+    other.save_pretrained(tmp_path / "odd")
+    with pytest.raises(DistillSpecError, match="must share one tokenizer"):
+        load_pair(str(garden / "target"), str(tmp_path / "odd"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset", "./missing/data"], "dataset path './missing/data' does not exist"),
+        (["--target", "./nope", "--draft", "./nope2"], "model path './nope' does not exist"),
+        (["eval.gammas=[0]"], "gamma=0"),
+        (["--draft", "./x"], "give both --target and --draft"),
+    ],
+)
+def test_bad_input_is_one_line(args, message, tmp_path):
+    proc = run_job("--output-dir", str(tmp_path), *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr and "Traceback" not in proc.stderr
