@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 from distillspec.data import Example
 from distillspec.divergences import check_divergence, divergence
 from distillspec.errors import DistillSpecError
+from distillspec.models import encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
 
 
@@ -94,8 +95,6 @@ def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, le
 
 def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
     """Fixed-data batch: prompt + reference + EOS, cut to ``max_len`` tokens (the prompt's start goes first)."""
-    from distillspec.models import encode_prompts  # noqa: PLC0415
-
     conts = [tokenizer(e.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in examples]
     conts = [c[: max_len - 1] for c in conts]
     prompt_ids, prompt_mask = encode_prompts(
@@ -119,8 +118,6 @@ def generate_batch(
     generator: torch.Generator | None = None,
 ) -> Batch:
     """Continuations of the prompts sampled from the draft (on-policy) or the target (via SD)."""
-    from distillspec.models import encode_prompts  # noqa: PLC0415
-
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples])
     prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
     kwargs = dict(
@@ -241,7 +238,7 @@ class Distiller:
         return {
             "step": self.step_count,
             "source": source,
-            "loss": float(loss),
+            "loss": loss.item(),
             "tokens": batch.tokens,
             "lr": self.scheduler.get_last_lr()[0],
         }

@@ -10,7 +10,7 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -98,29 +98,53 @@ def train_lm(
     return losses
 
 
-def garden_key(task_name: str, cfg: GardenConfig, seed: int) -> str:
-    spec = {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}
-    blob = json.dumps({"task": task_name, "seed": seed, "garden": spec, "version": 1}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+def _key(**parts) -> str:
+    return hashlib.sha256(json.dumps({**parts, "version": 1}, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> Path:
-    """Build (or reuse) the garden for ``task``; returns its folder with ``target/`` and ``draft/``."""
-    root = Path(cfg.cache_dir) / f"{task.name}-{garden_key(task.name, cfg, seed)}"
-    if (root / "garden.json").exists():
-        log(f"garden: reusing {root}")
-        return root
-    root.mkdir(parents=True, exist_ok=True)
+def garden_keys(task_name: str, cfg: GardenConfig, seed: int) -> dict[str, str]:
+    """Cache keys: the tokenizer's, and each model's (so a new draft size reuses the target)."""
+    tok = _key(task=task_name, seed=seed, vocab_size=cfg.vocab_size, train_examples=cfg.train_examples)
+    train = {k: getattr(cfg, k) for k in ("batch_size", "lr", "max_len", "bf16")}
+    return {
+        "tokenizer": tok,
+        "target": _key(tok=tok, size=asdict(cfg.target), steps=cfg.target_steps, **train),
+        "draft": _key(tok=tok, size=asdict(cfg.draft), steps=cfg.draft_steps, **train),
+    }
+
+
+@dataclass
+class Garden:
+    target: Path
+    draft: Path
+
+
+def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> Garden:
+    """Build (or reuse) the garden for ``task``: each of tokenizer, target and draft is cached on its own.
+
+    Layout: ``cache_dir/<task>-<tokenizer key>/{tokenizer, target-<key>, draft-<key>}``; a model folder
+    holds ``save_pretrained`` weights, the tokenizer and ``garden.json`` (written last: marks it complete).
+    """
+    keys = garden_keys(task.name, cfg, seed)
+    root = Path(cfg.cache_dir) / f"{task.name}-{keys['tokenizer']}"
     train = task.train[: cfg.train_examples] if cfg.train_examples else task.train
-    start = time.perf_counter()
-    log(f"garden: training a {cfg.vocab_size}-token tokenizer on {len(train)} {task.name} examples")
-    tokenizer = train_tokenizer([e.prompt + e.reference for e in train], cfg.vocab_size)
-    meta: dict = {"task": task.name, "seed": seed, "config": asdict(cfg), "models": {}}
+    if (root / "tokenizer" / "tokenizer.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "tokenizer")
+    else:
+        log(f"garden: training a {cfg.vocab_size}-token tokenizer on {len(train)} {task.name} examples")
+        tokenizer = train_tokenizer([e.prompt + e.reference for e in train], cfg.vocab_size)
+        tokenizer.save_pretrained(root / "tokenizer")
+    paths = {}
     for role, size, steps in (("target", cfg.target, cfg.target_steps), ("draft", cfg.draft, cfg.draft_steps)):
+        folder = paths[role] = root / f"{role}-{keys[role]}"
+        if (folder / "garden.json").exists():
+            log(f"garden: reusing the {role} {folder}")
+            continue
+        start = time.perf_counter()
         torch.manual_seed(seed + (0 if role == "target" else 1))
         model = make_model(size, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"garden: training the {role} ({n_params / 1e6:.2f}M parameters, {steps} steps)")
+        log(f"garden: training the {role} ({n_params / 1e6:.2f}M parameters, {steps} steps) on {task.name}")
         losses = train_lm(
             model,
             tokenizer,
@@ -133,10 +157,19 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
             bf16=cfg.bf16,
             desc=f"garden {role}",
         )
-        model.eval().save_pretrained(root / role)
-        tokenizer.save_pretrained(root / role)
-        meta["models"][role] = {"parameters": n_params, "final_loss": sum(losses[-20:]) / len(losses[-20:])}
-    meta["build_seconds"] = time.perf_counter() - start
-    (root / "garden.json").write_text(json.dumps(meta, indent=2))  # written last: marks the garden complete
-    log(f"garden: built {root} in {meta['build_seconds']:.0f}s")
-    return root
+        model.eval().save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        meta = {
+            "task": task.name,
+            "role": role,
+            "seed": seed,
+            "size": asdict(size),
+            "steps": steps,
+            "parameters": n_params,
+            "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "seconds": time.perf_counter() - start,
+            "config": asdict(cfg),
+        }
+        (folder / "garden.json").write_text(json.dumps(meta, indent=2))
+        log(f"garden: built the {role} in {meta['seconds']:.0f}s (final loss {meta['final_loss']:.3f})")
+    return Garden(target=paths["target"], draft=paths["draft"])

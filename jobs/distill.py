@@ -94,8 +94,8 @@ def main(cfg: JobConfig) -> list[dict]:
     task = load_task(cfg.dataset, seed=cfg.seed)  # fails early on a missing or empty data set
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")
     if cfg.target is None:
-        root = build_garden(task, cfg.garden, seed=cfg.seed)
-        cfg = replace(cfg, target=str(root / "target"), draft=str(root / "draft"))
+        garden = build_garden(task, cfg.garden, seed=cfg.seed)
+        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
