@@ -37,6 +37,8 @@ RECIPES: dict[str, Recipe] = {
     "imitkd": Recipe(lambda1=0.5, lambda2=1.0, divergence="fkl"),  # fixed data + draft-generated
     "fdistill": Recipe(lambda1=0.0, lambda2=0.5, divergence="tvd"),  # draft + target generated
     "gkd": Recipe(lambda1=0.0, lambda2=1.0, divergence="jsd"),  # on-policy (draft-generated)
+    # The default: on-policy data with TVD, whose minimiser maximises alpha = 1 - E[TVD] (Sec. 4.1).
+    "distillspec": Recipe(lambda1=0.0, lambda2=1.0, divergence="tvd"),
 }
 
 

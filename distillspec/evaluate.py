@@ -110,7 +110,7 @@ def measure_speedup(
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     ids0, _ = encode_prompts(tokenizer, prompts[:1])
-    cost = measure_cost_ratio(target, draft, ids0.to(target.device))
+    cost = measure_cost_ratio(target, draft, ids0.to(target.device), gamma=gamma)
     g_ar = torch.Generator(device=target.device).manual_seed(seed)
     g_sd = torch.Generator(device=target.device).manual_seed(seed)
     t_ar = t_sd = 0.0
@@ -149,10 +149,15 @@ def measure_speedup(
     tau = (accepted + blocks) / blocks
     measured = (n_sd / t_sd) / (n_ar / t_ar)
     predicted = predicted_speedup(tau, cost.c, gamma)
+    predicted_v = predicted_speedup(tau, cost.c, gamma, cost.v)
     return {
         "c": cost.c,
+        "v": cost.v,
         "target_ms": cost.target_ms,
         "draft_ms": cost.draft_ms,
+        "verify_ms": cost.verify_ms,
+        "predicted_speedup_with_v": predicted_v,
+        "measured_over_predicted_with_v": measured / predicted_v,
         "target_tokens_per_s": n_ar / t_ar,
         "sd_tokens_per_s": n_sd / t_sd,
         "speedup_tau": tau,

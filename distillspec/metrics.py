@@ -37,9 +37,13 @@ def expected_tau(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(tau: float, c: float, gamma: int) -> float:
-    """Expected wall-clock speedup over target-only decoding: tau / (c * gamma + 1)."""
-    return tau / (c * gamma + 1.0)
+def predicted_speedup(tau: float, c: float, gamma: int, v: float = 1.0) -> float:
+    """Expected wall-clock speedup over target-only decoding: tau / (c * gamma + v).
+
+    ``v = 1`` is the paper's formula (a gamma+1-token verify call costs one 1-token call); pass the
+    measured verify ratio to account for hardware where it costs more (small models on a CPU).
+    """
+    return tau / (c * gamma + v)
 
 
 @dataclass
@@ -47,23 +51,37 @@ class CostRatio:
     c: float  # draft call time / target call time
     target_ms: float
     draft_ms: float
+    v: float = 1.0  # target time for gamma+1 tokens / target time for 1 token
+    verify_ms: float = 0.0
 
 
 @torch.inference_mode()
 def measure_cost_ratio(
-    target: PreTrainedModel, draft: PreTrainedModel, input_ids: Tensor, *, steps: int = 64, warmup: int = 8
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    input_ids: Tensor,
+    *,
+    gamma: int = 5,
+    steps: int = 64,
+    warmup: int = 8,
 ) -> CostRatio:
-    """Median time of one-token decoding calls (KV cache, after a prefill), target and draft interleaved."""
-    lms = [CachedLM(target), CachedLM(draft)]
+    """Median times of decoding calls (KV cache, after a prefill), interleaved: a 1-token target call,
+    a 1-token draft call and a (gamma+1)-token target (verify) call. Each call's tokens are then
+    rolled back, so every call sees the same cache length."""
+    lms = [CachedLM(target), CachedLM(draft), CachedLM(target)]
+    widths = [1, 1, gamma + 1]
     for lm in lms:
         lm.prefill(input_ids, torch.ones_like(input_ids))
-    token = input_ids[:, -1:]
-    times: list[list[float]] = [[], []]
+    times: list[list[float]] = [[], [], []]
     for i in range(warmup + steps):
-        for lm, t in zip(lms, times):
+        for lm, width, t in zip(lms, widths, times):
+            tokens = input_ids[:, -1:].expand(-1, width)
             start = time.perf_counter()
-            lm.step(token)
+            lm.step(tokens)
             if i >= warmup:
                 t.append(time.perf_counter() - start)
-    target_ms, draft_ms = (statistics.median(t) * 1e3 for t in times)
-    return CostRatio(c=draft_ms / target_ms, target_ms=target_ms, draft_ms=draft_ms)
+            lm.reject_tail(torch.full_like(lm.next_pos, width))
+    target_ms, draft_ms, verify_ms = (statistics.median(t) * 1e3 for t in times)
+    return CostRatio(
+        c=draft_ms / target_ms, target_ms=target_ms, draft_ms=draft_ms, v=verify_ms / target_ms, verify_ms=verify_ms
+    )

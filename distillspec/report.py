@@ -34,8 +34,9 @@ def format_table(records: list[dict]) -> str:
         if "measured_speedup" in r:
             lines.append(
                 f"{r['phase']:>6} gamma={r['gamma']} T={r['temperature']:g}: c={r['c']:.3f}, "
-                f"speedup measured {r['measured_speedup']:.2f}x / predicted {r['predicted_speedup']:.2f}x "
-                f"= {r['measured_over_predicted']:.2f}"
+                f"speedup measured {r['measured_speedup']:.2f}x / predicted tau/(c*gamma+1) "
+                f"{r['predicted_speedup']:.2f}x = {r['measured_over_predicted']:.2f}; "
+                f"with the verify cost v={r['v']:.2f}: {r['measured_over_predicted_with_v']:.2f}"
             )
     return "\n".join(lines)
 

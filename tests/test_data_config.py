@@ -78,8 +78,8 @@ def test_config_yaml_and_overrides(tmp_path):
         3,
     )
     assert cfg.eval.temperatures == [0.0]
-    partial = load_config(None, ["garden.draft.d_model=96"])
-    assert (partial.garden.draft.d_model, partial.garden.draft.n_layers) == (96, 1)  # merged into the draft default
+    partial = load_config(None, ["garden.draft.d_model=80"])
+    assert (partial.garden.draft.d_model, partial.garden.draft.n_layers) == (80, 2)  # merged into the draft default
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ def test_batch_layout(tokenizer, task):
 
 
 def test_recipes_and_sources():
-    assert set(RECIPES) == {"supkd", "seqkd", "imitkd", "fdistill", "gkd"}
+    assert set(RECIPES) == {"supkd", "seqkd", "imitkd", "fdistill", "gkd", "distillspec"}
     rng = random.Random(0)
     mixed = resolve_recipe(DistillConfig(recipe="gkd", lambda1=0.5, lambda2=0.5, divergence="tvd"))
     counts = {s: 0 for s in ("fixed", "draft", "target")}

@@ -68,7 +68,7 @@ def test_job_writes_results_plot_and_draft(job_run):
         if r["gamma"] == 3:
             assert r["measured_speedup"] > 0 and r["c"] > 0 and r["predicted_speedup"] > 0
     assert (out / "run" / "tau.png").stat().st_size > 1000
-    assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 1
+    assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 2
     assert "tau before" in proc.stdout
     garden = next((out / "garden").iterdir())
     assert json.loads(next(garden.glob("target-*/garden.json")).read_text())["parameters"] > 0
