@@ -55,7 +55,8 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     ax.bar([i - 0.2 for i in x], [b["tau"] for b, _ in pairs], 0.4, label="before (fine-tuned draft)", color="#9bb")
     ax.bar([i + 0.2 for i in x], [a["tau"] for _, a in pairs], 0.4, label="after (distilled draft)", color="#157")
     for i, (b, a) in enumerate(pairs):
-        ax.hlines(b["gamma"] + 1, i - 0.4, i + 0.4, colors="grey", linestyles=":")
+        ceiling = "γ + 1 (every draft accepted)" if i == 0 else None
+        ax.hlines(b["gamma"] + 1, i - 0.4, i + 0.4, colors="grey", linestyles=":", label=ceiling)
         ax.text(i + 0.2, a["tau"], f"{100 * (a['tau'] / b['tau'] - 1):+.0f}%", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("block efficiency τ (tokens / target call)")

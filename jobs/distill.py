@@ -12,7 +12,6 @@ into ``--output-dir``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -25,30 +24,14 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from distillspec.cli import run_main  # noqa: E402
-from distillspec.config import JobConfig, load_config, to_dict  # noqa: E402
+from distillspec.cli import parse_job_args, run_main  # noqa: E402
+from distillspec.config import JobConfig, to_dict  # noqa: E402
 from distillspec.data import load_task  # noqa: E402
 from distillspec.distill import Distiller  # noqa: E402
 from distillspec.evaluate import evaluate_sd, measure_speedup  # noqa: E402
 from distillspec.garden import build_garden  # noqa: E402
 from distillspec.models import load_pair  # noqa: E402
 from distillspec.report import format_table, plot_tau  # noqa: E402
-
-
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML file with any of the config's keys")
-    parser.add_argument("--target", help="target model: hub id or local directory (default: the garden's)")
-    parser.add_argument("--draft", help="draft model: hub id or local directory (default: the garden's)")
-    parser.add_argument("--dataset", help="arith (default), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path")
-    parser.add_argument("--output-dir", help="where results, plots and the distilled draft go")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. distill.steps=100 eval.gammas=[3,5]")
-    args = parser.parse_args(argv)
-    overrides = list(args.overrides)
-    for flag, key in (("target", "target"), ("draft", "draft"), ("dataset", "dataset"), ("output_dir", "output_dir")):
-        if getattr(args, flag) is not None:
-            overrides.append(f"{key}={json.dumps(getattr(args, flag))}")
-    return load_config(args.config, overrides)
 
 
 def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[dict]:
@@ -122,7 +105,8 @@ def main(cfg: JobConfig) -> list[dict]:
     plot_tau(
         records,
         out / "tau.png",
-        title=f"{task.name}: block efficiency before / after DistillSpec ({cfg.distill.recipe})",
+        title=f"{task.name}: block efficiency before / after DistillSpec "
+        f"({cfg.distill.recipe}: {distiller.recipe.divergence.upper()}, {cfg.distill.steps} steps)",
     )
     print(format_table(records))
     print(
@@ -133,4 +117,4 @@ def main(cfg: JobConfig) -> list[dict]:
 
 
 if __name__ == "__main__":
-    run_main(lambda: main(parse_args()))
+    run_main(lambda: main(parse_job_args(__doc__)))

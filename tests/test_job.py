@@ -37,9 +37,9 @@ TINY = [
 ]
 
 
-def run_job(*args: str) -> subprocess.CompletedProcess:
+def run_job(*args: str, job: str = "distill.py") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / "distill.py"), *args],
+        [sys.executable, str(ROOT / "jobs" / job), *args],
         check=False,
         capture_output=True,
         text=True,
@@ -90,6 +90,14 @@ def test_garden_is_reused_and_models_load(job_run):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reusing the target" in proc.stdout and "reusing the draft" in proc.stdout
+
+
+def test_garden_job_reports_paths_and_cost_ratio(job_run):
+    out, _ = job_run
+    proc = run_job(f"garden.cache_dir={out / 'garden'}", *[o for o in TINY if o.startswith("garden.")], job="garden.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reusing the target" in proc.stdout and "c = " in proc.stdout
+    assert proc.stdout.count(str(out / "garden")) == 2
 
 
 def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
