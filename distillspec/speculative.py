@@ -227,6 +227,7 @@ def _pad_value(pad_token_id: int | None, eos_token_id: int | None) -> int:
     return pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
 
 
+@torch.inference_mode()
 def autoregressive_generate(
     model: PreTrainedModel,
     input_ids: Tensor,
