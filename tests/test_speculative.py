@@ -187,3 +187,11 @@ def test_vocab_mismatch_is_refused():
     )
     with pytest.raises(DistillSpecError, match="vocab 65 != target vocab 64"):
         speculative_generate(target, LlamaForCausalLM(cfg), torch.tensor([[1, 2]]), gamma=2, max_new_tokens=2)
+
+
+def test_one_token_prompt(close_pair):
+    """With nothing to prefill, both caches start empty."""
+    target, draft = close_pair
+    ids = torch.tensor([[5], [9]])
+    sd = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=12, temperature=0)
+    assert torch.equal(sd.sequences, target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0))
