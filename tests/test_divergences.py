@@ -11,7 +11,7 @@ from distillspec import (
     predicted_speedup,
     tvd,
 )
-from distillspec.divergences import reduce
+from distillspec.divergences import compress_topk, reduce
 
 NAMES = ["fkl", "rkl", "jsd", "tvd"]
 
@@ -91,3 +91,29 @@ def test_bad_divergence_and_beta(logits):
         divergence("kl2", q, p)
     with pytest.raises(DistillSpecError, match="beta"):
         jsd(q, p, beta=1.0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_topk_target_is_exact_at_full_k_and_a_lower_bound_below(logits, name):
+    q, p = logits
+    full = float(divergence(name, q, p, temperature=0.8))
+    assert float(divergence(name, q, compress_topk(p, 11, temperature=0.8), temperature=0.8)) == pytest.approx(
+        full, rel=1e-4
+    )
+    previous = 0.0
+    for k in (1, 3, 6, 10):
+        lumped = float(divergence(name, q, compress_topk(p, k, temperature=0.8), temperature=0.8))
+        assert -1e-6 <= lumped <= full + 1e-5
+        previous = max(previous, lumped)
+    assert previous > 0.5 * full  # the top tokens carry most of the signal
+
+
+def test_topk_target_is_differentiable_and_checks_temperature(logits):
+    q, p = logits
+    q = q.clone().requires_grad_(True)
+    jsd(q, compress_topk(p, 4), beta=0.3).backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    with pytest.raises(DistillSpecError, match="compressed at temperature 1.0"):
+        tvd(q, compress_topk(p, 4), temperature=2.0)
+    with pytest.raises(DistillSpecError, match="k=0"):
+        compress_topk(p, 0)
