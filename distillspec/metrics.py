@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from distillspec.divergences import tvd
-from distillspec.speculative import CachedLM, probs_from_logits
+from distillspec.divergences import reduce, tvd
+from distillspec.speculative import CachedLM
 
 
 def alpha_from_tvd(
@@ -21,12 +21,9 @@ def alpha_from_tvd(
 
     At ``temperature == 0`` both distributions are one-hot argmaxes, so alpha is the argmax agreement.
     """
-    if temperature == 0:
-        p = probs_from_logits(target_logits.float(), 0)
-        q = probs_from_logits(draft_logits.float(), 0)
-        values = 0.5 * (p - q).abs().sum(-1)
-        m = torch.ones_like(values) if mask is None else mask.to(values.dtype)
-        return 1.0 - float((values * m).sum() / m.sum().clamp(min=1))
+    if temperature == 0:  # the TVD of two one-hot distributions is 1 where the argmaxes differ, else 0
+        disagree = (draft_logits.argmax(-1) != target_logits.argmax(-1)).float()
+        return 1.0 - float(reduce(disagree, mask, "token"))
     return 1.0 - float(tvd(draft_logits, target_logits, mask, temperature=temperature, reduction="token"))
 
 

@@ -113,13 +113,6 @@ class CachedLM:
         return out.logits.float()
 
 
-def probs_from_logits(logits: Tensor, temperature: float) -> Tensor:
-    """Sampling distribution: softmax(logits / T), or a one-hot argmax when T == 0 (greedy)."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    return torch.softmax(logits / temperature, dim=-1)
-
-
 def next_token(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
     """Greedy (``temperature == 0``) or sampled next token from ``logits`` [..., V]."""
     if temperature == 0:
