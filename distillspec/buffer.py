@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from distillspec.errors import DistillSpecError
@@ -40,25 +41,28 @@ class Ledger:
 def check_batch(batch: Any, *, max_tokens: int, vocab_size: int | None = None) -> str | None:
     """Why a rollout batch is unfit for training, or None when it is fit.
 
-    A batch is a mapping with ``input_ids``, ``attention_mask`` and ``loss_mask``: integer tensors of one
-    shape ``[rows, length]``, at most ``max_tokens`` tokens in all, and at least one position to learn from.
+    A batch is a mapping with ``input_ids``, ``attention_mask`` and ``loss_mask``: integer arrays (numpy or
+    torch) of one shape ``[rows, length]``, at most ``max_tokens`` tokens in all, and at least one position
+    to learn from.
     """
     if not isinstance(batch, dict):
         return f"a batch must be a mapping, got {type(batch).__name__}"
     missing = [k for k in ("input_ids", "attention_mask", "loss_mask") if k not in batch]
     if missing:
         return f"missing {missing}"
-    ids = batch["input_ids"]
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
-        return "input_ids must be an integer tensor [rows, length]"
+    if not all(isinstance(batch[k], torch.Tensor | np.ndarray) for k in ("input_ids", "attention_mask", "loss_mask")):
+        return "input_ids, attention_mask and loss_mask must be arrays"
+    ids = np.asarray(batch["input_ids"])
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        return "input_ids must be an integer array [rows, length]"
     for key in ("attention_mask", "loss_mask"):
-        if not isinstance(batch[key], torch.Tensor) or batch[key].shape != ids.shape:
-            return f"{key} must be a tensor of the shape of input_ids {tuple(ids.shape)}"
-    if ids.numel() > max_tokens:
-        return f"{ids.numel()} tokens > max_tokens {max_tokens}"
-    if int(batch["loss_mask"].sum()) == 0:
+        if tuple(batch[key].shape) != ids.shape:
+            return f"{key} must have the shape of input_ids {tuple(ids.shape)}"
+    if ids.size > max_tokens:
+        return f"{ids.size} tokens > max_tokens {max_tokens}"
+    if int(np.asarray(batch["loss_mask"]).sum()) == 0:
         return "no position to learn from (loss_mask is all 0)"
-    if ids.numel() and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+    if ids.size and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
         return f"token ids outside [0, {vocab_size})"
     return None
 

@@ -63,7 +63,8 @@ class DistillConfig:
     lr: float = 3e-3
     warmup_steps: int = 20  #: linear warm-up, then cosine decay to 0
     max_new_tokens: int = 64  #: length of generated training continuations
-    checkpoint_every: int = 0  #: save the draft every N steps (0 = only at the end)
+    checkpoint_every: int = 100  #: checkpoint every N steps (async: draft, optimizer, step, ledger); 0 = at the end
+    time_budget_s: float = 0.0  #: stop training after this many seconds, even before ``steps`` (0 = no limit)
 
 
 @dataclass
@@ -75,6 +76,62 @@ class EvalConfig:
     max_new_tokens: int = 64
     speedup_prompts: int = 16  #: prompts decoded one at a time for the wall-clock speedup
     speedup_gamma: int = 5
+
+
+@dataclass
+class RayConfig:
+    """The asynchronous pipeline on Ray (``mode: async``): rollout actors -> buffer -> Ray Train learner.
+
+    ``mode: sync`` runs the single-process loop of Algorithm A.2 instead (no Ray), for comparison.
+    """
+
+    mode: str = "async"  #: async (Ray pipeline) | sync (single process, no Ray)
+    address: str | None = None  #: Ray cluster to join; None = $RAY_ADDRESS (set by ray job submit) or a new local one
+    num_cpus: int | None = None  #: CPUs of a new local cluster (None = all)
+    object_store_memory: int = 1_000_000_000  #: bytes of object store for a new local cluster
+    metrics_export_port: int | None = None  #: Prometheus port of a new local cluster (None = Ray's choice)
+    run_name: str = "distill"  #: names the buffer and weight-store actors (namespace "distillspec")
+    num_rollout_workers: int = 2  #: rollout actors sampling continuations
+    rollout_cpus: float = 0.25  #: CPUs reserved per rollout actor (fractional on small machines)
+    rollout_gpus: float = 0.0  #: GPUs per rollout actor
+    backend: str = "hf"  #: rollout sampler: hf (transformers/torch) | vllm (GPU, optional extra)
+    num_learner_workers: int = 1  #: Ray Train DDP workers; each trains on its own batch every step
+    learner_cpus: float = 1.0  #: CPUs reserved per learner worker
+    learner_threads: int = 0  #: torch threads per learner worker (0 = learner_cpus, at least 1)
+    use_gpu: bool = False  #: learner on GPUs (NCCL); else gloo on CPU
+    target_logits: str = "learner"  #: where target logits are computed: learner (frozen copy) | scorer (actors)
+    num_scorers: int = 1  #: scoring actors when target_logits = scorer
+    scorer_cpus: float = 0.25
+    topk: int = 0  #: scorers ship the top-k log-probs + leftover mass (0 = the full distribution)
+    buffer_capacity: int = 2  #: batches the buffer holds before producers wait (back-pressure)
+    max_policy_lag: int = 4  #: samples more than this many weight versions old are refused or dropped
+    max_batch_tokens: int = 65536  #: larger batches are refused by the buffer
+    publish_every: int = 1  #: learner steps per published weight version
+    eval_every: int = 50  #: versions between evaluations of alpha/tau by the evaluation actor (0 = off)
+    eval_prompts: int = 32  #: held-out prompts per evaluation
+    eval_cpus: float = 0.25
+    alarm_drop: float = 0.15  #: alarm when alpha falls by more than this between two evaluations
+    resume: bool = True  #: resume the learner from the latest checkpoint in output_dir
+    max_failures: int = 3  #: learner restarts from its latest checkpoint after a worker failure
+    take_timeout_s: float = 600.0  #: the learner gives up when no batch arrives for this long
+
+    def validate(self) -> None:
+        _choice("ray.mode", self.mode, ("async", "sync"))
+        _choice("ray.backend", self.backend, ("hf", "vllm"))
+        _choice("ray.target_logits", self.target_logits, ("learner", "scorer"))
+        _positive(
+            self,
+            ["num_rollout_workers", "num_learner_workers", "num_scorers", "buffer_capacity", "publish_every"],
+            prefix="ray.",
+        )
+        for key in ("max_policy_lag", "topk", "eval_every", "max_failures", "learner_threads"):
+            if getattr(self, key) < 0:
+                raise DistillSpecError(f"ray.{key}={getattr(self, key)!r}: must be >= 0")
+        for key in ("rollout_cpus", "learner_cpus", "scorer_cpus", "eval_cpus", "rollout_gpus"):
+            if getattr(self, key) < 0:
+                raise DistillSpecError(f"ray.{key}={getattr(self, key)!r}: must be >= 0")
+        if self.object_store_memory < 78_643_200:
+            raise DistillSpecError(f"ray.object_store_memory={self.object_store_memory}: Ray needs at least 75 MiB")
 
 
 @dataclass
@@ -90,6 +147,7 @@ class JobConfig:
     garden: GardenConfig = field(default_factory=GardenConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> JobConfig:
         from distillspec.distill import resolve_recipe  # noqa: PLC0415 (avoid an import cycle)
@@ -119,16 +177,22 @@ class JobConfig:
         )
         if self.distill.lr <= 0 or self.garden.lr <= 0:
             raise DistillSpecError("learning rates (distill.lr, garden.lr) must be > 0")
+        self.ray.validate()
         if (self.target is None) != (self.draft is None):
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
         return self
 
 
-def _positive(cfg: Any, keys: list[str]) -> None:
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise DistillSpecError(f"{key}={value!r}: choose one of {list(choices)}")
+
+
+def _positive(cfg: Any, keys: list[str], prefix: str = "") -> None:
     for key in keys:
         value = _get(cfg, key)
         if not isinstance(value, int) or value < 1:
-            raise DistillSpecError(f"{key}={value!r}: must be an integer >= 1")
+            raise DistillSpecError(f"{prefix}{key}={value!r}: must be an integer >= 1")
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -12,12 +12,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from distillspec.data import Example
-from distillspec.divergences import check_divergence, divergence
+from distillspec.divergences import TopKLogprobs, check_divergence, compress_topk, divergence
 from distillspec.errors import DistillSpecError
 from distillspec.models import encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
@@ -84,6 +85,39 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+
+def batch_to_arrays(batch: Batch) -> dict[str, np.ndarray]:
+    """The batch as numpy arrays: what travels through Ray's object store (read zero-copy)."""
+    return {k: getattr(batch, k).cpu().numpy() for k in ("input_ids", "attention_mask", "loss_mask")}
+
+
+def batch_from_arrays(arrays: dict[str, np.ndarray], device: str | torch.device = "cpu") -> Batch:
+    keys = ("input_ids", "attention_mask", "loss_mask")
+    return Batch(*(torch.as_tensor(np.array(arrays[k]), device=device) for k in keys))
+
+
+def target_to_arrays(target_logits: Tensor, topk: int, temperature: float) -> dict[str, np.ndarray]:
+    """The target's distribution for shipping: full logits (``topk=0``) or top-k log-probs (see compress_topk)."""
+    if topk == 0:
+        return {"target_logits": target_logits.float().cpu().numpy()}
+    top = compress_topk(target_logits, min(topk, target_logits.shape[-1]), temperature)
+    return {"target_topk_logprobs": top.logprobs.cpu().numpy(), "target_topk_indices": top.indices.cpu().numpy()}
+
+
+def target_from_arrays(
+    arrays: dict[str, np.ndarray], temperature: float, device: str | torch.device = "cpu"
+) -> Tensor | TopKLogprobs | None:
+    """The shipped target distribution of a batch, or None when the learner is to compute it."""
+    if "target_logits" in arrays:
+        return torch.as_tensor(np.array(arrays["target_logits"]), device=device)
+    if "target_topk_logprobs" in arrays:
+        return TopKLogprobs(
+            torch.as_tensor(np.array(arrays["target_topk_logprobs"]), device=device),
+            torch.as_tensor(np.array(arrays["target_topk_indices"]), device=device),
+            temperature,
+        )
+    return None
 
 
 def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, lengths: Tensor) -> Batch:
@@ -161,15 +195,46 @@ def kd_loss(
     *,
     temperature: float = 1.0,
     beta: float = 0.5,
+    target_logits: Tensor | TopKLogprobs | None = None,
 ) -> Tensor:
-    """The sequence-level divergence D(p || q_theta) of Eq. 2 over the continuation."""
-    with torch.no_grad():
-        target_logits = forward_logits(target, batch)
+    """The sequence-level divergence D(p || q_theta) of Eq. 2 over the continuation.
+
+    ``target_logits`` may come precomputed (full logits or top-k log-probs from a scoring actor);
+    otherwise the target model scores the batch here.
+    """
+    if target_logits is None:
+        with torch.no_grad():
+            target_logits = forward_logits(target, batch)
     draft_logits = forward_logits(draft, batch)
-    t = temperature if temperature > 0 else 1.0
     return divergence(
-        recipe.divergence, draft_logits, target_logits, batch.loss_mask, temperature=t, beta=beta, reduction="seq"
+        recipe.divergence,
+        draft_logits,
+        target_logits,
+        batch.loss_mask,
+        temperature=train_temperature(temperature),
+        beta=beta,
+        reduction="seq",
     )
+
+
+def train_temperature(temperature: float) -> float:
+    """The divergence temperature: the sampling temperature, or 1 for greedy (T = 0) samples."""
+    return temperature if temperature > 0 else 1.0
+
+
+def update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    loss: Tensor,
+    max_grad_norm: float = 1.0,
+) -> None:
+    """One optimizer step on ``loss``: backward, clip the gradient norm, step, schedule."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def make_optimizer(
@@ -180,12 +245,21 @@ def make_optimizer(
     return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
 
 
-class Distiller:
-    """Algorithm A.2 over a prompt set. ``step()`` does one update and returns its record."""
+def needs_target_samples(recipe: Recipe) -> bool:
+    """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
+    return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
+
+
+class Sampler:
+    """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
+
+    Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline.
+    ``target`` may be None when the recipe never asks for target-generated data.
+    """
 
     def __init__(
         self,
-        target: PreTrainedModel,
+        target: PreTrainedModel | None,
         draft: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         train: list[Example],
@@ -196,17 +270,15 @@ class Distiller:
     ) -> None:
         if not train:
             raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
-        self.target, self.draft, self.tokenizer, self.train, self.cfg = target.eval(), draft, tokenizer, train, cfg
         self.recipe = resolve_recipe(cfg)
+        if target is None and needs_target_samples(self.recipe):
+            raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
+        self.target, self.draft, self.tokenizer, self.train, self.cfg = target, draft, tokenizer, train, cfg
         self.max_len = max_len
         self.rng = random.Random(seed)
         self.generator = torch.Generator(device=draft.device).manual_seed(seed)
-        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
-        self.step_count = 0
-        for p in target.parameters():
-            p.requires_grad_(False)
 
-    def next_batch(self) -> tuple[str, Batch]:
+    def __call__(self) -> tuple[str, Batch]:
         source = draw_source(self.rng, self.recipe)
         examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
         if source == "fixed":
@@ -224,17 +296,28 @@ class Distiller:
         )
         return source, batch
 
+
+class Distiller:
+    """Algorithm A.2 in one process: each ``step()`` samples a batch, then updates the draft on it."""
+
+    def __init__(
+        self, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train, cfg, **kw
+    ) -> None:
+        """The arguments of :class:`Sampler` (``train``: the prompts; ``cfg``: a DistillConfig)."""
+        self.sampler = Sampler(target, draft, tokenizer, train, cfg, **kw)
+        self.target, self.draft, self.cfg, self.recipe = target.eval(), draft, cfg, self.sampler.recipe
+        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
+        self.step_count = 0
+        for p in target.parameters():
+            p.requires_grad_(False)
+
     def step(self) -> dict:
-        source, batch = self.next_batch()
+        source, batch = self.sampler()
         self.draft.train()
         loss = kd_loss(
             self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta
         )
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        update(self.draft, self.optimizer, self.scheduler, loss)
         self.draft.eval()
         self.step_count += 1
         return {

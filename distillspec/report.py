@@ -65,3 +65,33 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Path, title: str = "") -> None:
+    """Loss per learner step and, when the evaluation actor ran, alpha and tau per draft version."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    panels = 2 if evaluations else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in train_log], [r["loss"] for r in train_log], lw=0.8, color="#157")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("divergence (loss)")
+    if evaluations:
+        ax = axes[0][1]
+        versions = [r["version"] for r in evaluations]
+        ax.plot(versions, [r["alpha"] for r in evaluations], "o-", color="#157", label="alpha")
+        ax.set_xlabel("draft version (learner step)")
+        ax.set_ylabel("acceptance rate alpha")
+        twin = ax.twinx()
+        twin.plot(versions, [r["tau"] for r in evaluations], "s--", color="#c63", label="tau")
+        twin.set_ylabel("block efficiency tau")
+        ax.legend(loc="lower left", fontsize=8)
+        twin.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,13 +1,21 @@
 """DistillSpec end to end: measure alpha/tau, distill the draft toward the target, measure again.
 
+By default the distillation runs as the asynchronous Ray pipeline (rollout actors, an object-store buffer,
+a Ray Train learner, a weight store, an evaluation actor; metrics on the Ray dashboard). It starts a
+local Ray cluster, or joins the one named by ``ray.address`` / ``$RAY_ADDRESS``:
+
     python jobs/distill.py                                   # offline default: builds the arith garden
+    RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
+        python jobs/distill.py --output-dir $PWD/outputs/ray garden.cache_dir=$PWD/.cache/garden
+    python jobs/distill.py ray.mode=sync                     # the single-process loop, no Ray
     python jobs/distill.py --dataset ../shared/data/gsm8k    # garden trained on GSM8K
     python jobs/distill.py --target ORG/big --draft ORG/small --dataset gsm8k
     python jobs/distill.py --config my.yaml distill.steps=500 distill.recipe=supkd
 
-Writes ``results.json`` (one record per phase x gamma x temperature), ``tau.png``, ``config.yaml``,
-``train_log.json`` and the distilled draft (``draft/``, loadable by transformers and as vLLM's draft model)
-into ``--output-dir``.
+Writes ``results.json`` (one record per phase x gamma x temperature, and the pipeline's ledger and
+evaluations), ``tau.png``, ``training.png``, ``config.yaml``, ``train_log.json`` and the distilled draft
+(``draft/``, loadable by transformers and as vLLM's draft model) into ``--output-dir``; the learner's Ray Train
+checkpoints go to ``--output-dir``/learner, and a rerun with the same ``--output-dir`` resumes from them.
 """
 
 from __future__ import annotations
@@ -27,11 +35,11 @@ from tqdm.auto import tqdm  # noqa: E402
 from distillspec.cli import parse_job_args, run_main  # noqa: E402
 from distillspec.config import JobConfig, to_dict  # noqa: E402
 from distillspec.data import load_task  # noqa: E402
-from distillspec.distill import Distiller  # noqa: E402
+from distillspec.distill import Distiller, resolve_recipe  # noqa: E402
 from distillspec.evaluate import evaluate_sd, measure_speedup  # noqa: E402
 from distillspec.garden import build_garden  # noqa: E402
 from distillspec.models import load_pair  # noqa: E402
-from distillspec.report import format_table, plot_tau  # noqa: E402
+from distillspec.report import format_table, plot_tau, plot_training  # noqa: E402
 
 
 def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[dict]:
@@ -70,48 +78,93 @@ def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[
     return records
 
 
+def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dict:
+    """Algorithm A.2 in this process (``ray.mode=sync``): sample a batch, update, repeat."""
+    distiller = Distiller(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
+    log, start = [], time.perf_counter()
+    bar = tqdm(total=cfg.distill.steps, desc=f"distill ({cfg.distill.recipe}, sync)")
+    budget = cfg.distill.time_budget_s
+    while distiller.step_count < cfg.distill.steps and not (budget and time.perf_counter() - start > budget):
+        log.append({**distiller.step(), "time": time.perf_counter() - start})
+        bar.update()
+        bar.set_postfix(loss=f"{log[-1]['loss']:.4f}", src=log[-1]["source"])
+        every = cfg.distill.checkpoint_every
+        if every and distiller.step_count % every == 0 and distiller.step_count < cfg.distill.steps:
+            draft.save_pretrained(out / f"checkpoint-{distiller.step_count}")
+    bar.close()
+    draft.save_pretrained(out / "draft")
+    tokenizer.save_pretrained(out / "draft")
+    return {"mode": "sync", "train_log": log, "seconds": time.perf_counter() - start, "evaluations": []}
+
+
+def train_async(cfg: JobConfig, task, out: Path) -> dict:
+    """The Ray pipeline (``ray.mode=async``); the distilled draft lands in ``out/draft``."""
+    import ray  # noqa: PLC0415
+
+    from cluster.connect import connect, metrics_url  # noqa: PLC0415
+    from cluster.pipeline import Pipeline  # noqa: PLC0415
+
+    how = connect(cfg.ray)
+    print(f"ray: {how}; metrics (Prometheus): {metrics_url()}; dashboard: {ray.worker.get_dashboard_url() or '-'}")
+    pipeline = Pipeline(cfg, task, out, fixed_cluster=how.startswith("started"))
+    if pipeline.resumed_from is not None:
+        print(f"resuming the learner from its checkpoint at step {pipeline.resumed_from} in {out / 'learner'}")
+    try:
+        result = pipeline.run()
+    finally:
+        pipeline.shutdown()
+    steps = len(result.train_log) - (result.resumed_from or 0)
+    ledger = result.ledger
+    print(
+        f"pipeline: {steps} learner steps in {result.seconds:.0f}s; ledger produced {ledger['produced']} = "
+        f"consumed {ledger['consumed']} + dropped {ledger['dropped']} + refused {ledger['refused']} + held "
+        f"{ledger['held']} ({'balanced' if ledger['balanced'] else 'NOT BALANCED'})"
+    )
+    for alarm in result.alarms:
+        print(f"ALARM: {alarm}")
+    return {
+        "mode": "async",
+        "train_log": result.train_log,
+        "seconds": result.seconds,
+        "ledger": ledger,
+        "evaluations": result.evaluations,
+        "alarms": result.alarms,
+        "resumed_from": result.resumed_from,
+    }
+
+
 def main(cfg: JobConfig) -> list[dict]:
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).resolve()
     task = load_task(cfg.dataset, seed=cfg.seed)  # fails early on a missing or empty data set
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed)
-        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
+        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     records = measure("before", cfg, target, draft, tokenizer, task)
-
-    distiller = Distiller(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
-    log = []
-    bar = tqdm(total=cfg.distill.steps, desc=f"distill ({cfg.distill.recipe})")
-    for _ in range(cfg.distill.steps):
-        log.append(distiller.step())
-        bar.update()
-        bar.set_postfix(loss=f"{log[-1]['loss']:.4f}", src=log[-1]["source"])
-        every = cfg.distill.checkpoint_every
-        if every and distiller.step_count % every == 0:
-            draft.save_pretrained(out / f"checkpoint-{distiller.step_count}")
-    bar.close()
-    draft.save_pretrained(out / "draft")
-    tokenizer.save_pretrained(out / "draft")
-    (out / "train_log.json").write_text(json.dumps(log))
+    if cfg.ray.mode == "sync":
+        training = train_sync(cfg, target, draft, tokenizer, task, out)
+    else:
+        training = train_async(cfg, task, out)
+        draft = load_pair(cfg.target, str(out / "draft"), device=cfg.device)[1]
+    (out / "train_log.json").write_text(json.dumps(training["train_log"]))
 
     records += measure("after", cfg, target, draft, tokenizer, task)
-    (out / "results.json").write_text(json.dumps(records, indent=2))
-    plot_tau(
-        records,
-        out / "tau.png",
-        title=f"{task.name}: block efficiency before / after DistillSpec "
-        f"({cfg.distill.recipe}: {distiller.recipe.divergence.upper()}, {cfg.distill.steps} steps)",
-    )
+    summary = {k: v for k, v in training.items() if k != "train_log"}
+    (out / "results.json").write_text(json.dumps({"records": records, "training": summary}, indent=2))
+    divergence = resolve_recipe(cfg.distill).divergence.upper()
+    title = f"{task.name}: {cfg.distill.recipe} ({divergence}), {len(training['train_log'])} steps, {training['mode']}"
+    plot_tau(records, out / "tau.png", title=f"block efficiency before / after DistillSpec - {title}")
+    plot_training(training["train_log"], training["evaluations"], out / "training.png", title=title)
     print(format_table(records))
     print(
-        f"\nwrote {out / 'results.json'}, {out / 'tau.png'} and the distilled draft {out / 'draft'} "
-        f"({time.perf_counter() - start:.0f}s)"
+        f"\nwrote {out / 'results.json'}, {out / 'tau.png'}, {out / 'training.png'} and the distilled draft "
+        f"{out / 'draft'} ({time.perf_counter() - start:.0f}s)"
     )
     return records
 

@@ -64,3 +64,44 @@ def text_pair(tokenizer):
     torch.manual_seed(1)
     draft = make_model(ModelSize(d_model=32, n_layers=1, n_heads=2, d_ff=64), tokenizer).eval()
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session (started on first use, stopped at the end)."""
+    import ray
+
+    from actors.common import NAMESPACE
+
+    ray.init(
+        address="local",  # never join a stale cluster left in Ray's temp folder
+        namespace=NAMESPACE,
+        num_cpus=2,
+        object_store_memory=300_000_000,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+GARDEN_TINY = {
+    "vocab_size": 300,
+    "train_examples": 300,
+    "target_steps": 15,
+    "draft_steps": 15,
+    "batch_size": 8,
+    "target": {"d_model": 64, "n_layers": 2, "d_ff": 128, "n_heads": 2},
+    "draft": {"d_model": 32, "n_layers": 2, "d_ff": 64, "n_heads": 2},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_garden(tmp_path_factory, task):
+    """A tiny trained target/draft pair on disk (the garden's format)."""
+    from distillspec.config import GardenConfig, load_config
+    from distillspec.garden import build_garden
+
+    overrides = [f"{k}={v}" for k, v in GARDEN_TINY.items()] + [f"cache_dir={tmp_path_factory.mktemp('garden')}"]
+    cfg = load_config(None, overrides, cls=GardenConfig)
+    return build_garden(task, cfg, seed=0)

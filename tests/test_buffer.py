@@ -62,8 +62,8 @@ def good_batch():
     ("mutate", "reason"),
     [
         (lambda b: b.pop("loss_mask"), "missing ['loss_mask']"),
-        (lambda b: b.update(input_ids=b["input_ids"].float()), "integer tensor"),
-        (lambda b: b.update(attention_mask=b["attention_mask"][:, :3]), "attention_mask must be a tensor of the shape"),
+        (lambda b: b.update(input_ids=b["input_ids"].float()), "integer array"),
+        (lambda b: b.update(attention_mask=b["attention_mask"][:, :3]), "attention_mask must have the shape"),
         (lambda b: b.update(loss_mask=torch.zeros_like(b["loss_mask"])), "no position to learn from"),
         (lambda b: b["input_ids"].__setitem__((0, 0), 50), "token ids outside [0, 32)"),
         (

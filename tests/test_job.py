@@ -1,6 +1,7 @@
 """End-to-end smoke tests of jobs/distill.py, run as a user runs it (a subprocess)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,22 +45,25 @@ def run_job(*args: str, job: str = "distill.py") -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=600,
-        env={"TQDM_DISABLE": "1", "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "TQDM_DISABLE": "1"},
         cwd=ROOT,
     )
 
 
 @pytest.fixture(scope="module")
-def job_run(tmp_path_factory):
+def job_run(tmp_path_factory, ray_cluster):
+    """The default (asynchronous) mode, joining the test session's Ray cluster."""
     out = tmp_path_factory.mktemp("job")
-    proc = run_job("--output-dir", str(out / "run"), f"garden.cache_dir={out / 'garden'}", *TINY)
+    proc = run_job(
+        "--output-dir", str(out / "run"), f"garden.cache_dir={out / 'garden'}", f"ray.address={ray_cluster}", *TINY
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
 
 def test_job_writes_results_plot_and_draft(job_run):
     out, proc = job_run
-    records = json.loads((out / "run" / "results.json").read_text())
+    records = json.loads((out / "run" / "results.json").read_text())["records"]
     assert {(r["phase"], r["gamma"], r["temperature"]) for r in records} == {
         (p, g, t) for p in ("before", "after") for g in (2, 3) for t in (0.0, 1.0)
     }
@@ -70,6 +74,9 @@ def test_job_writes_results_plot_and_draft(job_run):
     assert (out / "run" / "tau.png").stat().st_size > 1000
     assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 2
     assert "tau before" in proc.stdout
+    training = json.loads((out / "run" / "results.json").read_text())["training"]
+    assert training["mode"] == "async" and training["ledger"]["balanced"] and training["ledger"]["consumed"] == 3
+    assert (out / "run" / "training.png").stat().st_size > 1000
     garden = next((out / "garden").iterdir())
     assert json.loads(next(garden.glob("target-*/garden.json")).read_text())["parameters"] > 0
 
@@ -87,9 +94,12 @@ def test_garden_is_reused_and_models_load(job_run):
         "eval.gammas=[2]",
         "eval.temperatures=[0]",
         "eval.speedup_prompts=0",
+        "ray.mode=sync",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reusing the target" in proc.stdout and "reusing the draft" in proc.stdout
+    training = json.loads((out / "again" / "results.json").read_text())["training"]
+    assert training["mode"] == "sync" and "ledger" not in training
 
 
 def test_garden_job_reports_paths_and_cost_ratio(job_run):
@@ -122,6 +132,8 @@ def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
         (["--target", "./nope", "--draft", "./nope2"], "model path './nope' does not exist"),
         (["eval.gammas=[0]"], "gamma=0"),
         (["--draft", "./x"], "give both --target and --draft"),
+        (["ray.mode=fast"], "ray.mode='fast': choose one of ['async', 'sync']"),
+        (["ray.num_rollout_workers=0"], "ray.num_rollout_workers=0: must be an integer >= 1"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path):

@@ -1,0 +1,25 @@
+"""What every actor does on start, and the names actors find each other by."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+NAMESPACE = "distillspec"  #: Ray namespace of the pipeline's named actors (the Serve endpoint joins it too)
+
+log = logging.getLogger("distillspec")
+
+
+def buffer_name(run: str) -> str:
+    return f"{run}-buffer"
+
+
+def weights_name(run: str) -> str:
+    return f"{run}-weights"
+
+
+def setup_worker(threads: int = 1) -> None:
+    """One torch thread per actor (fractional CPUs on small machines), and INFO logs into the actor's log."""
+    torch.set_num_threads(max(1, threads))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

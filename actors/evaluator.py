@@ -1,0 +1,81 @@
+"""The evaluation actor: measures alpha and tau of the latest draft on held-out prompts as versions arrive,
+and raises an alarm when alpha collapses after a weight sync."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+from actors.common import log, setup_worker, weights_name
+from actors.metrics import count, gauge
+from actors.weights import pull
+from distillspec.config import JobConfig
+from distillspec.evaluate import evaluate_sd
+from distillspec.models import load_pair
+
+EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
+
+
+@ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
+class EvalActor:
+    def __init__(self, cfg: JobConfig, prompts: list[str]) -> None:
+        setup_worker()
+        self.cfg, self.prompts = cfg, prompts
+        self.target, self.draft, self.tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+        self.store = ray.get_actor(weights_name(cfg.ray.run_name))
+        self.version = -1
+        self.history: list[dict] = []
+        self.alarms: list[str] = []
+        self.stopped = threading.Event()
+
+    def evaluate(self) -> dict | None:
+        """Pull the latest weights and measure them (None when nothing was ever published)."""
+        self.version = pull(self.store, self.draft, self.version)
+        if self.version < 0:
+            return None
+        rec = evaluate_sd(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            self.prompts,
+            gamma=self.cfg.eval.speedup_gamma,
+            temperature=EVAL_TEMPERATURE,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            batch_size=self.cfg.eval.batch_size,
+            seed=self.cfg.seed,
+        )
+        rec = {"version": self.version, "time": time.time(), **rec}
+        run = self.cfg.ray.run_name
+        gauge("distillspec_acceptance_rate", rec["alpha"], run=run)
+        gauge("distillspec_block_efficiency", rec["tau"], run=run)
+        gauge("distillspec_eval_version", self.version, run=run)
+        if self.history and rec["alpha"] < self.history[-1]["alpha"] - self.cfg.ray.alarm_drop:
+            prev = self.history[-1]
+            alarm = (
+                f"alpha collapsed from {prev['alpha']:.3f} (version {prev['version']}) to {rec['alpha']:.3f} "
+                f"(version {self.version}) after a weight sync"
+            )
+            log.error("ALARM: %s", alarm)
+            self.alarms.append(alarm)
+            count("distillspec_alpha_alarms", run=run)
+        self.history.append(rec)
+        return rec
+
+    def run(self) -> int:
+        """Evaluate every ``ray.eval_every`` versions until stopped; returns the number of evaluations."""
+        every = self.cfg.ray.eval_every
+        while not self.stopped.is_set() and every:
+            latest = ray.get(self.store.version.remote())
+            if latest >= 0 and (not self.history or latest >= self.history[-1]["version"] + every):
+                self.evaluate()
+            else:
+                self.stopped.wait(0.5)
+        return len(self.history)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def report(self) -> dict:
+        return {"history": self.history, "alarms": self.alarms}

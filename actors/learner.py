@@ -1,0 +1,191 @@
+"""The learner: a Ray Train ``TorchTrainer`` whose workers take batches from the buffer, compute the divergence
+against the target and update the draft (DDP across workers: gloo on CPU, NCCL on GPU).
+
+Rank 0 publishes each new version to the weight store and writes checkpoints through Ray Train (the draft in
+``save_pretrained`` format, optimizer, scheduler, step, the learner's log and the buffer's ledger). A restarted
+run (same ``output_dir``) or a restarted worker group resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from actors.common import buffer_name, log, setup_worker, weights_name
+from actors.metrics import gauge
+from actors.weights import publish
+from distillspec.config import JobConfig
+from distillspec.distill import (
+    batch_from_arrays,
+    kd_loss,
+    make_optimizer,
+    resolve_recipe,
+    target_from_arrays,
+    train_temperature,
+    update,
+)
+from distillspec.errors import DistillSpecError
+from distillspec.models import load_model
+
+RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
+
+
+def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> tuple[int, str, dict]:
+    """Block until the buffer hands over a batch; raise when none comes for ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        items = ray.get(buffer.take.remote(1, version))
+        if items is None:
+            raise DistillSpecError("the buffer was closed before training ended: rollouts stopped (see the driver)")
+        if items:
+            sampled, source, refs = items[0]
+            return sampled, source, ray.get(refs[0])
+        if time.monotonic() > deadline:
+            raise DistillSpecError(
+                f"the learner got no batch for {timeout_s:.0f} s: are the rollout actors alive? "
+                "(see the Ray dashboard's actor logs; ray.take_timeout_s sets this limit)"
+            )
+        time.sleep(0.01)
+
+
+def _agree(flag: bool) -> bool:
+    """True on every worker when it is true on any (so DDP workers stop at the same step)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def learner_loop(config: dict) -> None:
+    """Ray Train's ``train_loop_per_worker``."""
+    cfg: JobConfig = config["cfg"]
+    setup_worker(cfg.ray.learner_threads or max(1, round(cfg.ray.learner_cpus)))
+    rank = ray.train.get_context().get_world_rank()
+    device = ray.train.torch.get_device()
+    run = cfg.ray.run_name
+    buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
+
+    target, _ = load_model(cfg.target, device=str(device))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    draft, tokenizer = load_model(cfg.draft, device=str(device))
+    recipe = resolve_recipe(cfg.distill)
+    optimizer, scheduler = make_optimizer(draft, cfg.distill.lr, cfg.distill.steps, cfg.distill.warmup_steps)
+    step, log_records, seconds_before = 0, [], 0.0
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=False)
+            draft.load_state_dict(load_model(str(Path(d) / "draft"), device=str(device))[0].state_dict())
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            step, seconds_before = state["step"], state["seconds"]
+            log_records = json.loads((Path(d) / "train_log.json").read_text())
+        log.info("learner rank %d: resumed from the checkpoint at step %d", rank, step)
+
+    model = ray.train.torch.prepare_model(draft)
+    if rank == 0:
+        publish(store, draft, step)
+    start = time.perf_counter() - seconds_before
+    window = (time.perf_counter(), 0, 0)  # for samples/s and tokens/s
+    budget = cfg.distill.time_budget_s
+    temperature = train_temperature(cfg.distill.temperature)
+
+    def save(final: bool) -> None:
+        metrics = {"step": step, "final": final, **(log_records[-1] if log_records else {})}
+        if rank != 0:
+            ray.train.report(metrics)
+            return
+        with tempfile.TemporaryDirectory() as d:
+            draft.save_pretrained(Path(d) / "draft")
+            tokenizer.save_pretrained(Path(d) / "draft")
+            state = {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "seconds": time.perf_counter() - start,
+            }
+            torch.save(state, Path(d) / "state.pt")
+            (Path(d) / "step.json").write_text(json.dumps({"step": step}))
+            (Path(d) / "train_log.json").write_text(json.dumps(log_records))
+            (Path(d) / "ledger.json").write_text(json.dumps(ray.get(buffer.ledger.remote())))
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+    while step < cfg.distill.steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
+        sampled, source, arrays = take_batch(buffer, step, cfg.ray.take_timeout_s)
+        batch = batch_from_arrays(arrays, device)
+        model.train()
+        loss = kd_loss(
+            model,
+            target,
+            batch,
+            recipe,
+            temperature=cfg.distill.temperature,
+            beta=cfg.distill.beta,
+            target_logits=target_from_arrays(arrays, temperature, device),
+        )
+        update(model, optimizer, scheduler, loss)
+        model.eval()
+        step += 1
+        if rank == 0 and step % cfg.ray.publish_every == 0:
+            publish(store, draft, step)
+        t0, rows, tokens = window
+        rows, tokens = rows + batch.input_ids.shape[0], tokens + batch.tokens
+        elapsed = time.perf_counter() - t0
+        if elapsed > 2.0:
+            gauge("distillspec_learner_samples_per_s", rows / elapsed, run=run)
+            gauge("distillspec_learner_tokens_per_s", tokens / elapsed, run=run)
+            rows = tokens = 0
+            t0 = time.perf_counter()
+        window = (t0, rows, tokens)
+        gauge("distillspec_learner_loss", loss.item(), run=run)
+        log_records.append(
+            {
+                "step": step,
+                "source": source,
+                "loss": loss.item(),
+                "tokens": batch.tokens,
+                "lr": scheduler.get_last_lr()[0],
+                "version": sampled,
+                "lag": step - 1 - sampled,
+                "time": time.perf_counter() - start,
+            }
+        )
+        if cfg.distill.checkpoint_every and step % cfg.distill.checkpoint_every == 0 and step < cfg.distill.steps:
+            save(final=False)
+    save(final=True)
+
+
+def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
+    return TorchTrainer(
+        learner_loop,
+        train_loop_config={"cfg": cfg},
+        scaling_config=ScalingConfig(
+            num_workers=cfg.ray.num_learner_workers,
+            use_gpu=cfg.ray.use_gpu,
+            resources_per_worker={"CPU": cfg.ray.learner_cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
+        ),
+        run_config=RunConfig(
+            name=RUN_DIR,
+            storage_path=str(storage.resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+        ),
+    )
+
+
+def latest_step(storage: Path) -> int | None:
+    """The step of the newest learner checkpoint under ``storage``, or None."""
+    steps = [json.loads(p.read_text())["step"] for p in (storage / RUN_DIR).glob("checkpoint_*/step.json")]
+    return max(steps) if steps else None

@@ -1,0 +1,191 @@
+"""The driver of the asynchronous pipeline: it starts the actors, runs the Ray Train learner, and gathers
+what they produced.
+
+    rollout actors --ray.put--> buffer (refs) --take--> learner (TorchTrainer) --publish--> weight store
+          ^                                                                                     |
+          +---------------------------------- pull latest version -----------------------------+
+                                          evaluation actor --pull--+
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from actors import BufferActor, EvalActor, RolloutActor, ScorerActor, WeightStore
+from actors.common import buffer_name, weights_name
+from actors.learner import RUN_DIR, latest_step, make_trainer
+from distillspec.config import JobConfig
+from distillspec.data import Task
+from distillspec.errors import DistillSpecError
+from distillspec.models import load_model
+
+
+@dataclass
+class PipelineResult:
+    draft_dir: Path  #: the distilled draft (save_pretrained format)
+    train_log: list[dict]
+    ledger: dict
+    evaluations: list[dict]
+    alarms: list[str]
+    resumed_from: int | None
+    seconds: float
+    rollout_restarts: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def check_resources(cfg: JobConfig, strict: bool) -> None:
+    """A request the cluster cannot meet would wait forever: refuse it on a fixed (local) cluster, warn otherwise
+    (an autoscaler may add nodes)."""
+    r = cfg.ray
+    cpus = r.num_learner_workers * r.learner_cpus + r.num_rollout_workers * r.rollout_cpus
+    cpus += (r.eval_cpus if r.eval_every else 0) + (r.num_scorers * r.scorer_cpus if r.target_logits == "scorer" else 0)
+    gpus = r.num_learner_workers * int(r.use_gpu) + r.num_rollout_workers * r.rollout_gpus
+    have = ray.cluster_resources()
+    for kind, need, fix in (
+        ("CPU", cpus, "lower ray.learner_cpus, ray.rollout_cpus, ray.eval_cpus or the worker counts"),
+        ("GPU", gpus, "set ray.use_gpu=false and ray.rollout_gpus=0, or use a cluster with GPUs"),
+    ):
+        if need > have.get(kind, 0) + 1e-9:
+            message = f"the pipeline asks for {need:g} {kind}s but the cluster has {have.get(kind, 0):g}: {fix}"
+            if strict:
+                raise DistillSpecError(message)
+            warnings.warn(message + " (waiting for the autoscaler)", stacklevel=2)
+
+
+def wait_for_names(names: list[str], timeout_s: float = 30.0) -> None:
+    """Named actors of a run that just died linger while Ray cleans up; a live run's never go."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise DistillSpecError(
+                    f"a pipeline named {name.rsplit('-', 1)[0]!r} is running on this cluster: wait for it to end, "
+                    "or give this one another ray.run_name"
+                )
+            time.sleep(0.5)
+
+
+class Pipeline:
+    """Starts the pipeline's actors for one run; ``run()`` trains and returns a :class:`PipelineResult`."""
+
+    def __init__(self, cfg: JobConfig, task: Task, out: Path, *, fixed_cluster: bool = True) -> None:
+        self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
+        r = cfg.ray
+        self.resumed_from = latest_step(self.out)
+        if self.resumed_from is not None and not r.resume:
+            raise DistillSpecError(
+                f"{self.out / RUN_DIR} holds a learner checkpoint (step {self.resumed_from}): "
+                "set ray.resume=true to go on from it, or give another --output-dir"
+            )
+        check_resources(cfg, strict=fixed_cluster)
+        wait_for_names([weights_name(r.run_name), buffer_name(r.run_name)])
+        vocab = load_model(cfg.draft)[0].config.vocab_size
+        self.store = WeightStore.options(name=weights_name(r.run_name)).remote(r.run_name)
+        self.buffer = BufferActor.options(name=buffer_name(r.run_name)).remote(
+            capacity=r.buffer_capacity,
+            max_policy_lag=r.max_policy_lag,
+            max_batch_tokens=r.max_batch_tokens,
+            vocab_size=vocab,
+            run=r.run_name,
+        )
+        ray.get([self.store.version.remote(), self.buffer.free_slots.remote()])  # up, and the names are free
+        self.scorers = []
+        if r.target_logits == "scorer":
+            self.scorers = [ScorerActor.options(num_cpus=r.scorer_cpus).remote(cfg) for _ in range(r.num_scorers)]
+        self.train = ray.put(task.train)  # held by the driver for the run: restarted rollout actors read it again
+        self.rollouts = [
+            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(
+                cfg, self.train, i, self.scorers
+            )
+            for i in range(r.num_rollout_workers)
+        ]
+        prompts = [e.prompt for e in task.test[: r.eval_prompts]]
+        self.evaluator = EvalActor.options(num_cpus=r.eval_cpus).remote(cfg, prompts) if r.eval_every else None
+
+    def feed(self) -> None:
+        """The driver's rollout loop (a thread beside the learner): keep each rollout actor busy while the
+        buffer has room, and hand each finished batch's reference to the buffer."""
+        inflight: dict[ray.ObjectRef, tuple[int, ray.ObjectRef]] = {}
+        while not self.stopping.is_set():
+            room = ray.get(self.buffer.free_slots.remote()) - len(inflight)
+            busy = {i for i, _ in inflight.values()}
+            for i, actor in enumerate(self.rollouts):
+                if room > 0 and i not in busy:
+                    meta, arrays = actor.sample.remote()
+                    inflight[meta] = (i, arrays)
+                    room -= 1
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.1) if inflight else ([], [])
+            if not inflight:
+                time.sleep(0.02)
+            for meta_ref in ready:
+                _, arrays = inflight.pop(meta_ref)
+                meta = ray.get(meta_ref)
+                while (status := ray.get(self.buffer.put.remote([arrays], meta["version"], meta["source"]))) == "full":
+                    time.sleep(0.02)
+                self.sampled.append({**meta, "status": status})
+
+    def run(self) -> PipelineResult:
+        start = time.perf_counter()
+        self.stopping, self.sampled, self.feed_error = threading.Event(), [], None
+        feeder = threading.Thread(target=self._feed_guarded, name="rollout-feeder", daemon=True)
+        feeder.start()
+        eval_run = self.evaluator.run.remote() if self.evaluator else None
+        try:
+            result = make_trainer(self.cfg, self.out).fit()
+        except Exception as exc:
+            if self.feed_error is not None:
+                raise DistillSpecError(f"the rollout feeder failed: {self.feed_error}") from exc
+            raise DistillSpecError(f"the learner failed: {str(exc).splitlines()[0][:300]}") from exc
+        finally:
+            self.stopping.set()
+            feeder.join()
+            ledger = ray.get(self.buffer.close.remote())
+            if self.evaluator is not None:
+                ray.get(self.evaluator.stop.remote())
+                ray.get(eval_run)
+        if self.feed_error is not None:
+            raise DistillSpecError(f"the rollout feeder failed: {self.feed_error}")
+        report = {"history": [], "alarms": []}
+        if self.evaluator is not None:
+            ray.get(self.evaluator.evaluate.remote())  # the final version
+            report = ray.get(self.evaluator.report.remote())
+        draft_dir = self.out / "draft"
+        with result.checkpoint.as_directory() as d:
+            shutil.rmtree(draft_dir, ignore_errors=True)
+            shutil.copytree(Path(d) / "draft", draft_dir)
+            train_log = json.loads((Path(d) / "train_log.json").read_text())
+        return PipelineResult(
+            draft_dir=draft_dir,
+            train_log=train_log,
+            ledger=ledger,
+            evaluations=report["history"],
+            alarms=report["alarms"],
+            resumed_from=self.resumed_from,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _feed_guarded(self) -> None:
+        try:
+            self.feed()
+        except Exception as exc:  # surfaced by run(); closing the buffer stops the learner
+            self.feed_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            self.stopping.set()
+            ray.get(self.buffer.close.remote())
+
+    def shutdown(self) -> None:
+        for actor in [*self.rollouts, *self.scorers, self.buffer, self.store] + (
+            [self.evaluator] if self.evaluator else []
+        ):
+            ray.kill(actor, no_restart=True)

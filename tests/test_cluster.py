@@ -1,0 +1,45 @@
+"""ray_cluster.yaml and the Grafana dashboard: checked with Ray's own tools."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from actors.metrics import SPECS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+
+
+def test_ray_cluster_yaml_passes_rays_schema_and_checks(cluster):
+    # What `ray up` does before it starts anything: merge the provider's defaults, then validate.
+    prepared = prepare_config(copy.deepcopy(cluster))
+    validate_config(prepared)  # Ray's JSON schema and its config checks
+    assert prepared["available_node_types"][prepared["head_node_type"]]["resources"].get("GPU", 0) == 0
+
+
+def test_gpu_workers_autoscale_from_zero_and_install_the_gpu_extra(cluster):
+    workers = {k: v for k, v in cluster["available_node_types"].items() if k != cluster["head_node_type"]}
+    assert workers and all(v["min_workers"] == 0 and v["resources"]["GPU"] >= 1 for v in workers.values())
+    assert any('".[vllm]"' in c for c in cluster["setup_commands"])
+
+
+def test_a_broken_cluster_yaml_is_refused(cluster):
+    broken = copy.deepcopy(cluster)
+    broken["available_node_types"]["gpu_1x"]["min_workers"] = "zero"
+    with pytest.raises(Exception, match="zero"):
+        validate_config(broken)
+
+
+def test_grafana_dashboard_charts_every_pipeline_metric():
+    dashboard = json.loads((ROOT / "cluster" / "grafana_dashboard.json").read_text())
+    queries = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    for name in SPECS:
+        assert f"ray_{name}" in queries, name

@@ -1,0 +1,188 @@
+"""The asynchronous pipeline on a real (shared, local) Ray cluster with tiny real models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import ray
+import yaml
+
+from actors import BufferActor, EvalActor, WeightStore
+from actors.common import weights_name
+from actors.weights import publish
+from cluster.connect import metrics_url
+from cluster.pipeline import Pipeline
+from distillspec.config import JobConfig, load_config
+from distillspec.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_TINY = [
+    "distill.batch_size=4",
+    "distill.max_new_tokens=8",
+    "eval.max_new_tokens=8",
+    "eval.batch_size=4",
+    "ray.eval_prompts=4",
+    "ray.take_timeout_s=120",
+]
+
+
+def job_config(garden, out: Path, *overrides: str) -> JobConfig:
+    return load_config(
+        None,
+        [f"target={garden.target}", f"draft={garden.draft}", f"output_dir={out}", *PIPELINE_TINY, *overrides],
+    )
+
+
+def scrape(name: str) -> list[float]:
+    """Values of a ``ray_<name>`` series in this node's Prometheus export."""
+    text = urllib.request.urlopen(metrics_url(), timeout=10).read().decode()
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"ray_{name}{{")]
+
+
+def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_garden, task, tmp_path):
+    cfg = job_config(tiny_garden, tmp_path, "distill.steps=8", "distill.checkpoint_every=4", "ray.eval_every=3")
+    pipeline = Pipeline(cfg, task, tmp_path)
+    try:
+        result = pipeline.run()
+        store_version = ray.get(pipeline.store.version.remote())
+    finally:
+        pipeline.shutdown()
+    assert [r["step"] for r in result.train_log] == list(range(1, 9))
+    assert all(np.isfinite(r["loss"]) and 0 <= r["lag"] <= cfg.ray.max_policy_lag for r in result.train_log)
+    ledger = result.ledger
+    assert ledger["balanced"] and ledger["consumed"] == 8 and ledger["held"] == 0, ledger
+    assert store_version == 8
+    versions = [e["version"] for e in result.evaluations]
+    assert versions == sorted(versions) and len(versions) >= 2 and versions[-1] == 8
+    assert all(0 <= e["alpha"] <= 1 and 1 <= e["tau"] <= 6 for e in result.evaluations)
+    assert load_model(str(result.draft_dir))[0].config.num_hidden_layers == 2
+    assert list((tmp_path / "learner").glob("checkpoint_*/draft"))
+    # The evaluation actor's gauges reach the node's Prometheus export (reported every few seconds).
+    deadline = time.time() + 30
+    while not scrape("distillspec_acceptance_rate") and time.time() < deadline:
+        time.sleep(1)
+    assert scrape("distillspec_acceptance_rate") and scrape("distillspec_learner_loss")
+
+
+def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_garden, task, tmp_path):
+    # Top-k target log-probs from a scoring actor (the large-vocabulary path) on the way.
+    cfg = job_config(
+        tiny_garden,
+        tmp_path,
+        "distill.steps=14",
+        "distill.checkpoint_every=0",
+        "ray.eval_every=0",
+        "ray.target_logits=scorer",
+        "ray.topk=16",
+    )
+    pipeline = Pipeline(cfg, task, tmp_path)
+    box = {}
+    runner = threading.Thread(target=lambda: box.update(result=pipeline.run()))
+    try:
+        old_pid = ray.get(pipeline.rollouts[0].pid.remote())
+        runner.start()
+        while ray.get(pipeline.buffer.ledger.remote())["consumed"] < 3:
+            time.sleep(0.2)
+        ray.kill(pipeline.rollouts[0], no_restart=False)  # Ray restarts it and retries its call
+        runner.join(timeout=300)
+        new_pid = ray.get(pipeline.rollouts[0].pid.remote())
+    finally:
+        pipeline.shutdown()
+    result = box["result"]
+    assert new_pid != old_pid
+    assert len(result.train_log) == 14 and all(np.isfinite(r["loss"]) for r in result.train_log)
+    assert result.ledger["balanced"] and result.ledger["consumed"] == 14, result.ledger
+
+
+def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):
+    buffer = BufferActor.options(name="refusals-buffer").remote(
+        capacity=4, max_policy_lag=1, max_batch_tokens=64, vocab_size=100, run="refusals"
+    )
+    good = {k: np.ones((2, 8), dtype=np.int64) for k in ("input_ids", "attention_mask", "loss_mask")}
+    cases = [
+        ({k: np.ones((16, 8), dtype=np.int64) for k in good}, "128 tokens > max_tokens 64"),
+        ({"input_ids": good["input_ids"]}, "missing"),
+        ({**good, "input_ids": np.full((2, 8), 100)}, "token ids outside [0, 100)"),
+        ({**good, "loss_mask": np.zeros((2, 8), dtype=np.int64)}, "no position to learn from"),
+    ]
+    for batch, reason in cases:
+        assert reason in ray.get(buffer.put.remote([ray.put(batch)], 0, "draft"))
+    assert ray.get(buffer.put.remote([ray.put(good)], 0, "draft")) == "ok"
+    ray.get(buffer.take.remote(0, 5))  # the learner moves on: version 0 is now stale
+    assert "behind" in ray.get(buffer.put.remote([ray.put(good)], 0, "draft"))
+    ledger = ray.get(buffer.ledger.remote())
+    assert ledger["refused"] == 5 and ledger["dropped"] == 1 and ledger["balanced"]
+    assert [r for r in ledger["refusals"] if "max_tokens" in r]
+    ray.kill(buffer)
+
+
+def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
+    import torch
+
+    # The draft is a copy of the target (alpha ~ 1) until noise replaces its weights.
+    overrides = [f"draft={tiny_garden.target}", "ray.run_name=alarm", "ray.alarm_drop=0.1", "eval.speedup_gamma=3"]
+    cfg = job_config(tiny_garden, Path("unused"), *overrides)
+    store = WeightStore.options(name=weights_name("alarm")).remote("alarm")
+    draft, _ = load_model(str(tiny_garden.target))
+    publish(store, draft, 0)
+    evaluator = EvalActor.remote(cfg, [e.prompt for e in task.test[:8]])
+    good = ray.get(evaluator.evaluate.remote())
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(torch.randn_like(p))
+    publish(store, draft, 1)
+    bad = ray.get(evaluator.evaluate.remote())
+    report = ray.get(evaluator.report.remote())
+    ray.kill(evaluator)
+    ray.kill(store)
+    assert good["alpha"] > 0.9 and bad["alpha"] < good["alpha"] - 0.1
+    assert len(report["alarms"]) == 1 and "collapsed" in report["alarms"][0]
+
+
+def run_job(*args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "jobs" / "distill.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        **popen,
+    )
+
+
+def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
+        f"ray.address={ray_cluster}", *PIPELINE_TINY, "distill.steps=60", "distill.checkpoint_every=3",
+        "ray.eval_every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
+        "eval.speedup_prompts=0", "ray.run_name=resume",
+    ]  # fmt: skip
+    first = run_job(*args)
+    deadline = time.time() + 300
+    while not list((out / "learner").glob("checkpoint_*/step.json")) and time.time() < deadline:
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.5)
+    first.send_signal(signal.SIGKILL)  # a crash: no cleanup
+    first.wait()
+    saved = max(json.loads(p.read_text())["step"] for p in (out / "learner").glob("checkpoint_*/step.json"))
+    assert 3 <= saved < 60
+
+    second = run_job(*args)
+    output, _ = second.communicate(timeout=900)
+    assert second.returncode == 0, output[-3000:]
+    assert f"resuming the learner from its checkpoint at step {saved}" in output
+    log = json.loads((out / "train_log.json").read_text())
+    assert [r["step"] for r in log] == list(range(1, 61))
+    assert yaml.safe_load((out / "config.yaml").read_text())["ray"]["address"] == ray_cluster
