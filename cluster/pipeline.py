@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from transformers import AutoConfig
 
 from actors import BufferActor, EvalActor, RolloutActor, ScorerActor, WeightStore
 from actors.common import buffer_name, weights_name
@@ -25,7 +26,6 @@ from actors.learner import RUN_DIR, latest_step, make_trainer
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_model
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Pipeline:
             )
         check_resources(cfg, strict=fixed_cluster)
         wait_for_names([weights_name(r.run_name), buffer_name(r.run_name)])
-        vocab = load_model(cfg.draft)[0].config.vocab_size
+        vocab = AutoConfig.from_pretrained(cfg.draft).vocab_size  # the config alone, not the weights
         self.store = WeightStore.options(name=weights_name(r.run_name)).remote(r.run_name)
         self.buffer = BufferActor.options(name=buffer_name(r.run_name)).remote(
             capacity=r.buffer_capacity,

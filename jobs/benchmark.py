@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,7 +41,6 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
                 f"ray.mode={mode}",
             ],
         )
-        cfg = replace(cfg, distill=replace(cfg.distill, warmup_steps=min(cfg.distill.warmup_steps, 20)))
         records = main(cfg)
         log = json.loads((out / mode / "train_log.json").read_text())
         before, after = (next(r for r in records if r["phase"] == p) for p in ("before", "after"))
