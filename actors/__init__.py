@@ -2,7 +2,8 @@
 
 from actors.buffer import BufferActor
 from actors.evaluator import EvalActor
+from actors.prompts import PromptLog
 from actors.rollout import RolloutActor, ScorerActor
 from actors.weights import WeightStore
 
-__all__ = ["BufferActor", "EvalActor", "RolloutActor", "ScorerActor", "WeightStore"]
+__all__ = ["BufferActor", "EvalActor", "PromptLog", "RolloutActor", "ScorerActor", "WeightStore"]

@@ -1,7 +1,7 @@
 """The sample buffer as a named actor: object references to rollout batches, never the batches' bytes.
 
-Rollout actors ``ray.put`` a batch with this actor as its owner (so it outlives a producer that dies)
-and offer the reference; the learner takes references and reads the batches from the object store.
+Rollout actors return each batch to the driver, which owns it (so it outlives a producer that dies) and offers
+its reference here; the learner takes references and reads the batches from the object store.
 Bookkeeping (capacity, staleness, ledger) is :class:`distillspec.buffer.SampleBuffer`.
 """
 

@@ -23,3 +23,7 @@ def setup_worker(threads: int = 1) -> None:
     """One torch thread per actor (fractional CPUs on small machines), and INFO logs into the actor's log."""
     torch.set_num_threads(max(1, threads))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def prompts_name(run: str) -> str:
+    return f"{run}-prompts"

@@ -123,7 +123,9 @@ def learner_loop(config: dict) -> None:
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
     while step < cfg.distill.steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
+        t_take = time.perf_counter()
         sampled, source, arrays = take_batch(buffer, step, cfg.ray.take_timeout_s)
+        t_compute = time.perf_counter()
         batch = batch_from_arrays(arrays, device)
         model.train()
         loss = kd_loss(
@@ -138,8 +140,10 @@ def learner_loop(config: dict) -> None:
         update(model, optimizer, scheduler, loss)
         model.eval()
         step += 1
+        t_publish = time.perf_counter()
         if rank == 0 and step % cfg.ray.publish_every == 0:
             publish(store, draft, step)
+        t_end = time.perf_counter()
         t0, rows, tokens = window
         rows, tokens = rows + batch.input_ids.shape[0], tokens + batch.tokens
         elapsed = time.perf_counter() - t0
@@ -160,6 +164,9 @@ def learner_loop(config: dict) -> None:
                 "version": sampled,
                 "lag": step - 1 - sampled,
                 "time": time.perf_counter() - start,
+                "wait_s": t_compute - t_take,  # waiting for a batch
+                "compute_s": t_publish - t_compute,
+                "publish_s": t_end - t_publish,
             }
         )
         if cfg.distill.checkpoint_every and step % cfg.distill.checkpoint_every == 0 and step < cfg.distill.steps:

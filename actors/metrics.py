@@ -25,6 +25,7 @@ SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_rollout_tokens_per_s": (Gauge, "tokens sampled per second per rollout actor", ("run", "actor")),
     "distillspec_buffer_size": (Gauge, "batches waiting in the buffer", ("run",)),
     "distillspec_samples": (Counter, "batches by ledger column", ("run", "column")),
+    "distillspec_online_prompts": (Counter, "prompts the endpoint sent for online distillation", ("run",)),
 }
 
 _made: dict[str, Any] = {}

@@ -9,7 +9,7 @@ import time
 import ray
 import torch
 
-from actors.common import log, setup_worker, weights_name
+from actors.common import log, prompts_name, setup_worker, weights_name
 from actors.metrics import gauge
 from actors.weights import pull
 from distillspec.config import JobConfig
@@ -47,6 +47,7 @@ class RolloutActor:
         else:
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, cfg.distill, seed=seed)
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
+        self.prompts = ray.get_actor(prompts_name(cfg.ray.run_name)) if cfg.ray.online else None
         self.version = -1
         self.made = 0
         log.info("rollout %d up (pid %d%s)", rank, os.getpid(), ", restarted" if restarted else "")
@@ -59,6 +60,8 @@ class RolloutActor:
         """One batch from the latest draft: ``(meta, arrays)``. Two returns, so the driver reads the small meta
         and passes the arrays on as a reference; both are owned by the caller and outlive this actor."""
         self.sync()
+        if self.prompts is not None:
+            self.sampler.train = self.served_prompts()
         start = time.perf_counter()
         source, batch = self.sampler()
         arrays = batch_to_arrays(batch)
@@ -72,6 +75,13 @@ class RolloutActor:
         gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
         meta = {"version": self.version, "source": source, "rows": rows, "tokens": batch.tokens, "seconds": seconds}
         return meta, arrays
+
+    def served_prompts(self) -> list[Example]:
+        """Online distillation: the latest prompts the endpoint served (waits until there are enough)."""
+        r = self.cfg.ray
+        while len(prompts := ray.get(self.prompts.sample.remote(self.cfg.distill.batch_size))) < r.online_min_prompts:
+            time.sleep(0.5)
+        return [Example(prompt=p, reference="") for p in prompts]
 
     def sync(self) -> None:
         version = pull(self.store, self.draft, self.version)

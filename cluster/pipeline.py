@@ -20,8 +20,8 @@ from pathlib import Path
 import ray
 from transformers import AutoConfig
 
-from actors import BufferActor, EvalActor, RolloutActor, ScorerActor, WeightStore
-from actors.common import buffer_name, weights_name
+from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
+from actors.common import buffer_name, prompts_name, weights_name
 from actors.learner import RUN_DIR, latest_step, make_trainer
 from distillspec.config import JobConfig
 from distillspec.data import Task
@@ -100,6 +100,11 @@ class Pipeline:
             vocab_size=vocab,
             run=r.run_name,
         )
+        self.prompt_log = None
+        if r.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
+            wait_for_names([prompts_name(r.run_name)])
+            self.prompt_log = PromptLog.options(name=prompts_name(r.run_name)).remote(r.run_name, r.online_window)
+            ray.get(self.prompt_log.stats.remote())
         ray.get([self.store.version.remote(), self.buffer.free_slots.remote()])  # up, and the names are free
         self.scorers = []
         if r.target_logits == "scorer":
@@ -185,7 +190,6 @@ class Pipeline:
             ray.get(self.buffer.close.remote())
 
     def shutdown(self) -> None:
-        for actor in [*self.rollouts, *self.scorers, self.buffer, self.store] + (
-            [self.evaluator] if self.evaluator else []
-        ):
+        extra = [a for a in (self.evaluator, self.prompt_log) if a is not None]
+        for actor in [*self.rollouts, *self.scorers, self.buffer, self.store, *extra]:
             ray.kill(actor, no_restart=True)

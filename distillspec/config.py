@@ -114,6 +114,9 @@ class RayConfig:
     resume: bool = True  #: resume the learner from the latest checkpoint in output_dir
     max_failures: int = 3  #: learner restarts from its latest checkpoint after a worker failure
     take_timeout_s: float = 600.0  #: the learner gives up when no batch arrives for this long
+    online: bool = False  #: train on prompts a Serve endpoint serves (serve.record_prompts) instead of the data set
+    online_window: int = 2048  #: the most recent served prompts rollouts sample from
+    online_min_prompts: int = 8  #: rollouts wait until the prompt log holds this many
 
     def validate(self) -> None:
         _choice("ray.mode", self.mode, ("async", "sync"))
@@ -130,8 +133,47 @@ class RayConfig:
         for key in ("rollout_cpus", "learner_cpus", "scorer_cpus", "eval_cpus", "rollout_gpus"):
             if getattr(self, key) < 0:
                 raise DistillSpecError(f"ray.{key}={getattr(self, key)!r}: must be >= 0")
+        _positive(self, ["online_window", "online_min_prompts"], prefix="ray.")
         if self.object_store_memory < 78_643_200:
             raise DistillSpecError(f"ray.object_store_memory={self.object_store_memory}: Ray needs at least 75 MiB")
+
+
+@dataclass
+class ServeConfig:
+    """The speculative-decoding endpoint (``jobs/serve.py``, ``cluster/serve_config.yaml``)."""
+
+    host: str = "127.0.0.1"  #: address to bind (0.0.0.0 exposes it to the network)
+    port: int = 8000
+    api_key: str | None = None  #: when set, requests need "Authorization: Bearer <api_key>"
+    model_name: str = "distillspec"  #: the id /v1/models reports and requests may name
+    gamma: int = 5  #: draft tokens per block when a request gives none
+    max_prompt_tokens: int = 512  #: longer prompts get a 400
+    max_tokens: int = 512  #: the largest max_tokens a request may ask for
+    max_batch_size: int = 8  #: concurrent requests batched into one decoding call
+    batch_wait_timeout_s: float = 0.01  #: how long a batch waits to fill
+    min_replicas: int = 1  #: autoscaling bounds of the deployment
+    max_replicas: int = 1
+    target_ongoing_requests: float = 8.0  #: autoscaling target per replica
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    threads: int = 0  #: torch threads per replica (0 = replica_cpus, at least 1)
+    follow_run: str | None = None  #: take new draft versions from this run's weight store (None = ray.run_name)
+    sync_every_s: float = 1.0  #: how often a replica checks the weight store (0 = never)
+    record_prompts: bool = False  #: online distillation: send served prompts to the run's prompt log
+
+    def validate(self) -> None:
+        _positive(
+            self,
+            ["port", "gamma", "max_prompt_tokens", "max_tokens", "max_batch_size", "min_replicas", "max_replicas"],
+            prefix="serve.",
+        )
+        if self.min_replicas > self.max_replicas:
+            raise DistillSpecError(f"serve.min_replicas={self.min_replicas} > serve.max_replicas={self.max_replicas}")
+        for key in ("batch_wait_timeout_s", "sync_every_s", "replica_cpus", "replica_gpus", "threads"):
+            if getattr(self, key) < 0:
+                raise DistillSpecError(f"serve.{key}={getattr(self, key)!r}: must be >= 0")
+        if self.api_key == "":
+            raise DistillSpecError("serve.api_key is empty: give a key, or leave it unset for no key")
 
 
 @dataclass
@@ -148,6 +190,7 @@ class JobConfig:
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def validate(self) -> JobConfig:
         from distillspec.distill import resolve_recipe  # noqa: PLC0415 (avoid an import cycle)
@@ -178,6 +221,12 @@ class JobConfig:
         if self.distill.lr <= 0 or self.garden.lr <= 0:
             raise DistillSpecError("learning rates (distill.lr, garden.lr) must be > 0")
         self.ray.validate()
+        self.serve.validate()
+        if self.ray.online and resolve_recipe(self.distill).lambda1 > 0:
+            raise DistillSpecError(
+                f"ray.online=true trains on served prompts, which have no reference answers: recipe "
+                f"{self.distill.recipe!r} uses fixed data; choose an on-policy recipe (distillspec, gkd) or lambda1=0"
+            )
         if (self.target is None) != (self.draft is None):
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
         return self

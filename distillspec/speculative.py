@@ -7,7 +7,7 @@ position counter, so each row of a batch accepts its own number of tokens and st
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,13 +25,19 @@ LENIENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
 
 
 def check_decoding_args(
-    *, gamma: int = 1, max_new_tokens: int, temperature: float, lenience: str | None, epsilon: float
+    *,
+    gamma: int = 1,
+    max_new_tokens: int | Sequence[int],
+    temperature: float,
+    lenience: str | None,
+    epsilon: float,
 ) -> None:
     """Raise :class:`DistillSpecError` naming the bad value and the fix."""
     if not isinstance(gamma, int) or gamma < 1:
         raise DistillSpecError(f"gamma={gamma!r}: gamma (draft tokens per block) must be an integer >= 1")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise DistillSpecError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    limits = [max_new_tokens] if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if not limits or not all(isinstance(n, int) and n >= 1 for n in limits):
+        raise DistillSpecError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1 (or one per row)")
     if temperature < 0:
         raise DistillSpecError(f"temperature={temperature!r}: must be >= 0 (0 means greedy)")
     if lenience is not None and lenience not in LENIENCES:
@@ -178,13 +184,25 @@ class GenerationOutput:
     stats: SpecStats | None = None
 
 
-class _Emitter:
-    """Collects emitted tokens per original row and retires rows at EOS or the token budget."""
+#: ``on_block(tokens, counts)`` is called after each decoding block with the new tokens so far ([B, max], padded)
+#: and how many each row has ([B]); it returns True to stop the whole batch early (a streaming client left, or a
+#: stop string was reached).
+BlockCallback = Callable[[Tensor, Tensor], bool | None]
 
-    def __init__(self, batch: int, max_new_tokens: int, eos_token_id: int | None, pad: int, device) -> None:
-        self.out = torch.full((batch, max_new_tokens), pad, dtype=torch.long, device=device)
+
+class _Emitter:
+    """Collects emitted tokens per original row and retires rows at EOS or their token budget."""
+
+    def __init__(
+        self, batch: int, max_new_tokens: int | Sequence[int], eos_token_id: int | None, pad: int, device
+    ) -> None:
+        limits = [max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(limits) != batch:
+            raise DistillSpecError(f"{len(limits)} max_new_tokens values for a batch of {batch} prompts")
+        self.limit = torch.tensor(limits, dtype=torch.long, device=device)
+        self.out = torch.full((batch, max(limits)), pad, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
-        self.max_new_tokens, self.eos = max_new_tokens, eos_token_id
+        self.eos = eos_token_id
 
     def emit(self, rows: Tensor, tokens: Tensor, n: Tensor) -> Tensor:
         """Append the first ``n[i]`` of ``tokens[i]`` to original row ``rows[i]``; return a done mask."""
@@ -197,11 +215,11 @@ class _Emitter:
             take &= offs[None, :] <= first[:, None]
         start = self.count[rows]
         pos = start[:, None] + offs[None, :]
-        take &= pos < self.max_new_tokens
+        take &= pos < self.limit[rows][:, None]
         r, c = take.nonzero(as_tuple=True)
         self.out[rows[r], pos[r, c]] = tokens[r, c]
         self.count[rows] = start + take.sum(1)
-        done = self.count[rows] >= self.max_new_tokens
+        done = self.count[rows] >= self.limit[rows]
         if self.eos is not None:
             done |= ((tokens == self.eos) & take).any(1)
         return done
@@ -225,14 +243,16 @@ def autoregressive_generate(
     model: PreTrainedModel,
     input_ids: Tensor,
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float = 1.0,
     eos_token_id: int | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
+    on_block: BlockCallback | None = None,
 ) -> GenerationOutput:
-    """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`."""
+    """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
+    (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     lm = CachedLM(model)
@@ -244,7 +264,7 @@ def autoregressive_generate(
     while True:
         token = next_token(logits, temperature, generator)
         done = emitter.emit(rows, token[:, None], torch.ones_like(token))
-        if bool(done.all()):
+        if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count)):
             break
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
@@ -261,7 +281,7 @@ def speculative_generate(
     input_ids: Tensor,
     *,
     gamma: int,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float = 1.0,
     lenience: str | None = None,
     epsilon: float = 1.0,
@@ -269,6 +289,7 @@ def speculative_generate(
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
+    on_block: BlockCallback | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -276,6 +297,7 @@ def speculative_generate(
     exactly (``temperature=0`` reproduces the target's greedy output). Lossy with ``lenience`` in
     ``{"lin", "sq", "exp"}``: a draft token ``x`` is accepted with probability
     ``min(1, f(p(x), epsilon) / q(x))``; on rejection the token is resampled from ``norm(max(0, p - q))``.
+    ``max_new_tokens`` is one budget or one per row; ``on_block`` streams (see :data:`BlockCallback`).
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -355,6 +377,8 @@ def speculative_generate(
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
         done = emitter.emit(rows, emitted, n + 1)
+        if on_block is not None and on_block(emitter.out, emitter.count):
+            done = torch.ones_like(done)
 
         tgt.reject_tail(gamma - n)  # target saw target_in, d_1..d_gamma; keep through d_n
         drf.reject_tail((gamma - 1 - n).clamp(min=0))  # draft saw .., d_1..d_{gamma-1}

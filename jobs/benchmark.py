@@ -2,11 +2,20 @@
 
     python jobs/benchmark.py async                 # asynchronous pipeline vs the synchronous loop
     python jobs/benchmark.py async --budget 300 garden.cache_dir=.cache/garden
+    python jobs/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
+    python jobs/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
 
 Suite ``async``: the same garden pair, data and recipe, trained for the same wall-clock budget by
 ``ray.mode=sync`` (one process: sample, then update) and by ``ray.mode=async`` (rollout actors sample while
 the Ray Train learner updates). Reports tokens trained per second and the acceptance rate alpha reached
 (gamma = eval.speedup_gamma, T = 1, held-out prompts). Goal: async >= 1.3x tokens/s at equal or better alpha.
+
+Suite ``serve``: the endpoint (one replica) under 400 requests at concurrency 8 on the task's test prompts, T = 1:
+speculation off, SD with the garden draft, SD while the learner's weight store swaps in the distilled draft, and
+SD with the distilled draft. Reports errors, p50/p95 latency, tokens/s, alpha and tau, and the draft versions.
+
+Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
+``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time.
 """
 
 from __future__ import annotations
@@ -14,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distillspec.cli import run_main  # noqa: E402
 from distillspec.config import load_config  # noqa: E402
+from distillspec.errors import DistillSpecError  # noqa: E402
 
 
 def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
@@ -72,7 +83,227 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
     return rows
 
 
-SUITES = {"async": suite_async}
+def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, during=None) -> dict:
+    """``n`` completion requests from ``concurrency`` threads; ``during(done_so_far)`` runs between requests."""
+    import threading  # noqa: PLC0415
+
+    import requests  # noqa: PLC0415
+
+    lock, rows, errors, issued = threading.Lock(), [], [], iter(range(n))
+
+    def worker() -> None:
+        session = requests.Session()
+        while True:
+            with lock:
+                i = next(issued, None)
+            if i is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                r = session.post(f"{url}/completions", json={"prompt": prompts[i % len(prompts)], **body}, timeout=300)
+                r.raise_for_status()
+                data = r.json()
+                with lock:
+                    rows.append((time.perf_counter() - t0, data["usage"]["completion_tokens"], data["distillspec"]))
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            if during is not None:
+                during(len(rows))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    latencies = sorted(r[0] for r in rows)
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")  # noqa: E731
+    sd = [r[2] for r in rows if r[2]["drafted"]]
+    accepted, judged = sum(x["accepted"] for x in sd), sum(x["accepted"] + x["rejected"] for x in sd)
+    calls = sum(x["target_calls"] for x in sd)
+    versions = sorted({r[2]["draft_version"] for r in rows})
+    return {
+        "requests": n,
+        "ok": len(rows),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "seconds": seconds,
+        "tokens_per_s": sum(r[1] for r in rows) / seconds,
+        "p50_s": pick(0.5),
+        "p95_s": pick(0.95),
+        "alpha": accepted / judged if judged else None,
+        "tau": (accepted + calls) / calls if calls else None,
+        "draft_versions": versions,
+    }
+
+
+def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
+    """The endpoint under load: SD vs speculation off, before and after distillation, and a swap under load."""
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from actors import WeightStore  # noqa: PLC0415
+    from actors.common import NAMESPACE, weights_name  # noqa: PLC0415
+    from actors.weights import publish  # noqa: PLC0415
+    from cluster.connect import connect  # noqa: PLC0415
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.models import load_model  # noqa: PLC0415
+    from jobs.serve import start  # noqa: PLC0415
+
+    del budget
+    cfg = load_config(None, ["ray.run_name=serve-bench", "serve.sync_every_s=0.5", *overrides])
+    if distilled is None or not Path(distilled).is_dir():
+        raise DistillSpecError(f"--distilled {distilled!r}: give the draft a distill run made (its out/draft folder)")
+    connect(cfg.ray)
+    url = start(cfg)
+    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
+    store = WeightStore.options(name=weights_name("serve-bench"), namespace=NAMESPACE).remote("serve-bench")
+    new_draft = load_model(distilled)[0]
+    n, conc = 400, 8
+    body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
+    rows: dict = {}
+    try:
+        _load(url, prompts, 16, conc, body)  # warm-up
+        rows["sd_before"] = _load(url, prompts, n, conc, body)
+        rows["no_sd"] = _load(url, prompts, n, conc, {**body, "speculative": False})
+        swapped = []
+
+        def swap(done: int) -> None:
+            if done >= n // 4 and not swapped:
+                swapped.append(time.perf_counter())
+                publish(store, new_draft, 1)
+
+        rows["sd_swap"] = _load(url, prompts, n, conc, body, during=swap)
+        rows["sd_after"] = _load(url, prompts, n, conc, body)
+    finally:
+        serve.shutdown()
+        ray.kill(store)
+    rows["speedup_before"] = rows["sd_before"]["tokens_per_s"] / rows["no_sd"]["tokens_per_s"]
+    rows["speedup_after"] = rows["sd_after"]["tokens_per_s"] / rows["no_sd"]["tokens_per_s"]
+    print(f"\nendpoint load: {n} requests at concurrency {conc}, max_tokens {body['max_tokens']}, T=1:")
+    print(
+        f"{'phase':>10} {'ok':>4} {'errors':>6} {'tokens/s':>9} {'p50 s':>6} {'p95 s':>6} {'alpha':>6} {'tau':>6} "
+        "versions"
+    )
+    for k in ("no_sd", "sd_before", "sd_swap", "sd_after"):
+        r = rows[k]
+        a, t = (f"{r[x]:.3f}" if r[x] is not None else "-" for x in ("alpha", "tau"))
+        print(
+            f"{k:>10} {r['ok']:>4} {r['errors']:>6} {r['tokens_per_s']:>9.1f} {r['p50_s']:>6.2f} {r['p95_s']:>6.2f} "
+            f"{a:>6} {t:>6} {r['draft_versions']}"
+        )
+    print(f"tokens/s SD / no SD: {rows['speedup_before']:.2f}x before distillation, {rows['speedup_after']:.2f}x after")
+    return rows
+
+
+def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
+    """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
+    job (``ray.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import ray  # noqa: PLC0415
+    import requests  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.connect import connect  # noqa: PLC0415
+    from distillspec.data import load_task  # noqa: PLC0415
+    from jobs.serve import start  # noqa: PLC0415
+
+    del distilled
+    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", *overrides]
+    cfg = load_config(None, run)
+    connect(cfg.ray)
+    url = start(cfg)
+    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
+    out.mkdir(parents=True, exist_ok=True)
+    job = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "distill.py"),
+        "--output-dir",
+        str(out / "distill"),
+        f"ray.address={ray.get_runtime_context().gcs_address}",
+        "ray.online=true",
+        "ray.eval_every=0",
+        "ray.resume=false",
+        f"distill.time_budget_s={budget}",
+        "distill.steps=100000",
+        "eval.gammas=[5]",
+        "eval.temperatures=[1]",
+        "eval.speedup_prompts=0",
+        *run,
+    ]
+    import shutil  # noqa: PLC0415
+
+    shutil.rmtree(out / "distill", ignore_errors=True)
+    proc = subprocess.Popen(
+        job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    start_t, rows, errors, lock = time.perf_counter(), [], [], threading.Lock()
+    body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
+
+    def client(k: int) -> None:
+        session, i = requests.Session(), k
+        while proc.poll() is None:
+            try:
+                r = session.post(f"{url}/completions", json={"prompt": prompts[i % len(prompts)], **body}, timeout=300)
+                r.raise_for_status()
+                sd = r.json()["distillspec"]
+                with lock:
+                    rows.append({"time": time.perf_counter() - start_t, **sd})
+            except Exception as exc:  # noqa: BLE001 - every failure is counted
+                with lock:
+                    errors.append(repr(exc)[:200])
+            i += 4
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    log_text = proc.communicate()[0]
+    for t in threads:
+        t.join()
+    serve.shutdown()
+    (out / "distill.log").write_text(log_text)
+    if proc.returncode != 0:
+        raise DistillSpecError(f"the online distill job failed (exit {proc.returncode}); see {out / 'distill.log'}")
+    # alpha per window of 20 responses, pooled
+    windows = []
+    for j in range(0, len(rows) - 19, 20):
+        w = rows[j : j + 20]
+        acc, judged = sum(r["accepted"] for r in w), sum(r["accepted"] + r["rejected"] for r in w)
+        windows.append(
+            {
+                "time": w[-1]["time"],
+                "alpha": acc / judged if judged else None,
+                "draft_version": max(r["draft_version"] for r in w),
+            }
+        )
+    result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([w["time"] for w in windows], [w["alpha"] for w in windows], marker="o")
+    ax.set_xlabel("seconds since the endpoint started serving")
+    ax.set_ylabel("alpha at the endpoint (20 responses)")
+    ax.set_title(f"online distillation on served {cfg.dataset} prompts")
+    ax2 = ax.twinx()
+    ax2.step([w["time"] for w in windows], [w["draft_version"] for w in windows], color="grey", where="post")
+    ax2.set_ylabel("draft version", color="grey")
+    fig.tight_layout()
+    fig.savefig(out / "online_alpha.png", dpi=120)
+    print(f"\nonline distillation: {len(rows)} responses, {len(errors)} errors; alpha at the endpoint over time:")
+    for w in windows[:: max(1, len(windows) // 12)] + windows[-1:]:
+        print(f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {w['alpha']:.3f}")
+    print(f"wrote {out / 'online_alpha.png'}")
+    return result
+
+
+SUITES = {"async": suite_async, "serve": suite_serve, "online": suite_online}
 
 
 def main() -> None:
@@ -80,11 +311,13 @@ def main() -> None:
     parser.add_argument("suites", nargs="+", choices=sorted(SUITES), help="benchmark suites to run")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds of training per mode (suite async)")
     parser.add_argument("--output-dir", default="outputs/benchmark")
+    parser.add_argument("--distilled", help="suite serve: a distilled draft folder (a distill run's out/draft)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
     out = Path(args.output_dir).resolve()
     for name in args.suites:
-        result = SUITES[name](args.overrides + extra, args.budget, out / name)
+        kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
+        result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
         print(f"wrote {out / f'{name}.json'}")
 

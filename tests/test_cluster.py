@@ -9,6 +9,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from actors.metrics import SPECS
+from distillspec import DistillSpecError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,8 +39,30 @@ def test_a_broken_cluster_yaml_is_refused(cluster):
         validate_config(broken)
 
 
-def test_grafana_dashboard_charts_every_pipeline_metric():
+def test_grafana_dashboard_charts_every_pipeline_and_endpoint_metric():
+    from cluster.serve import SERVE_SPECS
+
     dashboard = json.loads((ROOT / "cluster" / "grafana_dashboard.json").read_text())
     queries = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
-    for name in SPECS:
+    for name in [*SPECS, *SERVE_SPECS]:
         assert f"ray_{name}" in queries, name
+
+
+def test_serve_config_passes_serves_schema_and_builds(tiny_garden):
+    """cluster/serve_config.yaml is a valid Serve deploy config, and its builder makes the application."""
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve import build_app
+
+    data = yaml.safe_load((ROOT / "cluster" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(data)
+    app = schema.applications[0]
+    assert app.import_path == "cluster.serve:build_app" and app.deployments[0].name == "Completions"
+    args = {
+        **app.args,
+        "overrides": [*app.args["overrides"], f"target={tiny_garden.target}", f"draft={tiny_garden.draft}"],
+    }
+    assert isinstance(build_app(args), Application)
+    with pytest.raises(DistillSpecError, match="unknown application args"):
+        build_app({"overide": []})

@@ -195,3 +195,32 @@ def test_one_token_prompt(close_pair):
     ids = torch.tensor([[5], [9]])
     sd = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=12, temperature=0)
     assert torch.equal(sd.sequences, target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_per_row_budgets_and_streaming_callback(close_pair, speculative):
+    """Each row stops at its own max_new_tokens; the callback sees tokens grow block by block, as returned;
+    returning True from it stops the batch early."""
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    limits = [3, 9, 1, 17, 12]
+    seen = []
+
+    def on_block(tokens, counts):
+        seen.append(counts.clone())
+
+    def run(**kw):
+        common = dict(max_new_tokens=limits, temperature=0, attention_mask=mask, **kw)
+        if speculative:
+            return speculative_generate(target, draft, ids, gamma=3, **common)
+        return autoregressive_generate(target, ids, **common)
+
+    out = run(on_block=on_block)
+    assert out.num_new_tokens.tolist() == limits
+    full = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=17, temperature=0, attention_mask=mask)
+    for row, n in enumerate(limits):  # a budget truncates the same greedy output
+        assert torch.equal(out.sequences[row, 7 : 7 + n], full.sequences[row, 7 : 7 + n])
+    assert len(seen) > 1 and all((b >= a).all() for a, b in zip(seen, seen[1:], strict=False))
+    assert (seen[-1] <= out.num_new_tokens).all()
+    stopped = run(on_block=lambda tokens, counts: bool(counts[3] >= 4))
+    assert 4 <= int(stopped.num_new_tokens[3]) < 17

@@ -1,0 +1,393 @@
+"""The speculative-decoding endpoint on Ray Serve: an OpenAI-compatible ``/v1/completions`` whose draft
+follows a running distillation job.
+
+    serve run cluster/serve_config.yaml        # or: python jobs/serve.py
+
+One deployment, :class:`Completions`, is both the FastAPI ingress and the model holder; its replicas batch
+concurrent requests (``@serve.batch``) into :class:`distillspec.serving.Completer` calls. A thread in each
+replica checks the run's weight store (``<run>-weights`` in namespace ``distillspec``) and swaps in each new
+draft version; a request keeps the draft it started with. With ``serve.record_prompts`` the replica sends
+every served prompt to the run's prompt log (``<run>-prompts``), from which an online distillation job samples.
+"""
+
+import asyncio
+import functools
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Literal
+
+import ray
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve import metrics
+
+from actors.common import NAMESPACE, prompts_name, weights_name
+from actors.weights import pull
+from distillspec.config import JobConfig, load_config
+from distillspec.errors import DistillSpecError
+from distillspec.models import load_pair
+from distillspec.serving import Completer, Completion, CompletionJob, DecodingArgs, cut_at_stop, merge_stats
+
+log = logging.getLogger("distillspec.serve")
+
+#: name -> (kind, description, tag keys) of the endpoint's metrics (Prometheus: ``ray_<name>``)
+SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
+    "distillspec_serve_requests": (metrics.Counter, "completion requests by outcome", ("status",)),
+    "distillspec_serve_acceptance_rate": (metrics.Gauge, "alpha of the latest served batch", ()),
+    "distillspec_serve_block_efficiency": (metrics.Gauge, "tau of the latest served batch", ()),
+    "distillspec_serve_tokens_per_s": (metrics.Gauge, "completion tokens per second of the latest batch", ()),
+    "distillspec_serve_latency_s": (metrics.Histogram, "request latency in seconds", ()),
+    "distillspec_serve_draft_version": (metrics.Gauge, "draft weight version the replica serves", ()),
+}
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion request, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[str]
+    max_tokens: int = Field(16, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
+    n: int = Field(1, ge=1, le=1, description="only 1")
+    stream: bool = Field(False, strict=True)
+    stream_options: dict | None = None
+    seed: int | None = Field(None, strict=True)
+    stop: str | list[str] | None = None
+    user: str | None = None
+    gamma: int | None = Field(None, ge=1, le=32, strict=True, description="draft tokens per target call")
+    lenience: Literal["lin", "sq", "exp"] | None = None
+    epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
+    speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v: str | list[str]) -> str | list[str]:
+        items = [v] if isinstance(v, str) else v
+        if not items or any(not p.strip() for p in items):
+            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop strings")
+        return v
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+app = FastAPI(title="DistillSpec speculative decoding", version="1")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return JSONResponse(status_code=400, content=error_body("the request body is not valid JSON", None))
+    param = loc[0] if loc else None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else str(first.get("msg"))
+    if first.get("type") == "extra_forbidden":
+        message = f"{param}: unknown or unsupported field"
+    return JSONResponse(status_code=400, content=error_body(message, param))
+
+
+@app.exception_handler(HTTPError)
+async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content=error_body(exc.message, exc.param, exc.kind))
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a :class:`DistillSpecError` from the decoder names (``"gamma=0: ..."``)."""
+    head = message.split(":", 1)[0].split("=", 1)[0].strip()
+    return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
+
+
+def _pull_into(store: ray.actor.ActorHandle, have: int, model: torch.nn.Module) -> int:
+    return pull(store, model, have)
+
+
+def _usage(done: list[Completion]) -> dict:
+    prompt, completion = sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sd(done: list[Completion]) -> dict:
+    """SD statistics of a response: pooled over its choices, with the draft version and decoding time."""
+    return {
+        **merge_stats([c.stats for c in done]),
+        "draft_version": done[0].version,
+        "seconds": max(c.seconds for c in done),
+    }
+
+
+@serve.deployment(max_ongoing_requests=64)
+@serve.ingress(app)
+class Completions:
+    """An OpenAI-compatible completions server with a target, a draft that follows a weight store, and SD."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        s = cfg.serve
+        torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
+        logging.basicConfig(level=logging.INFO)
+        self.cfg, self.s = cfg, s
+        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+        self.completer = Completer(
+            target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=int(time.time_ns() % 2**31)
+        )
+        self._batched.set_max_batch_size(s.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
+        self.run = s.follow_run or cfg.ray.run_name
+        self.metrics = {
+            name: kind(
+                name, description=d, tag_keys=tags, **({"boundaries": LATENCY_BOUNDARIES} if "latency" in name else {})
+            )
+            for name, (kind, d, tags) in SERVE_SPECS.items()
+        }
+        self.metrics["distillspec_serve_draft_version"].set(self.completer.version)
+        self.swaps: list[dict] = []
+        self._stop = threading.Event()
+        if s.sync_every_s:
+            threading.Thread(target=self._follow, name="draft-sync", daemon=True).start()
+
+    # -- the weight store ------------------------------------------------------------------------------------
+    def _follow(self) -> None:
+        """Swap in each new draft version the run's learner publishes (a daemon thread)."""
+        store, warned = None, False
+        while not self._stop.wait(self.s.sync_every_s):
+            try:
+                store = store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
+                latest = ray.get(store.version.remote(), timeout=10)
+                if latest >= 0 and latest != self.completer.version:
+                    before = self.completer.version
+                    version = self.completer.swap_draft(functools.partial(_pull_into, store, before))
+                    if version != before:
+                        self.swaps.append({"from": before, "to": version, "time": time.time()})
+                        self.metrics["distillspec_serve_draft_version"].set(version)
+                        log.info("draft version %d -> %d", before, version)
+            except ValueError:
+                store = None  # no such run (yet): keep serving the draft we have
+            except (RuntimeError, KeyError) as exc:  # weights of another shape: the run trains another draft
+                if not warned:
+                    log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
+                    warned = True
+            except (ray.exceptions.RayError, TimeoutError):
+                store = None  # the store died with its job; look it up again
+
+    def _record(self, prompts: list[str]) -> None:
+        if not self.s.record_prompts:
+            return
+        try:
+            ray.get_actor(prompts_name(self.run), namespace=NAMESPACE).add.remote(prompts)
+        except ValueError:
+            pass  # no online distillation job is running
+
+    # -- routes ---------------------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.s.api_key and request.headers.get("authorization", "") != f"Bearer {self.s.api_key}":
+            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)", None, "authentication_error")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.s.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "distillspec",
+                    "target": self.cfg.target,
+                    "draft": self.cfg.draft,
+                    "draft_version": self.completer.version,
+                }
+            ],
+        }
+
+    @app.get("/v1/stats")
+    async def stats(self) -> dict:
+        return {"draft_version": self.completer.version, "swaps": self.swaps, "run": self.run}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, body: CompletionRequest, request: Request) -> dict | StreamingResponse:
+        start = time.perf_counter()
+        try:
+            self._authorize(request)
+            jobs = self._jobs(body)
+            if body.stream:
+                if len(jobs) != 1:
+                    raise HTTPError(400, "prompt: streaming takes one prompt", "prompt")
+                self._count("ok")
+                self._record([jobs[0].prompt])
+                return StreamingResponse(self._stream(jobs[0], body, start), media_type="text/event-stream")
+            done = await asyncio.gather(*[self._batched(job) for job in jobs])
+        except HTTPError as exc:
+            self._count("client_error")
+            raise exc
+        except Exception:
+            self._count("server_error")
+            raise
+        self._count("ok")
+        self._record([j.prompt for j in jobs])
+        self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
+        return self._response(body, done)
+
+    def _count(self, status: str) -> None:
+        self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
+
+    def _jobs(self, body: CompletionRequest) -> list[CompletionJob]:
+        if body.model not in (None, self.s.model_name):
+            raise HTTPError(
+                404, f"model: {body.model!r} is not served here (this serves {self.s.model_name!r})", "model"
+            )
+        if body.max_tokens > self.s.max_tokens:
+            raise HTTPError(
+                400, f"max_tokens: {body.max_tokens} is above this server's limit {self.s.max_tokens}", "max_tokens"
+            )
+        args = DecodingArgs(
+            gamma=(body.gamma or self.s.gamma) if body.speculative else 0,
+            temperature=body.temperature,
+            lenience=body.lenience,
+            epsilon=body.epsilon,
+        )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        jobs = [CompletionJob(p, body.max_tokens, args, stop, body.seed) for p in prompts]
+        for job in jobs:
+            try:
+                self.completer.check(job)
+            except DistillSpecError as exc:
+                raise HTTPError(400, str(exc), _param_of(str(exc))) from None
+        return jobs
+
+    # -- decoding -------------------------------------------------------------------------------------------
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
+    async def _batched(self, jobs: list[CompletionJob]) -> list[Completion]:
+        done = await asyncio.to_thread(self.completer.complete, jobs)
+        self._observe(done)
+        return done
+
+    def _observe(self, done: list[Completion]) -> None:
+        sd = merge_stats([c.stats for c in done])
+        if sd["alpha"] is not None:
+            self.metrics["distillspec_serve_acceptance_rate"].set(sd["alpha"])
+        if sd["tau"] is not None:
+            self.metrics["distillspec_serve_block_efficiency"].set(sd["tau"])
+        seconds = max(c.seconds for c in done)
+        self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
+
+    async def _stream(self, job: CompletionJob, body: CompletionRequest, start: float):
+        """Server-sent events: text deltas as blocks are accepted, then a final chunk with usage and SD stats."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        tokenizer, hold = self.completer.tokenizer, max((len(s) for s in job.stop), default=1) - 1
+        state = {"sent": 0, "cancel": False}
+
+        def on_block(tokens: torch.Tensor, counts: torch.Tensor) -> bool:
+            text, hit = cut_at_stop(
+                tokenizer.decode(tokens[0, : int(counts[0])].tolist(), skip_special_tokens=True), job.stop
+            )
+            safe = len(text) if hit else max(state["sent"], len(text) - hold)
+            while safe > state["sent"] and text[safe - 1] == "\ufffd":  # a multi-byte character not yet complete
+                safe -= 1
+            if safe > state["sent"]:
+                loop.call_soon_threadsafe(queue.put_nowait, text[state["sent"] : safe])
+                state["sent"] = safe
+            return hit or state["cancel"]
+
+        def work() -> Completion:
+            try:
+                return self.completer.complete([job], on_block=on_block)[0]
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+            data = {"id": rid, "object": "text_completion", "created": created, "model": self.s.model_name}
+            return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
+
+        try:
+            while (delta := await queue.get()) is not None:
+                yield chunk(delta)
+            done = await task
+            if len(done.text) > state["sent"]:
+                yield chunk(done.text[state["sent"] :])
+            self._observe([done])
+            self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
+            yield chunk("", done.finish_reason, usage=_usage([done]), distillspec=_sd([done]))
+            yield "data: [DONE]\n\n"
+        finally:
+            state["cancel"] = True  # the client left: stop decoding at the next block
+
+    def _response(self, body: CompletionRequest, done: list[Completion]) -> dict:
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.s.model_name,
+            "choices": [
+                {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+                for i, c in enumerate(done)
+            ],
+            "usage": _usage(done),
+            "distillspec": _sd(done),
+        }
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The application builder ``serve run`` / ``serve deploy`` call with the config file's ``args``:
+    ``config`` (a job YAML) and ``overrides`` (``section.key=value`` strings), as for the jobs."""
+    unknown = set(args) - {"config", "overrides"}
+    if unknown:
+        raise DistillSpecError(f"unknown application args {sorted(unknown)}: give config and/or overrides")
+    cfg = load_config(args.get("config"), list(args.get("overrides", [])))
+    return bind(resolve_models(cfg))
+
+
+def resolve_models(cfg: JobConfig) -> JobConfig:
+    """Fill in the garden pair when no --target/--draft is given (built or taken from its cache)."""
+    if cfg.target is not None:
+        return cfg
+    from dataclasses import replace  # noqa: PLC0415
+
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+
+    garden = build_garden(load_task(cfg.dataset, seed=cfg.seed), cfg.garden, seed=cfg.seed)
+    return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+
+
+def bind(cfg: JobConfig) -> serve.Application:
+    s = cfg.serve
+    autoscaling = {
+        "min_replicas": s.min_replicas,
+        "max_replicas": s.max_replicas,
+        "target_ongoing_requests": s.target_ongoing_requests,
+    }
+    return Completions.options(
+        autoscaling_config=autoscaling,
+        ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": s.replica_gpus},
+    ).bind(cfg)

@@ -1,0 +1,193 @@
+"""Serving completions with speculative decoding, free of Ray and HTTP: the Serve deployment calls these.
+
+A :class:`Completer` holds a target, a draft and its version, and turns :class:`CompletionJob` s into
+:class:`Completion` s. Concurrent jobs with the same decoding settings (gamma, temperature, lenience, epsilon)
+share one batched :func:`speculative_generate` call, each row with its own token budget; a job with a seed runs
+alone, so its sample depends on the seed only. Every completion carries its SD statistics and the draft version
+it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touches a call already running.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from distillspec.errors import DistillSpecError
+from distillspec.models import encode_prompts
+from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
+
+
+@dataclass(frozen=True)
+class DecodingArgs:
+    """What a batch must share. ``gamma=0`` turns speculation off (plain decoding with the target)."""
+
+    gamma: int = 5
+    temperature: float = 1.0
+    lenience: str | None = None
+    epsilon: float = 1.0
+
+    def check(self) -> None:
+        check_decoding_args(
+            gamma=max(1, self.gamma),
+            max_new_tokens=1,
+            temperature=self.temperature,
+            lenience=self.lenience,
+            epsilon=self.epsilon,
+        )
+
+
+@dataclass
+class CompletionJob:
+    prompt: str
+    max_new_tokens: int
+    args: DecodingArgs = field(default_factory=DecodingArgs)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    finish_reason: str  #: stop (EOS or a stop string) | length
+    prompt_tokens: int
+    completion_tokens: int
+    version: int  #: draft weight version that made it (-1: the draft loaded at start)
+    stats: dict  #: gamma, drafted, accepted, alpha, tau, target_calls (per request)
+    seconds: float
+
+
+def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string (excluded), and whether one was found."""
+    hits = [i for s in stop if s and (i := text.find(s)) >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+def row_stats(out: GenerationOutput, row: int, gamma: int) -> dict:
+    """SD statistics of one row of a batched call (``gamma=0``: plain decoding)."""
+    if out.stats is None:
+        n = int(out.num_new_tokens[row])
+        return {"gamma": 0, "drafted": 0, "accepted": 0, "rejected": 0, "alpha": None, "tau": 1.0, "target_calls": n}
+    s = out.stats
+    blocks, accepted, rejected = int(s.blocks[row]), int(s.accepted[row].sum()), int(s.rejected[row])
+    judged = accepted + rejected
+    return {
+        "gamma": gamma,
+        "drafted": blocks * gamma,
+        "accepted": accepted,
+        "rejected": rejected,
+        "alpha": accepted / judged if judged else None,
+        "tau": (accepted + blocks) / blocks if blocks else None,
+        "target_calls": blocks,
+    }
+
+
+def merge_stats(stats: list[dict]) -> dict:
+    """The SD statistics of several completions together (pooled counts, not a mean of ratios)."""
+    total = {k: sum(s[k] for s in stats) for k in ("drafted", "accepted", "rejected", "target_calls")}
+    judged, calls = total["accepted"] + total["rejected"], total["target_calls"]
+    speculative = total["drafted"] > 0
+    return {
+        "gamma": stats[0]["gamma"],
+        **total,
+        "alpha": total["accepted"] / judged if judged else None,
+        "tau": (total["accepted"] + calls) / calls if speculative and calls else (1.0 if calls else None),
+    }
+
+
+class Completer:
+    """Completions from a target and a swappable draft."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_prompt_tokens: int = 512,
+        version: int = -1,
+        seed: int = 0,
+    ) -> None:
+        self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
+        self.max_prompt_tokens = max_prompt_tokens
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(encode_prompts(self.tokenizer, [prompt])[0][0])
+
+    def check(self, job: CompletionJob) -> None:
+        """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
+        if not job.prompt:
+            raise DistillSpecError("prompt: must not be empty")
+        n = self.count_tokens(job.prompt)
+        if n > self.max_prompt_tokens:
+            raise DistillSpecError(f"prompt: {n} tokens, more than this server's limit of {self.max_prompt_tokens}")
+        job.args.check()
+
+    def swap_draft(self, load: Callable[[PreTrainedModel], int]) -> int:
+        """Load new weights into a copy of the draft (``load(model) -> version``), then make it current.
+        Calls already running keep the draft object they started with."""
+        fresh = copy.deepcopy(self.draft)
+        version = load(fresh)
+        if version != self.version:
+            self.draft, self.version = fresh.eval(), version
+        return self.version
+
+    def complete(self, jobs: list[CompletionJob], on_block: Callable | None = None) -> list[Completion]:
+        """Run ``jobs``; those sharing decoding settings (and no seed) share one batched call."""
+        groups: dict[tuple[DecodingArgs, int], list[int]] = {}
+        for i, job in enumerate(jobs):  # a seeded job runs alone, so its sample depends on its seed only
+            groups.setdefault((job.args, i if job.seed is not None else -1), []).append(i)
+        results: list[Completion | None] = [None] * len(jobs)
+        for (args, _), rows in groups.items():
+            seed = jobs[rows[0]].seed if len(rows) == 1 else None
+            for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seed, on_block), strict=True):
+                results[i] = done
+        return results  # type: ignore[return-value]
+
+    def _run(
+        self, jobs: list[CompletionJob], args: DecodingArgs, seed: int | None, on_block: Callable | None
+    ) -> list[Completion]:
+        start = time.perf_counter()
+        draft, version = self.draft, self.version  # fixed for this call, whatever a swap does meanwhile
+        ids, mask = encode_prompts(self.tokenizer, [j.prompt for j in jobs])
+        ids, mask = ids.to(self.target.device), mask.to(self.target.device)
+        generator = torch.Generator(device=self.target.device).manual_seed(seed) if seed is not None else self.generator
+        common = dict(
+            max_new_tokens=[j.max_new_tokens for j in jobs],
+            temperature=args.temperature,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            attention_mask=mask,
+            generator=generator,
+            on_block=on_block,
+        )
+        if args.gamma == 0:
+            out = autoregressive_generate(self.target, ids, **common)
+        else:
+            out = speculative_generate(
+                self.target, draft, ids, gamma=args.gamma, lenience=args.lenience, epsilon=args.epsilon, **common
+            )
+        seconds = time.perf_counter() - start
+        done = []
+        for row, job in enumerate(jobs):
+            n = int(out.num_new_tokens[row])
+            new = out.sequences[row, ids.shape[1] : ids.shape[1] + n].tolist()
+            ended = bool(new) and new[-1] == self.tokenizer.eos_token_id
+            text, hit = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), job.stop)
+            done.append(
+                Completion(
+                    text=text,
+                    finish_reason="stop" if ended or hit else "length",
+                    prompt_tokens=int(mask[row].sum()),
+                    completion_tokens=n,
+                    version=version,
+                    stats=row_stats(out, row, args.gamma),
+                    seconds=seconds,
+                )
+            )
+        return done

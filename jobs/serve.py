@@ -1,0 +1,60 @@
+"""Serve the target with its draft behind an OpenAI-compatible API (speculative decoding on Ray Serve).
+
+    python jobs/serve.py                                   # the garden pair, on http://127.0.0.1:8000
+    python jobs/serve.py --target T --draft D serve.port=8001 serve.api_key=secret
+    python jobs/serve.py serve.record_prompts=true         # online distillation: feed served prompts to a job
+
+Then, e.g. with the ``openai`` client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
+.completions.create(model="distillspec", prompt="...", max_tokens=32, extra_body={"gamma": 5})``.
+
+The replicas follow the weight store of the distillation run ``serve.follow_run`` (default ``ray.run_name``):
+start ``jobs/distill.py`` on the same Ray cluster and the endpoint serves each new draft version as it is
+published. Stop with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from distillspec.cli import parse_job_args, run_main  # noqa: E402
+from distillspec.config import JobConfig  # noqa: E402
+
+
+def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
+    """Deploy the endpoint on the connected Ray cluster; returns its base URL."""
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.serve import bind, resolve_models  # noqa: PLC0415
+
+    cfg = resolve_models(cfg)
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    serve.run(bind(cfg), name=name, route_prefix="/")
+    return f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
+
+
+def main(cfg: JobConfig) -> None:
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.connect import connect  # noqa: PLC0415
+
+    how = connect(cfg.ray)
+    print(f"ray: {how}")
+    url = start(cfg)
+    key = "set (serve.api_key)" if cfg.serve.api_key else "none"
+    print(f"serving {cfg.serve.model_name!r} at {url} (completions, models; API key: {key}); Ctrl-C stops")
+    print(f"the draft follows the weight store of run {cfg.serve.follow_run or cfg.ray.run_name!r}")
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    run_main(lambda: main(parse_job_args(__doc__)))

@@ -1,0 +1,215 @@
+"""The Serve endpoint on the test session's Ray cluster, driven as users drive it: the official ``openai``
+client and raw HTTP. Greedy output must equal the target's own; bad requests get 4xx JSON naming the field;
+the draft swaps to each version the run's weight store publishes while requests keep succeeding."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from distillspec.config import load_config
+from distillspec.models import encode_prompts, load_pair
+
+RUN = "serve-test"
+PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9=", "50+50=", "2*8="]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_cluster, tiny_garden):
+    from ray import serve
+
+    from cluster.serve import bind
+
+    port = free_port()
+    common = [
+        f"target={tiny_garden.target}",
+        f"draft={tiny_garden.draft}",
+        f"ray.run_name={RUN}",
+        "serve.max_prompt_tokens=32",
+        "serve.max_tokens=48",
+        "serve.max_batch_size=4",
+        "serve.replica_cpus=0.25",
+        "serve.sync_every_s=0.2",
+        "serve.record_prompts=true",
+        "serve.gamma=3",
+    ]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(bind(load_config(None, common)), name="sd", route_prefix="/")
+    serve.run(bind(load_config(None, [*common, "serve.api_key=sesame"])), name="keyed", route_prefix="/keyed")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{endpoint}/v1", api_key="unused", max_retries=0)
+
+
+def target_greedy(tiny_garden, prompt: str, n: int) -> str:
+    target, _, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    ids, _ = encode_prompts(tokenizer, [prompt])
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_openai_client_gets_the_targets_greedy_text(client, tiny_garden):
+    for prompt in PROMPTS[:3]:
+        r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == target_greedy(tiny_garden, prompt, 20)
+        sd = r.model_extra["distillspec"]
+        assert sd["gamma"] == 3 and sd["drafted"] > 0 and 1.0 <= sd["tau"] <= 4.0
+        assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens >= 2
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["distillspec"]
+
+
+def test_streaming_matches_the_whole_response(client):
+    for prompt in PROMPTS[3:5]:
+        whole = client.completions.create(model="distillspec", prompt=prompt, max_tokens=24, temperature=0)
+        chunks = list(
+            client.completions.create(
+                model="distillspec", prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body={"gamma": 2}
+            )
+        )
+        assert len(chunks) >= 2
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        assert chunks[-1].model_extra["distillspec"]["gamma"] == 2
+
+
+def test_sampling_lossy_and_no_speculation_fields(client):
+    r = client.completions.create(
+        model="distillspec",
+        prompt=PROMPTS[0],
+        max_tokens=16,
+        temperature=1.0,
+        seed=3,
+        extra_body={"lenience": "lin", "epsilon": 0.5},
+    )
+    again = client.completions.create(
+        model="distillspec",
+        prompt=PROMPTS[0],
+        max_tokens=16,
+        temperature=1.0,
+        seed=3,
+        extra_body={"lenience": "lin", "epsilon": 0.5},
+    )
+    assert r.choices[0].text == again.choices[0].text  # a seed fixes the sample
+    off = client.completions.create(
+        model="distillspec", prompt=PROMPTS[1], max_tokens=8, temperature=0, extra_body={"speculative": False}
+    )
+    assert off.model_extra["distillspec"]["drafted"] == 0
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ('{"prompt": "1+1=", "max_tokens": ', None),  # malformed JSON
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "1+1=" * 60}, "prompt"),  # longer than serve.max_prompt_tokens
+        ({"prompt": "1+1=", "gamma": 0}, "gamma"),
+        ({"prompt": "1+1=", "epsilon": 0}, "epsilon"),
+        ({"prompt": "1+1=", "epsilon": 1.5}, "epsilon"),
+        ({"prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "1+1=", "max_tokens": 10_000}, "max_tokens"),
+        ({"prompt": "1+1=", "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": "1+1=", "temperature": "hot"}, "temperature"),
+        ({"prompt": "1+1=", "lenience": "cubic"}, "lenience"),
+        ({"prompt": "1+1=", "stream": "yes"}, "stream"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt": "1+1=", "logprobs": 5}, "logprobs"),
+        ({"max_tokens": 4}, "prompt"),
+    ],
+)
+def test_bad_requests_get_a_4xx_naming_the_field(endpoint, body, field):
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = requests.post(f"{endpoint}/v1/completions", data=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"]
+
+
+def test_api_key(endpoint):
+    url = f"{endpoint}/keyed/v1/completions"
+    body = {"prompt": "1+1=", "max_tokens": 4}
+    assert requests.post(url, json=body, timeout=30).status_code == 401
+    ok = requests.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+
+
+def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
+    """Requests from 8 threads while the learner's weight store publishes a new version: none fails, greedy
+    text stays the target's (SD is lossless whatever the draft), and responses turn to the new version."""
+    import ray
+
+    from actors import WeightStore
+    from actors.common import NAMESPACE, weights_name
+    from actors.weights import publish
+
+    expected = {p: target_greedy(tiny_garden, p, 16) for p in PROMPTS}
+    store = WeightStore.options(name=weights_name(RUN), namespace=NAMESPACE).remote(RUN)
+    _, draft, _ = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    results, errors, stop = [], [], threading.Event()
+
+    def worker(i: int) -> None:
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=16, temperature=0)
+                results.append((prompt, r.choices[0].text, r.model_extra["distillspec"]["draft_version"]))
+            except Exception as exc:  # noqa: BLE001 - every failure counts
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    publish(store, draft, 7)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(v == 7 for *_, v in results):
+        time.sleep(0.2)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    versions = [v for *_, v in results]
+    assert -1 in versions and 7 in versions and versions.index(7) > 0
+    assert all(text == expected[prompt] for prompt, text, _ in results)
+    stats = requests.get(f"{endpoint}/v1/stats", timeout=10).json()
+    assert stats["draft_version"] == 7 and stats["swaps"][-1]["to"] == 7
+    ray.kill(store)
+
+
+def test_served_prompts_reach_the_prompt_log(client):
+    import ray
+
+    from actors import PromptLog
+    from actors.common import NAMESPACE, prompts_name
+
+    log = PromptLog.options(name=prompts_name(RUN), namespace=NAMESPACE).remote(RUN, 16)
+    ray.get(log.stats.remote())
+    client.completions.create(model="distillspec", prompt=["7+7=", "8+8="], max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 10
+    while ray.get(log.stats.remote())["received"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sorted(ray.get(log.sample.remote(8))) == ["7+7=", "8+8="]
+    ray.kill(log)

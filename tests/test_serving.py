@@ -1,0 +1,89 @@
+"""The endpoint's decoding core, without Ray: batching, budgets, seeds, stop strings, draft swaps, statistics."""
+
+import pytest
+import torch
+
+from distillspec import DistillSpecError
+from distillspec.models import encode_prompts
+from distillspec.serving import Completer, CompletionJob, DecodingArgs, cut_at_stop, merge_stats
+
+PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9="]
+
+
+@pytest.fixture(scope="module")
+def completer(text_pair, tokenizer):
+    target, draft = text_pair
+    return Completer(target, draft, tokenizer, max_prompt_tokens=16)
+
+
+def greedy(target, tokenizer, prompt, n):
+    ids, _ = encode_prompts(tokenizer, [prompt])
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
+    args = DecodingArgs(gamma=3, temperature=0.0)
+    jobs = [CompletionJob(p, n, args) for p, n in zip(PROMPTS, [5, 12, 1, 8], strict=True)]
+    done = completer.complete(jobs)
+    for job, c in zip(jobs, done, strict=True):
+        assert c.text == greedy(text_pair[0], tokenizer, job.prompt, job.max_new_tokens)
+        assert c.completion_tokens <= job.max_new_tokens
+        assert c.stats["gamma"] == 3 and c.stats["drafted"] == 3 * c.stats["target_calls"]
+        assert c.version == -1
+    off = completer.complete([CompletionJob(p, 12, DecodingArgs(gamma=0, temperature=0.0)) for p in PROMPTS])
+    assert [c.text for c in off][1] == done[1].text  # speculation off: the same greedy text
+    assert off[0].stats["drafted"] == 0 and off[0].stats["alpha"] is None
+
+
+def test_seeded_jobs_repeat_and_unseeded_ones_vary(completer):
+    args = DecodingArgs(gamma=2, temperature=1.0)
+    a = completer.complete([CompletionJob(PROMPTS[0], 16, args, seed=5), CompletionJob(PROMPTS[1], 16, args)])
+    b = completer.complete([CompletionJob(PROMPTS[0], 16, args, seed=5)])
+    assert a[0].text == b[0].text
+    texts = {completer.complete([CompletionJob(PROMPTS[0], 16, args)])[0].text for _ in range(6)}
+    assert len(texts) > 1
+
+
+def test_stop_strings_cut_the_text():
+    assert cut_at_stop("12 + 7 = 19\nnext", ["\n"]) == ("12 + 7 = 19", True)
+    assert cut_at_stop("abcabc", ["c", "b"]) == ("a", True)
+    assert cut_at_stop("abc", ["x", ""]) == ("abc", False)
+
+
+def test_refusals_name_the_field(completer):
+    for job, field in [
+        (CompletionJob("", 4), "prompt"),
+        (CompletionJob("1+1=" * 40, 4), "prompt"),
+        (CompletionJob("1+1=", 4, DecodingArgs(epsilon=0.0)), "epsilon"),
+        (CompletionJob("1+1=", 4, DecodingArgs(lenience="cubic")), "lenience"),
+        (CompletionJob("1+1=", 4, DecodingArgs(temperature=-1.0)), "temperature"),
+    ]:
+        with pytest.raises(DistillSpecError, match=field):
+            completer.check(job)
+
+
+def test_swap_keeps_a_running_call_on_its_draft(text_pair, tokenizer):
+    target, draft = text_pair
+    completer = Completer(target, draft, tokenizer)
+    seen = []
+
+    def on_block(tokens, counts):
+        if not seen:  # mid-call: a new version arrives
+            completer.swap_draft(lambda m: (torch.nn.init.zeros_(m.lm_head.weight), 3)[1])
+        seen.append(completer.version)
+
+    done = completer.complete([CompletionJob(PROMPTS[0], 12, DecodingArgs(gamma=2, temperature=0.0))], on_block)
+    assert done[0].version == -1 and seen[-1] == 3  # the call finished on the draft it started with
+    assert completer.draft is not draft and bool((draft.lm_head.weight != 0).any())
+    assert completer.complete([CompletionJob(PROMPTS[0], 4, DecodingArgs(gamma=2))])[0].version == 3
+
+
+def test_merge_stats_pools_counts():
+    a = {"gamma": 4, "drafted": 8, "accepted": 6, "rejected": 1, "target_calls": 2}
+    b = {"gamma": 4, "drafted": 4, "accepted": 0, "rejected": 1, "target_calls": 1}
+    m = merge_stats([a, b])
+    assert m["alpha"] == pytest.approx(6 / 8) and m["tau"] == pytest.approx((6 + 3) / 3)
