@@ -318,6 +318,7 @@ def main() -> None:
     for name in args.suites:
         kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
         result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
+        out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
         print(f"wrote {out / f'{name}.json'}")
 

@@ -51,6 +51,8 @@ def main(cfg: JobConfig) -> None:
     try:
         while True:
             time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping the endpoint")
     finally:
         serve.shutdown()
         ray.shutdown()
