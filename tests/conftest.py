@@ -47,6 +47,18 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 0) -> LlamaForC
     return other
 
 
+def greedy_text(target, tokenizer, prompt: str, n: int) -> str:
+    """The target's own greedy continuation (transformers' generate), cut after EOS, as text."""
+    from distillspec.models import encode_prompts
+
+    ids, _ = encode_prompts(tokenizer, [prompt])
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1] :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
 @pytest.fixture(scope="session")
 def task():
     return arith_task(n_train=400, n_test=40, seed=0)

@@ -12,7 +12,9 @@ import requests
 import torch
 
 from distillspec.config import load_config
-from distillspec.models import encode_prompts, load_pair
+from distillspec.models import load_pair
+
+from .conftest import greedy_text
 
 RUN = "serve-test"
 PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9=", "50+50=", "2*8="]
@@ -59,12 +61,7 @@ def client(endpoint):
 
 def target_greedy(tiny_garden, prompt: str, n: int) -> str:
     target, _, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
-    ids, _ = encode_prompts(tokenizer, [prompt])
-    out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    new = out[0, ids.shape[1] :].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id) + 1]
-    return tokenizer.decode(new, skip_special_tokens=True)
+    return greedy_text(target, tokenizer, prompt, n)
 
 
 def test_openai_client_gets_the_targets_greedy_text(client, tiny_garden):
@@ -93,22 +90,10 @@ def test_streaming_matches_the_whole_response(client):
 
 
 def test_sampling_lossy_and_no_speculation_fields(client):
-    r = client.completions.create(
-        model="distillspec",
-        prompt=PROMPTS[0],
-        max_tokens=16,
-        temperature=1.0,
-        seed=3,
-        extra_body={"lenience": "lin", "epsilon": 0.5},
+    lossy = dict(
+        prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3, extra_body={"lenience": "lin", "epsilon": 0.5}
     )
-    again = client.completions.create(
-        model="distillspec",
-        prompt=PROMPTS[0],
-        max_tokens=16,
-        temperature=1.0,
-        seed=3,
-        extra_body={"lenience": "lin", "epsilon": 0.5},
-    )
+    r, again = (client.completions.create(model="distillspec", **lossy) for _ in range(2))
     assert r.choices[0].text == again.choices[0].text  # a seed fixes the sample
     off = client.completions.create(
         model="distillspec", prompt=PROMPTS[1], max_tokens=8, temperature=0, extra_body={"speculative": False}

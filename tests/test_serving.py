@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.models import encode_prompts
 from distillspec.serving import Completer, CompletionJob, DecodingArgs, cut_at_stop, merge_stats
+
+from .conftest import greedy_text
 
 PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9="]
 
@@ -16,21 +17,12 @@ def completer(text_pair, tokenizer):
     return Completer(target, draft, tokenizer, max_prompt_tokens=16)
 
 
-def greedy(target, tokenizer, prompt, n):
-    ids, _ = encode_prompts(tokenizer, [prompt])
-    out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    new = out[0, ids.shape[1] :].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id) + 1]
-    return tokenizer.decode(new, skip_special_tokens=True)
-
-
 def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
     args = DecodingArgs(gamma=3, temperature=0.0)
     jobs = [CompletionJob(p, n, args) for p, n in zip(PROMPTS, [5, 12, 1, 8], strict=True)]
     done = completer.complete(jobs)
     for job, c in zip(jobs, done, strict=True):
-        assert c.text == greedy(text_pair[0], tokenizer, job.prompt, job.max_new_tokens)
+        assert c.text == greedy_text(text_pair[0], tokenizer, job.prompt, job.max_new_tokens)
         assert c.completion_tokens <= job.max_new_tokens
         assert c.stats["gamma"] == 3 and c.stats["drafted"] == 3 * c.stats["target_calls"]
         assert c.version == -1
