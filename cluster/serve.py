@@ -166,7 +166,6 @@ class Completions:
         }
         self.metrics["distillspec_serve_draft_version"].set(self.completer.version)
         self.swaps: list[dict] = []
-        self._stop = threading.Event()
         if s.sync_every_s:
             threading.Thread(target=self._follow, name="draft-sync", daemon=True).start()
 
@@ -174,7 +173,8 @@ class Completions:
     def _follow(self) -> None:
         """Swap in each new draft version the run's learner publishes (a daemon thread)."""
         store, warned = None, False
-        while not self._stop.wait(self.s.sync_every_s):
+        while True:
+            time.sleep(self.s.sync_every_s)
             try:
                 store = store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
                 latest = ray.get(store.version.remote(), timeout=10)
@@ -240,7 +240,7 @@ class Completions:
                     raise HTTPError(400, "prompt: streaming takes one prompt", "prompt")
                 self._count("ok")
                 self._record([jobs[0].prompt])
-                return StreamingResponse(self._stream(jobs[0], body, start), media_type="text/event-stream")
+                return StreamingResponse(self._stream(jobs[0], start), media_type="text/event-stream")
             done = await asyncio.gather(*[self._batched(job) for job in jobs])
         except HTTPError as exc:
             self._count("client_error")
@@ -297,7 +297,7 @@ class Completions:
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
 
-    async def _stream(self, job: CompletionJob, body: CompletionRequest, start: float):
+    async def _stream(self, job: CompletionJob, start: float):
         """Server-sent events: text deltas as blocks are accepted, then a final chunk with usage and SD stats."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         tokenizer, hold = self.completer.tokenizer, max((len(s) for s in job.stop), default=1) - 1

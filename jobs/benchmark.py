@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -83,59 +84,71 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
     return rows
 
 
-def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, during=None) -> dict:
-    """``n`` completion requests from ``concurrency`` threads; ``during(done_so_far)`` runs between requests."""
+def _send(
+    url: str, prompts: list[str], body: dict, concurrency: int, more: Callable[[int], bool], during=None
+) -> tuple[list[dict], list[str], float]:
+    """Completion requests from ``concurrency`` threads while ``more(i)`` holds for the i-th request (prompts in
+    turn); ``during(ok_so_far)`` runs after each. Returns the responses (time since start, latency, completion
+    tokens and SD statistics), the errors, and the wall-clock seconds."""
+    import itertools  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
     import requests  # noqa: PLC0415
 
-    lock, rows, errors, issued = threading.Lock(), [], [], iter(range(n))
+    lock, rows, errors, issued = threading.Lock(), [], [], itertools.count()
+    start = time.perf_counter()
 
     def worker() -> None:
         session = requests.Session()
         while True:
             with lock:
-                i = next(issued, None)
-            if i is None:
+                i = next(issued)
+            if not more(i):
                 return
             t0 = time.perf_counter()
             try:
                 r = session.post(f"{url}/completions", json={"prompt": prompts[i % len(prompts)], **body}, timeout=300)
                 r.raise_for_status()
                 data = r.json()
+                now = time.perf_counter()
+                row = {"time": now - start, "latency": now - t0, "tokens": data["usage"]["completion_tokens"]}
                 with lock:
-                    rows.append((time.perf_counter() - t0, data["usage"]["completion_tokens"], data["distillspec"]))
+                    rows.append({**row, "sd": data["distillspec"]})
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 with lock:
                     errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             if during is not None:
                 during(len(rows))
 
-    start = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds = time.perf_counter() - start
-    latencies = sorted(r[0] for r in rows)
+    return rows, errors, time.perf_counter() - start
+
+
+def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, during=None) -> dict:
+    """``n`` completion requests from ``concurrency`` threads, summarised."""
+    from distillspec.serving import merge_stats  # noqa: PLC0415
+
+    rows, errors, seconds = _send(url, prompts, body, concurrency, lambda i: i < n, during)
+    latencies = sorted(r["latency"] for r in rows)
     pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")  # noqa: E731
-    sd = [r[2] for r in rows if r[2]["drafted"]]
-    accepted, judged = sum(x["accepted"] for x in sd), sum(x["accepted"] + x["rejected"] for x in sd)
-    calls = sum(x["target_calls"] for x in sd)
-    versions = sorted({r[2]["draft_version"] for r in rows})
+    drafted = [r["sd"] for r in rows if r["sd"]["drafted"]]
+    sd = merge_stats(drafted) if drafted else {"alpha": None, "tau": None}
     return {
         "requests": n,
         "ok": len(rows),
         "errors": len(errors),
         "error_samples": errors[:3],
         "seconds": seconds,
-        "tokens_per_s": sum(r[1] for r in rows) / seconds,
+        "tokens_per_s": sum(r["tokens"] for r in rows) / seconds,
         "p50_s": pick(0.5),
         "p95_s": pick(0.95),
-        "alpha": accepted / judged if judged else None,
-        "tau": (accepted + calls) / calls if calls else None,
-        "draft_versions": versions,
+        "alpha": sd["alpha"],
+        "tau": sd["tau"],
+        "draft_versions": sorted({r["sd"]["draft_version"] for r in rows}),
     }
 
 
@@ -202,19 +215,19 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
     job (``ray.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
     import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
-    import threading  # noqa: PLC0415
 
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     import ray  # noqa: PLC0415
-    import requests  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
     from cluster.connect import connect  # noqa: PLC0415
     from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.serving import merge_stats  # noqa: PLC0415
     from jobs.serve import start  # noqa: PLC0415
 
     del distilled
@@ -240,51 +253,23 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
         "eval.speedup_prompts=0",
         *run,
     ]
-    import shutil  # noqa: PLC0415
-
     shutil.rmtree(out / "distill", ignore_errors=True)
-    proc = subprocess.Popen(
-        job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    start_t, rows, errors, lock = time.perf_counter(), [], [], threading.Lock()
-    body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
-
-    def client(k: int) -> None:
-        session, i = requests.Session(), k
-        while proc.poll() is None:
-            try:
-                r = session.post(f"{url}/completions", json={"prompt": prompts[i % len(prompts)], **body}, timeout=300)
-                r.raise_for_status()
-                sd = r.json()["distillspec"]
-                with lock:
-                    rows.append({"time": time.perf_counter() - start_t, **sd})
-            except Exception as exc:  # noqa: BLE001 - every failure is counted
-                with lock:
-                    errors.append(repr(exc)[:200])
-            i += 4
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    log_text = proc.communicate()[0]
-    for t in threads:
-        t.join()
+    with (out / "distill.log").open("w") as job_log:
+        proc = subprocess.Popen(job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=job_log, stderr=subprocess.STDOUT)
+        body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
+        rows, errors, _ = _send(url, prompts, body, 4, lambda i: proc.poll() is None)
+        proc.wait()
     serve.shutdown()
-    (out / "distill.log").write_text(log_text)
     if proc.returncode != 0:
         raise DistillSpecError(f"the online distill job failed (exit {proc.returncode}); see {out / 'distill.log'}")
-    # alpha per window of 20 responses, pooled
-    windows = []
-    for j in range(0, len(rows) - 19, 20):
-        w = rows[j : j + 20]
-        acc, judged = sum(r["accepted"] for r in w), sum(r["accepted"] + r["rejected"] for r in w)
-        windows.append(
-            {
-                "time": w[-1]["time"],
-                "alpha": acc / judged if judged else None,
-                "draft_version": max(r["draft_version"] for r in w),
-            }
-        )
+    windows = [  # alpha pooled over each 20 responses
+        {
+            "time": w[-1]["time"],
+            "alpha": merge_stats([r["sd"] for r in w])["alpha"],
+            "draft_version": max(r["sd"]["draft_version"] for r in w),
+        }
+        for w in (rows[j : j + 20] for j in range(0, len(rows) - 19, 20))
+    ]
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([w["time"] for w in windows], [w["alpha"] for w in windows], marker="o")
