@@ -19,15 +19,23 @@ FLAGS = {
 }
 
 
-def parse_job_args(doc: str | None, argv: list[str] | None = None, flags: tuple[str, ...] = tuple(FLAGS)) -> JobConfig:
-    """``--config FILE``, the named ``flags`` and ``section.key=value`` overrides -> a validated JobConfig."""
+def parse_job_args(
+    doc: str | None,
+    argv: list[str] | None = None,
+    flags: tuple[str, ...] = tuple(FLAGS),
+    defaults: tuple[str, ...] = (),
+) -> JobConfig:
+    """``--config FILE``, the named ``flags`` and ``section.key=value`` overrides -> a validated JobConfig.
+
+    ``defaults`` are overrides the job applies first (e.g. its own output folder); the user's win over them.
+    """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file with any of the config's keys")
     for flag in flags:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, help=FLAGS[flag])
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. distill.steps=100 eval.gammas=[3,5]")
     args = parser.parse_args(argv)
-    overrides = list(args.overrides)
+    overrides = [*defaults, *args.overrides]
     overrides += [f"{flag}={json.dumps(getattr(args, flag))}" for flag in flags if getattr(args, flag) is not None]
     return load_config(args.config, overrides)
 

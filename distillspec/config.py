@@ -177,6 +177,44 @@ class ServeConfig:
 
 
 @dataclass
+class SweepConfig:
+    """``jobs/sweep.py``: the recipe grid (Figure 4) as Ray Tune trials, one data source x divergence x seed each.
+
+    Each trial distils the draft for ``steps`` steps and is ranked by its tau gain at ``eval.speedup_gamma`` and
+    ``rank_temperature`` on ``eval.num_prompts`` held-out prompts.
+    """
+
+    sources: list[str] = field(
+        default_factory=lambda: ["fixed", "draft", "target", "mixed"]
+    )  #: fixed|draft|target|mixed
+    divergences: list[str] = field(default_factory=lambda: ["fkl", "jsd", "rkl", "tvd"])
+    seeds: list[int] = field(default_factory=lambda: [0])  #: a trial per seed; the table reports mean and spread
+    steps: int = 40  #: distillation steps per trial (a short budget: the paper's ranking shows early)
+    trial_cpus: float = 1.0  #: CPUs (and torch threads) per trial; trials run in parallel on what is left
+    trial_gpus: float = 0.0
+    rank_temperature: float = 1.0  #: temperature at which tau gain ranks the recipes
+    save_drafts: bool = True  #: keep each trial's distilled draft (save_pretrained) for later suites
+
+    def validate(self) -> None:
+        from distillspec.study import DATA_SOURCES, DIVERGENCES  # noqa: PLC0415 (avoid an import cycle)
+
+        for key, values, known in (
+            ("sources", self.sources, DATA_SOURCES),
+            ("divergences", self.divergences, DIVERGENCES),
+        ):
+            if not values:
+                raise DistillSpecError(f"sweep.{key} is empty: give at least one of {list(known)}")
+            for value in values:
+                if value not in known:
+                    raise DistillSpecError(f"sweep.{key} has {value!r}: choose from {list(known)}")
+        if not self.seeds:
+            raise DistillSpecError("sweep.seeds is empty: give at least one seed, e.g. sweep.seeds=[0]")
+        _positive(self, ["steps"], prefix="sweep.")
+        if self.trial_cpus <= 0 or self.trial_gpus < 0:
+            raise DistillSpecError("sweep.trial_cpus must be > 0 and sweep.trial_gpus >= 0")
+
+
+@dataclass
 class JobConfig:
     """``jobs/distill.py``: models, data, output, and the sections above."""
 
@@ -191,6 +229,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def validate(self) -> JobConfig:
         from distillspec.distill import resolve_recipe  # noqa: PLC0415 (avoid an import cycle)
@@ -222,6 +261,7 @@ class JobConfig:
             raise DistillSpecError("learning rates (distill.lr, garden.lr) must be > 0")
         self.ray.validate()
         self.serve.validate()
+        self.sweep.validate()
         if self.ray.online and resolve_recipe(self.distill).lambda1 > 0:
             raise DistillSpecError(
                 f"ray.online=true trains on served prompts, which have no reference answers: recipe "

@@ -5,6 +5,15 @@
     python jobs/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
     python jobs/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
 
+Results page (``--scale quick``: the arith garden, <= 20 minutes on 2 CPU cores; ``--scale full``: also GSM8K,
+Multi30k and tinyshakespeare from ../shared/data, several seeds); ``report`` writes docs/RESULTS.md from the JSON:
+
+    python jobs/benchmark.py quick report                        # every results-page suite, then the page
+    python jobs/benchmark.py full report --scale full
+    python jobs/benchmark.py recipes theory --scale full         # Figure 4 (Ray Tune sweep) and Figure 3c
+    python jobs/benchmark.py table lenience garden transfer      # Table C.1, Figure 5b, Figure 6, transfer
+    python jobs/benchmark.py assisted trl                        # the peers: transformers assisted generation, TRL
+
 Suite ``async``: the same garden pair, data and recipe, trained for the same wall-clock budget by
 ``ray.mode=sync`` (one process: sample, then update) and by ``ray.mode=async`` (rollout actors sample while
 the Ray Train learner updates). Reports tokens trained per second and the acceptance rate alpha reached
@@ -289,23 +298,75 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
 
 
 SUITES = {"async": suite_async, "serve": suite_serve, "online": suite_online}
+#: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON files).
+GROUPS = {
+    "quick": ["recipes", "theory", "table", "lenience", "assisted", "trl"],
+    "full": ["recipes", "theory", "table", "lenience", "garden", "transfer", "assisted", "trl"],
+}
+
+
+def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path) -> dict:
+    """One suite of the results page (jobs/suites), timed, with the command and scale that made it."""
+    import platform  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from jobs.suites.common import SCALES, command  # noqa: PLC0415
+    from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
+    from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
+
+    start = time.perf_counter()
+    result = {**PAPER, **PEERS}[name](SCALES[scale], overrides, out / name)
+    return {
+        "suite": name,
+        "scale": scale,
+        "command": command(),
+        "seconds": time.perf_counter() - start,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        **result,
+    }
 
 
 def main() -> None:
+    from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
+    from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
+
+    names = sorted([*SUITES, *PAPER, *PEERS, *GROUPS, "report"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suites", nargs="+", choices=sorted(SUITES), help="benchmark suites to run")
+    parser.add_argument("suites", nargs="+", choices=names, metavar="SUITE", help=f"one or more of {names}")
+    parser.add_argument(
+        "--scale", choices=["quick", "full"], help="sizes of the results-page suites (default: full for the full group)"
+    )
     parser.add_argument("--budget", type=float, default=240.0, help="seconds of training per mode (suite async)")
     parser.add_argument("--output-dir", default="outputs/benchmark")
+    parser.add_argument(
+        "--docs",
+        default=str(Path(__file__).resolve().parents[1] / "docs"),
+        help="suite report: where RESULTS.md and its plots go",
+    )
     parser.add_argument("--distilled", help="suite serve: a distilled draft folder (a distill run's out/draft)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
     out = Path(args.output_dir).resolve()
-    for name in args.suites:
-        kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
-        result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
+    suites = [s for name in args.suites for s in GROUPS.get(name, [name])]
+    scale = args.scale or ("full" if "full" in args.suites else "quick")
+    start = time.perf_counter()
+    for name in suites:
+        if name == "report":
+            from jobs.suites.page import write_page  # noqa: PLC0415
+
+            print(f"wrote {write_page(out, Path(args.docs))}")
+            continue
+        if name in SUITES:
+            kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
+            result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
+        else:
+            result = run_paper_suite(name, scale, args.overrides + extra, out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-        print(f"wrote {out / f'{name}.json'}")
+        print(f"wrote {out / f'{name}.json'} ({time.perf_counter() - start:.0f}s since the start)")
+    if len(suites) > 1:
+        print(f"{len(suites)} suites in {time.perf_counter() - start:.0f}s")
 
 
 if __name__ == "__main__":

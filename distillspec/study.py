@@ -1,0 +1,202 @@
+"""Experiments of the paper's study (Sec. 5): one recipe cell, a draft's own quality, summaries over seeds.
+
+A *cell* of the recipe grid (Figure 4) is a data source x a divergence: distil the draft for a fixed number of
+steps with that recipe, then measure alpha/tau (gamma, temperatures) and the draft's own task score. The Ray
+Tune sweep (``jobs/sweep.py``) runs one cell per trial; the benchmark suites reuse the drafts it saves.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from distillspec.config import DistillConfig
+from distillspec.data import Task, score
+from distillspec.distill import Distiller
+from distillspec.errors import DistillSpecError
+from distillspec.evaluate import evaluate_sd
+from distillspec.models import decode_new, encode_prompts
+from distillspec.speculative import autoregressive_generate
+
+#: Figure 4's data sources as (lambda1, lambda2) of Algorithm A.2.
+DATA_SOURCES: dict[str, tuple[float, float]] = {
+    "fixed": (1.0, 0.0),  # the data set's references (SupKD)
+    "draft": (0.0, 1.0),  # on-policy: continuations the draft samples
+    "target": (0.0, 0.0),  # continuations the target samples (SeqKD)
+    "mixed": (0.0, 0.5),  # half draft-, half target-generated
+}
+DIVERGENCES = ("fkl", "jsd", "rkl", "tvd")
+
+
+def cell_config(base: DistillConfig, source: str, divergence: str, steps: int) -> DistillConfig:
+    """``base`` with the data source and divergence of one grid cell and a fixed step budget."""
+    if source not in DATA_SOURCES:
+        raise DistillSpecError(f"data source {source!r}: choose one of {sorted(DATA_SOURCES)}")
+    if divergence not in DIVERGENCES:
+        raise DistillSpecError(f"divergence {divergence!r}: choose one of {list(DIVERGENCES)}")
+    lambda1, lambda2 = DATA_SOURCES[source]
+    return replace(base, divergence=divergence, lambda1=lambda1, lambda2=lambda2, steps=steps, time_budget_s=0.0)
+
+
+@torch.inference_mode()
+def draft_score(
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> dict[str, float]:
+    """The draft decoding alone (greedy): its task score (accuracy, BLEU, ROUGE) and seconds per token."""
+    test = task.test[:num_prompts]
+    predictions, tokens, start = [], 0, time.perf_counter()
+    for i in range(0, len(test), batch_size):
+        ids, mask = encode_prompts(tokenizer, [e.prompt for e in test[i : i + batch_size]])
+        out = autoregressive_generate(
+            draft,
+            ids.to(draft.device),
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            eos_token_id=tokenizer.eos_token_id,
+            attention_mask=mask.to(draft.device),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        predictions += decode_new(tokenizer, out.sequences, ids.shape[1], out.num_new_tokens)
+        tokens += int(out.num_new_tokens.sum())
+    result = score(task.metric, predictions, [e.reference for e in test])
+    return {**result, "seconds_per_token": (time.perf_counter() - start) / max(1, tokens)}
+
+
+def measure_pair(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    *,
+    gammas: list[int],
+    temperatures: list[float],
+    num_prompts: int,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    seed: int = 0,
+    lenience: str | None = None,
+    epsilon: float = 1.0,
+) -> list[dict]:
+    """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts."""
+    test = task.test[:num_prompts]
+    prompts, refs = [e.prompt for e in test], [e.reference for e in test]
+    return [
+        evaluate_sd(
+            target,
+            draft,
+            tokenizer,
+            prompts,
+            gamma=gamma,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+            references=refs,
+            metric=task.metric,
+            lenience=lenience,
+            epsilon=epsilon,
+        )
+        for gamma in gammas
+        for temperature in temperatures
+    ]
+
+
+def run_cell(
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    cfg: DistillConfig,
+    *,
+    gammas: list[int],
+    temperatures: list[float],
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int = 0,
+) -> tuple[PreTrainedModel, dict]:
+    """Distil a copy of ``draft`` with ``cfg`` (Algorithm A.2, ``cfg.steps`` steps), then measure it.
+
+    Returns the distilled draft and a record: training seconds and tokens, the final loss, the SD
+    measurements (:func:`measure_pair`) and the draft's own score (:func:`draft_score`).
+    """
+    student = copy.deepcopy(draft)
+    distiller = Distiller(target, student, tokenizer, task.train, cfg, seed=seed)
+    start = time.perf_counter()
+    log = distiller.run()
+    seconds = time.perf_counter() - start
+    measured = measure_pair(
+        target,
+        student,
+        tokenizer,
+        task,
+        gammas=gammas,
+        temperatures=temperatures,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    own = draft_score(student, tokenizer, task, num_prompts=num_prompts, max_new_tokens=max_new_tokens)
+    record = {
+        "steps": len(log),
+        "train_seconds": seconds,
+        "train_tokens": sum(r["tokens"] for r in log),
+        "final_loss": statistics.fmean(r["loss"] for r in log[-10:]) if log else float("nan"),
+        "sd": measured,
+        "draft_alone": own,
+    }
+    return student, record
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, standard deviation (0 for one value), min and max of ``values``."""
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def time_to_alpha(curve: list[dict], alpha: float) -> float | None:
+    """The first ``seconds`` of a training curve (``{"seconds", "alpha"}`` points) where alpha >= ``alpha``."""
+    return next((p["seconds"] for p in curve if p["alpha"] >= alpha), None)
+
+
+@torch.inference_mode()
+def latency_per_token(
+    target: PreTrainedModel,
+    draft: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    gamma: int,
+    max_new_tokens: int,
+) -> float:
+    """Seconds per generated token at batch 1, greedy: ``target`` alone (``draft`` None) or with SD."""
+    from distillspec.speculative import speculative_generate  # noqa: PLC0415
+
+    seconds, tokens = 0.0, 0
+    for prompt in prompts:
+        ids, _ = encode_prompts(tokenizer, [prompt])
+        ids = ids.to(target.device)
+        kw = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "temperature": 0.0}
+        start = time.perf_counter()
+        if draft is None:
+            out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, **kw)
+        else:
+            out = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=max_new_tokens, **kw)
+        seconds += time.perf_counter() - start
+        tokens += int(out.num_new_tokens.sum())
+    return seconds / max(1, tokens)

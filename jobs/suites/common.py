@@ -1,0 +1,135 @@
+"""What the paper and peer suites share: the tasks, the two scales, configs per task, the distilled drafts."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from distillspec.config import JobConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
+
+#: Garden settings per task (the real data sets are read in place from ../shared/data).
+TASKS: dict[str, list[str]] = {
+    "arith": ["dataset=arith"],
+    "gsm8k": [
+        f"dataset={SHARED_DATA / 'gsm8k'}",
+        "garden.vocab_size=2048",
+        "garden.target_steps=600",
+        "garden.draft_steps=600",
+        "garden.batch_size=16",
+        "garden.max_len=256",
+    ],
+    "multi30k": [
+        f"dataset={SHARED_DATA / 'multi30k'}",
+        "garden.vocab_size=2048",
+        "garden.max_len=64",
+        "garden.target_steps=600",
+        "garden.draft_steps=600",
+        "eval.max_new_tokens=48",
+    ],
+    "tinyshakespeare": [
+        f"dataset={SHARED_DATA / 'tinyshakespeare'}",
+        "garden.max_len=128",
+        "garden.target_steps=600",
+        "garden.draft_steps=600",
+    ],
+}
+
+
+@dataclass
+class Scale:
+    """How much each suite runs: ``quick`` (<= 20 minutes on 2 CPU cores) or ``full``."""
+
+    name: str
+    tasks: list[str]
+    steps: int  #: distillation steps per recipe cell
+    num_prompts: int  #: held-out prompts per measurement
+    seeds: list[int]
+    speedup_prompts: int  #: prompts decoded one at a time for wall-clock figures
+    peer_steps: int  #: distillation steps in the TRL comparison
+    garden_tasks: list[str] = field(default_factory=lambda: ["arith"])
+
+
+SCALES = {
+    "quick": Scale("quick", ["arith"], steps=40, num_prompts=32, seeds=[0], speedup_prompts=8, peer_steps=40),
+    "full": Scale(
+        "full",
+        ["arith", "gsm8k", "multi30k", "tinyshakespeare"],
+        steps=80,
+        num_prompts=64,
+        seeds=[0, 1],
+        speedup_prompts=16,
+        peer_steps=80,
+    ),
+}
+
+
+def available(tasks: list[str], log=print) -> list[str]:
+    """``tasks`` less those whose data is not on this machine (a fresh machine has only arith)."""
+    kept = []
+    for name in tasks:
+        if name != "arith" and not (SHARED_DATA / name).exists():
+            log(f"skipping {name}: {SHARED_DATA / name} is not on this machine")
+            continue
+        kept.append(name)
+    return kept
+
+
+def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> JobConfig:
+    """The task's garden and data, the scale's measurement sizes, then the user's overrides."""
+    return load_config(
+        None,
+        [
+            *TASKS[task],
+            f"output_dir={out}",
+            f"eval.num_prompts={scale.num_prompts}",
+            f"eval.speedup_prompts={scale.speedup_prompts}",
+            f"sweep.steps={scale.steps}",
+            f"sweep.seeds={scale.seeds}",
+            *overrides,
+        ],
+    )
+
+
+def with_garden(cfg: JobConfig, log=print):
+    """``cfg`` with the garden pair's paths filled in (built or reused), and the task."""
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    if cfg.target is None:
+        garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
+        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+    return cfg, task
+
+
+def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", divergence: str = "tvd") -> str:
+    """The DistillSpec draft of a task (on-policy data + TVD by default, seed 0, ``sweep.steps`` steps).
+
+    Reuses the recipe suite's draft when it exists (``out/recipes/<task>/drafts``), else distils one.
+    """
+    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.study import cell_config, run_cell  # noqa: PLC0415
+
+    name = f"{source}-{divergence}-s0"
+    for folder in (out / "recipes" / task.name / "drafts" / name, out / "drafts" / task.name / name):
+        if (folder / "config.json").exists():
+            return str(folder)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    dcfg = cell_config(cfg.distill, source, divergence, cfg.sweep.steps)
+    student, _ = run_cell(
+        target, draft, tokenizer, task, dcfg, gammas=[], temperatures=[], num_prompts=0, max_new_tokens=1
+    )
+    student.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def command() -> str:
+    """The command line that is running (recorded with each suite's results)."""
+    script = Path(sys.argv[0]).resolve()
+    head = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else sys.argv[0]
+    return " ".join(["python", head, *sys.argv[1:]])

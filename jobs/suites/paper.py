@@ -1,0 +1,350 @@
+"""The paper's findings, reproduced on the garden tasks (each suite returns what goes into its JSON file).
+
+- ``recipes``  Figure 4: data source x divergence grid (the Ray Tune sweep of jobs/sweep.py), tau gain and score.
+- ``theory``   Figure 3c: tau predicted from the TVD-based alpha vs tau measured, one point per distilled model.
+- ``table``    Table C.1: tau and speedup without / with distillation, gamma in {3, 5, 7}, T in {0, 1}.
+- ``lenience`` Figure 5b: task score vs latency of lossy SD (lin, sq, exp over epsilon), raw vs distilled draft.
+- ``garden``   Figure 6: raw, distilled, speculative and DistillSpec models over three sizes.
+- ``transfer`` a draft distilled on one task, tau gain on the others (one garden trained on all the real tasks).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+from jobs.suites.common import TASKS, Scale, available, distilled_draft, task_config, with_garden
+
+
+def _pair(cfg):
+    from distillspec.models import load_pair  # noqa: PLC0415
+
+    return load_pair(cfg.target, cfg.draft, device=cfg.device)
+
+
+def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """Figure 4 on each task: the sweep (Ray Tune trials), its table and its heat map."""
+    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
+    from jobs.sweep import format_sweep, run_sweep  # noqa: PLC0415
+
+    results = {}
+    for name in available(scale.tasks):
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = task_config(name, scale, ["eval.temperatures=[0,1]", *overrides], folder)
+        print(
+            f"\n== recipes: {name} ({len(cfg.sweep.sources) * len(cfg.sweep.divergences)} cells x "
+            f"{len(cfg.sweep.seeds)} seeds, {cfg.sweep.steps} steps each)"
+        )
+        result = run_sweep(cfg, folder)
+        plot_recipe_grid(result, folder / "recipes.png")
+        print(format_sweep(result))
+        results[name] = result
+    return {"tasks": results}
+
+
+def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """Figure 3c from the recipe suite's trials (no new runs): predicted vs measured tau."""
+    import json  # noqa: PLC0415
+
+    from distillspec.errors import DistillSpecError  # noqa: PLC0415
+    from distillspec.report import plot_theory  # noqa: PLC0415
+
+    del overrides
+    points = []
+    for name in available(scale.tasks):
+        path = out.parent / "recipes.json"
+        if not path.exists():
+            raise DistillSpecError(
+                f"suite theory plots the recipe suite's trials: run the recipes suite first ({path})"
+            )
+        sweep = json.loads(path.read_text())["tasks"].get(name)
+        if sweep is None:
+            continue
+        for trial in sweep["trials"]:
+            for k in ("T0", "T1"):
+                m = trial["metrics"]
+                if f"tau_{k}" in m:
+                    points.append(
+                        {
+                            "task": name,
+                            "temperature": k,
+                            "recipe": f"{trial['source']}-{trial['divergence']}",
+                            "tau": m[f"tau_{k}"],
+                            "tau_theory": m[f"tau_theory_{k}"],
+                        }
+                    )
+        for k, r in sweep["before"].items():
+            points.append(
+                {
+                    "task": name,
+                    "temperature": k,
+                    "recipe": "undistilled",
+                    "tau": r["tau"],
+                    "tau_theory": r["tau_theory"],
+                }
+            )
+    if not points:
+        raise DistillSpecError("the recipe suite's results hold none of these tasks: run the recipes suite first")
+    errors = [abs(p["tau_theory"] - p["tau"]) / p["tau"] for p in points]
+    fit = _pearson([p["tau_theory"] for p in points], [p["tau"] for p in points])
+    out.mkdir(parents=True, exist_ok=True)
+    plot_theory(points, out / "theory.png")
+    print(
+        f"\ntheory vs measured tau: {len(points)} models, pearson r {fit:.3f}, mean |error| "
+        f"{100 * sum(errors) / len(errors):.1f}%"
+    )
+    return {"points": points, "pearson_r": fit, "mean_abs_rel_error": sum(errors) / len(errors)}
+
+
+def _pearson(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sx, sy = math.sqrt(sum((a - mx) ** 2 for a in x)), math.sqrt(sum((b - my) ** 2 for b in y))
+    return sxy / (sx * sy) if sx and sy else float("nan")
+
+
+def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """Table C.1: per task, tau and measured speedup (batch 1) before / after DistillSpec."""
+    from distillspec.evaluate import measure_speedup  # noqa: PLC0415
+    from distillspec.models import load_model  # noqa: PLC0415
+    from distillspec.report import format_table, plot_tau  # noqa: PLC0415
+    from distillspec.study import measure_pair  # noqa: PLC0415
+
+    results = {}
+    for name in available(scale.tasks):
+        cfg, task = with_garden(task_config(name, scale, overrides, out / name))
+        distilled = distilled_draft(cfg, task, out.parent)
+        target, draft, tokenizer = _pair(cfg)
+        prompts = [e.prompt for e in task.test[: cfg.eval.speedup_prompts]]
+        records = []
+        for phase, model in (("before", draft), ("after", load_model(distilled, device=cfg.device)[0])):
+            print(f"== table: {name}, {phase} distillation")
+            for r in measure_pair(
+                target,
+                model,
+                tokenizer,
+                task,
+                gammas=[3, 5, 7],
+                temperatures=[0.0, 1.0],
+                num_prompts=cfg.eval.num_prompts,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                seed=cfg.seed,
+            ):
+                r.update(
+                    measure_speedup(
+                        target,
+                        model,
+                        tokenizer,
+                        prompts,
+                        gamma=r["gamma"],
+                        temperature=r["temperature"],
+                        max_new_tokens=cfg.eval.max_new_tokens,
+                        seed=cfg.seed,
+                    )
+                )
+                records.append({"phase": phase, **r})
+        (out / name).mkdir(parents=True, exist_ok=True)
+        plot_tau(
+            records,
+            out / name / "tau.png",
+            title=f"{name}: tau before / after DistillSpec (on-policy + TVD, {cfg.sweep.steps} steps)",
+        )
+        print(format_table(records))
+        results[name] = {"records": records, "distilled": distilled, "steps": cfg.sweep.steps}
+    return {"tasks": results}
+
+
+#: Lossy SD settings of Figure 5b: epsilons per lenience, from nearly lossless to very lenient.
+LENIENCE_GRID = {
+    "lin": [0.5, 0.2, 0.1, 0.05, 0.02],
+    "sq": [0.7, 0.45, 0.3, 0.2, 0.14],
+    "exp": [0.8, 0.6, 0.4, 0.2, 0.1],
+}
+
+
+def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """Figure 5b: task score vs predicted latency of lossy SD, raw vs distilled draft (T = 1, gamma 5)."""
+    from distillspec.metrics import measure_cost_ratio  # noqa: PLC0415
+    from distillspec.models import encode_prompts, load_model  # noqa: PLC0415
+    from distillspec.report import plot_lenience  # noqa: PLC0415
+    from distillspec.study import measure_pair  # noqa: PLC0415
+
+    results = {}
+    for name in available(scale.tasks):
+        cfg, task = with_garden(task_config(name, scale, overrides, out / name))
+        if task.metric is None:
+            print(f"skipping {name} in the lenience suite: a language-modelling task has no quality score")
+            continue
+        distilled = distilled_draft(cfg, task, out.parent)
+        target, draft, tokenizer = _pair(cfg)
+        gamma = cfg.eval.speedup_gamma
+        ids, _ = encode_prompts(tokenizer, [task.test[0].prompt])
+        cost = measure_cost_ratio(target, draft, ids.to(target.device), gamma=gamma)
+        settings = [(None, 1.0)] + [(f, e) for f, eps in LENIENCE_GRID.items() for e in eps]
+        points = []
+        for label, model in (("raw", draft), ("distilled", load_model(distilled, device=cfg.device)[0])):
+            print(f"== lenience: {name}, {label} draft, {len(settings)} settings")
+            for lenience, epsilon in settings:
+                (r,) = measure_pair(
+                    target,
+                    model,
+                    tokenizer,
+                    task,
+                    gammas=[gamma],
+                    temperatures=[1.0],
+                    num_prompts=cfg.eval.num_prompts,
+                    max_new_tokens=cfg.eval.max_new_tokens,
+                    seed=cfg.seed,
+                    lenience=lenience,
+                    epsilon=epsilon,
+                )
+                r["draft"] = label
+                r["relative_latency"] = (cost.c * gamma + cost.v) / r["tau"]
+                points.append(r)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        plot_lenience(points, task.metric, out / name / "lenience.png", title=f"{name}: lossy SD, gamma={gamma}, T=1")
+        results[name] = {"points": points, "metric": task.metric, "c": cost.c, "v": cost.v, "gamma": gamma}
+    return {"tasks": results}
+
+
+def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """Figure 6: quality vs latency of raw, distilled, speculative and DistillSpec models over three sizes."""
+    from distillspec.config import ModelSize  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.models import load_model  # noqa: PLC0415
+    from distillspec.report import plot_garden  # noqa: PLC0415
+    from distillspec.study import cell_config, draft_score, latency_per_token, run_cell  # noqa: PLC0415
+
+    results = {}
+    for name in available(scale.garden_tasks):
+        cfg, task = with_garden(task_config(name, scale, overrides, out / name))
+        folder = out / name
+        medium = ModelSize(d_model=160, n_layers=4, n_heads=4, d_ff=480)
+        m_path = str(build_garden(task, replace(cfg.garden, draft=medium), seed=cfg.seed).draft.resolve())
+        s_from_l = distilled_draft(cfg, task, out.parent)
+        target, small, tokenizer = _pair(cfg)
+        mid = load_model(m_path, device=cfg.device)[0]
+        dcfg = cell_config(cfg.distill, "draft", "tvd", cfg.sweep.steps)
+        kw = {"gammas": [], "temperatures": [], "num_prompts": 0, "max_new_tokens": 1, "seed": cfg.seed}
+        print(f"== garden: {name}, distilling the medium model from the large one")
+        mid_d, _ = run_cell(target, mid, tokenizer, task, dcfg, **kw)
+        print(f"== garden: {name}, distilling the small model from the distilled medium one")
+        small_from_mid, _ = run_cell(mid_d, small, tokenizer, task, dcfg, **kw)
+        models = {
+            "S": small,
+            "M": mid,
+            "L": target,
+            "S distilled": load_model(s_from_l, device=cfg.device)[0],
+            "M distilled": mid_d,
+        }
+        prompts = [e.prompt for e in task.test[: cfg.eval.speedup_prompts]]
+        n, new = cfg.eval.num_prompts, cfg.eval.max_new_tokens
+        quality = {k: draft_score(m, tokenizer, task, num_prompts=n, max_new_tokens=new) for k, m in models.items()}
+        metric = next(iter(k for k in quality["L"] if k != "seconds_per_token"), None)
+        specs = [("raw", k, k, None) for k in ("S", "M", "L")]
+        specs += [("distilled", k, k, None) for k in ("S distilled", "M distilled")]
+        specs += [("speculative", "M + S", "M", small), ("speculative", "L + S", "L", small)]
+        specs += [
+            ("DistillSpec", "M distilled + S distilled(M)", "M distilled", small_from_mid),
+            ("DistillSpec", "L + S distilled", "L", models["S distilled"]),
+        ]
+        print(f"== garden: {name}, latency of {len(prompts)} prompts at batch 1 per model and pair")
+        points = [
+            {
+                "kind": kind,
+                "label": label,
+                "seconds_per_token": latency_per_token(
+                    models[key], d, tokenizer, prompts, gamma=cfg.eval.speedup_gamma, max_new_tokens=new
+                ),
+                "score": quality[key].get(metric, float("nan")),
+            }
+            for kind, label, key, d in specs
+        ]
+        sizes = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+        folder.mkdir(parents=True, exist_ok=True)
+        plot_garden(points, metric, folder / "garden.png", title=f"{name}: model garden, greedy, batch 1")
+        for p in points:
+            print(
+                f"  {p['kind']:>12} {p['label']:>30}: {metric} {p['score']:.3f}, "
+                f"{1e3 * p['seconds_per_token']:.2f} ms/token"
+            )
+        results[name] = {"points": points, "metric": metric, "parameters": sizes, "steps": cfg.sweep.steps}
+    return {"tasks": results}
+
+
+def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task."""
+    from distillspec.data import Task, load_task  # noqa: PLC0415
+    from distillspec.errors import DistillSpecError  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.study import cell_config, measure_pair, run_cell  # noqa: PLC0415
+
+    names = [n for n in available(scale.tasks) if n != "arith"]
+    if len(names) < 2:
+        raise DistillSpecError("suite transfer needs at least two of the real tasks in ../shared/data")
+    base = task_config(
+        "arith",
+        scale,
+        [
+            "garden.vocab_size=2048",
+            "garden.max_len=160",
+            "garden.target_steps=800",
+            "garden.draft_steps=800",
+            *overrides,
+        ],
+        out,
+    )
+    tasks = {n: load_task(task_config(n, scale, overrides, out).dataset, seed=base.seed) for n in names}
+    rng = random.Random(base.seed)
+    mixed = [e for t in tasks.values() for e in t.train[:6000]]
+    rng.shuffle(mixed)
+    garden = build_garden(Task("mix-" + "-".join(names), mixed, [], None), base.garden, seed=base.seed)
+    from distillspec.models import load_pair  # noqa: PLC0415
+
+    target, draft, tokenizer = load_pair(str(garden.target), str(garden.draft), device=base.device)
+    kw = {
+        "gammas": [base.eval.speedup_gamma],
+        "temperatures": [1.0],
+        "num_prompts": base.eval.num_prompts,
+        "max_new_tokens": base.eval.max_new_tokens,
+        "seed": base.seed,
+    }
+    before = {n: measure_pair(target, draft, tokenizer, t, **kw)[0] for n, t in tasks.items()}
+    matrix = {}
+    for src, task in tasks.items():
+        print(f"== transfer: distilling on {src}")
+        dcfg = cell_config(base.distill, "draft", "tvd", base.sweep.steps)
+        student, _ = run_cell(
+            target, copy.deepcopy(draft), tokenizer, task, dcfg, **{**kw, "gammas": [], "num_prompts": 0}
+        )
+        matrix[src] = {}
+        for dst, t in tasks.items():
+            r = measure_pair(target, student, tokenizer, t, **kw)[0]
+            matrix[src][dst] = {"tau": r["tau"], "alpha": r["alpha"], "tau_gain": r["tau"] / before[dst]["tau"] - 1}
+    print("\ntau gain (rows: distilled on, columns: measured on):")
+    print(" " * 16 + "".join(f"{d:>16}" for d in names))
+    for src in names:
+        print(f"{src:>16}" + "".join(f"{100 * matrix[src][d]['tau_gain']:>+15.1f}%" for d in names))
+    return {
+        "tasks": names,
+        "before": before,
+        "matrix": matrix,
+        "garden": str(garden.target.parent),
+        "steps": base.sweep.steps,
+        "gamma": base.eval.speedup_gamma,
+    }
+
+
+SUITES = {
+    "recipes": suite_recipes,
+    "theory": suite_theory,
+    "table": suite_table,
+    "lenience": suite_lenience,
+    "garden": suite_garden,
+    "transfer": suite_transfer,
+}
+__all__ = ["SUITES", "TASKS"]

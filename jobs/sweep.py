@@ -1,0 +1,248 @@
+"""Recipe search: the recipe grid (data source x divergence x seed) as parallel Ray Tune trials.
+
+The paper finds the best divergence and data source task-dependent (Sec. 5.2, Figure 4), so search them per task:
+
+    python jobs/sweep.py                                          # arith garden, 4 x 4 grid, 40 steps a trial
+    python jobs/sweep.py --dataset ../shared/data/gsm8k sweep.steps=60 sweep.seeds=[0,1]
+    python jobs/sweep.py sweep.sources=[draft,fixed] sweep.divergences=[tvd,fkl] sweep.trial_cpus=0.5
+    python jobs/sweep.py --target ORG/big --draft ORG/small --dataset gsm8k ray.address=auto sweep.trial_gpus=1
+
+Each trial distils the draft for ``sweep.steps`` steps with one recipe (``distillspec.study.run_cell``) and
+reports alpha, tau and its gain over the undistilled draft at gamma = ``eval.speedup_gamma`` and each of
+``eval.temperatures``, the TVD-based alpha and tau, and the distilled draft's own task score. Writes
+``sweep.json`` (every trial, the undistilled baseline, the best recipe), ``recipes.png`` (tau gain per cell)
+and, with ``sweep.save_drafts``, each distilled draft under ``--output-dir``/drafts/<source>-<divergence>-s<seed>.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from distillspec.cli import parse_job_args, run_main  # noqa: E402
+from distillspec.config import JobConfig  # noqa: E402
+from distillspec.errors import DistillSpecError  # noqa: E402
+
+
+def _key(t: float) -> str:
+    return f"T{t:g}"
+
+
+def flatten(sd: list[dict], draft_alone: dict, before: dict[str, dict]) -> dict[str, float]:
+    """One trial's report: per temperature alpha, tau, the tau gain over ``before``, and the TVD-based figures."""
+    metrics: dict[str, float] = {}
+    for r in sd:
+        k = _key(r["temperature"])
+        metrics |= {
+            f"alpha_{k}": r["alpha"],
+            f"tau_{k}": r["tau"],
+            f"alpha_tvd_{k}": r["alpha_tvd"],
+            f"tau_theory_{k}": r["tau_theory"],
+            f"tau_gain_{k}": r["tau"] / before[k]["tau"] - 1.0,
+        }
+    metrics |= {f"draft_{k}": v for k, v in draft_alone.items()}
+    return metrics
+
+
+def trial(params: dict, cfg: JobConfig, before: dict[str, dict], out: str) -> None:
+    """One Ray Tune trial: distil one recipe cell, report its measurements."""
+    import torch  # noqa: PLC0415
+    from ray import tune  # noqa: PLC0415
+
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.study import cell_config, run_cell  # noqa: PLC0415
+
+    torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
+    torch.manual_seed(params["seed"])
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    dcfg = cell_config(cfg.distill, params["source"], params["divergence"], cfg.sweep.steps)
+    student, record = run_cell(
+        target,
+        draft,
+        tokenizer,
+        task,
+        dcfg,
+        gammas=[cfg.eval.speedup_gamma],
+        temperatures=cfg.eval.temperatures,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        seed=params["seed"],
+    )
+    if cfg.sweep.save_drafts:
+        folder = Path(out) / "drafts" / cell_name(params)
+        student.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    tune.report(
+        {
+            **flatten(record["sd"], record["draft_alone"], before),
+            "train_seconds": record["train_seconds"],
+            "train_tokens": record["train_tokens"],
+            "final_loss": record["final_loss"],
+        }
+    )
+
+
+def cell_name(params: dict) -> str:
+    return f"{params['source']}-{params['divergence']}-s{params['seed']}"
+
+
+def summarise(trials: list[dict], rank: str) -> list[dict]:
+    """One row per (source, divergence): every reported metric as mean/std/min/max over the seeds."""
+    from distillspec.study import spread  # noqa: PLC0415
+
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for t in trials:
+        cells.setdefault((t["source"], t["divergence"]), []).append(t)
+    rows = []
+    for (source, divergence), group in cells.items():
+        keys = [k for k, v in group[0]["metrics"].items() if isinstance(v, int | float)]
+        rows.append(
+            {
+                "source": source,
+                "divergence": divergence,
+                "seeds": [t["seed"] for t in group],
+                **{k: spread([t["metrics"][k] for t in group]) for k in keys},
+            }
+        )
+    return sorted(rows, key=lambda r: -r[rank]["mean"])
+
+
+def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
+    """Build or load the pair, measure the undistilled draft, run the grid as Tune trials; returns sweep.json's data."""
+    import ray  # noqa: PLC0415
+    from ray import tune  # noqa: PLC0415
+
+    from cluster.connect import connect  # noqa: PLC0415
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.study import measure_pair  # noqa: PLC0415
+
+    if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
+        raise DistillSpecError(
+            f"sweep.rank_temperature={cfg.sweep.rank_temperature:g} is not among eval.temperatures="
+            f"{cfg.eval.temperatures}: add it there, or rank at one of those"
+        )
+    start = time.perf_counter()
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    if cfg.target is None:
+        garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
+        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    records = measure_pair(
+        target,
+        draft,
+        tokenizer,
+        task,
+        gammas=[cfg.eval.speedup_gamma],
+        temperatures=cfg.eval.temperatures,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        seed=cfg.seed,
+    )
+    before = {_key(r["temperature"]): r for r in records}
+    log(
+        f"{task.name}: undistilled draft at gamma={cfg.eval.speedup_gamma}: "
+        + ", ".join(f"{k} alpha {r['alpha']:.3f} tau {r['tau']:.3f}" for k, r in before.items())
+    )
+    del target, draft
+    started = connect(cfg.ray).startswith("started")
+    rank = f"tau_gain_{_key(cfg.sweep.rank_temperature)}"
+    grid = {
+        "source": tune.grid_search(cfg.sweep.sources),
+        "divergence": tune.grid_search(cfg.sweep.divergences),
+        "seed": tune.grid_search(cfg.sweep.seeds),
+    }
+    resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus}
+    trainable = tune.with_resources(
+        tune.with_parameters(
+            trial, cfg=replace(cfg, device="cuda" if cfg.sweep.trial_gpus else cfg.device), before=before, out=str(out)
+        ),
+        resources,
+    )
+    try:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=grid,
+            tune_config=tune.TuneConfig(metric=rank, mode="max"),
+            run_config=tune.RunConfig(name=f"sweep-{task.name}", storage_path=str(out / "tune"), verbose=1),
+        )
+        results = tuner.fit()
+    finally:
+        if started:
+            ray.shutdown()
+    trials, failed = [], []
+    for result in results:
+        params = {k: result.config[k] for k in ("source", "divergence", "seed")}
+        if result.error is not None:
+            failed.append({**params, "error": f"{type(result.error).__name__}: {str(result.error)[:300]}"})
+            continue
+        metrics = {k: v for k, v in result.metrics.items() if _reported(k)}
+        trials.append({**params, "metrics": metrics})
+    if not trials:
+        raise DistillSpecError(f"every sweep trial failed; the first: {failed[0]['error'] if failed else '?'}")
+    cells = summarise(trials, rank)
+    best = cells[0]
+    return {
+        "task": task.name,
+        "metric": task.metric,
+        "target": cfg.target,
+        "draft": cfg.draft,
+        "gamma": cfg.eval.speedup_gamma,
+        "steps": cfg.sweep.steps,
+        "rank": rank,
+        "before": before,
+        "trials": trials,
+        "failed": failed,
+        "cells": cells,
+        "best": {"source": best["source"], "divergence": best["divergence"], rank: best[rank]},
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _reported(key: str) -> bool:
+    return key.startswith(("alpha", "tau", "draft_", "train_", "final_loss"))
+
+
+def format_sweep(result: dict) -> str:
+    rank = result["rank"]
+    temps = sorted({k.split("_")[-1] for c in result["cells"] for k in c if k.startswith("tau_gain_")})
+    head = f"{'source':>7} {'divergence':>10} " + " ".join(f"{'tau gain ' + t:>16}" for t in temps)
+    lines = [head, "-" * len(head)]
+    for c in result["cells"]:
+        gains = " ".join(
+            f"{100 * c[f'tau_gain_{t}']['mean']:>+9.1f}% ±{100 * c[f'tau_gain_{t}']['std']:>4.1f}" for t in temps
+        )
+        lines.append(f"{c['source']:>7} {c['divergence']:>10} {gains}")
+    b = result["best"]
+    lines.append(
+        f"best recipe on {result['task']}: {b['source']} data + {b['divergence'].upper()} "
+        f"({rank} {b[rank]['mean']:+.3f})"
+    )
+    return "\n".join(lines)
+
+
+def main(cfg: JobConfig) -> dict:
+    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
+
+    out = Path(cfg.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_sweep(cfg, out)
+    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    plot_recipe_grid(result, out / "recipes.png")
+    print(format_sweep(result))
+    for f in result["failed"]:
+        print(f"trial failed: {f}")
+    print(f"\nwrote {out / 'sweep.json'} and {out / 'recipes.png'} ({result['seconds']:.0f}s)")
+    return result
+
+
+if __name__ == "__main__":
+    run_main(lambda: main(parse_job_args(__doc__, defaults=("output_dir=outputs/sweep",))))
