@@ -1,0 +1,298 @@
+"""docs/RESULTS.md from the suites' JSON files: every table with the command that made it, plots beside them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+DIV = {"fkl": "FKL", "jsd": "JSD", "rkl": "RKL", "tvd": "TVD"}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f}%"
+
+
+def _pm(cell: dict, key: str, scale: float = 100.0, fmt: str = "+.1f", unit: str = "%") -> str:
+    s = cell.get(key)
+    if s is None:
+        return "-"
+    text = f"{scale * s['mean']:{fmt}}{unit}"
+    return text + (f" ± {scale * s['std']:.1f}" if s["n"] > 1 else "")
+
+
+class Page:
+    def __init__(self, runs: Path, docs: Path) -> None:
+        self.runs, self.docs, self.lines = runs, docs, []
+        self.images = docs / "results"
+
+    def add(self, *lines: str) -> None:
+        self.lines += lines
+
+    def image(self, path: Path, name: str, alt: str) -> None:
+        if path.exists():
+            self.images.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, self.images / name)
+            self.add(f"![{alt}](results/{name})", "")
+
+    def header(self, title: str, data: dict) -> None:
+        self.add(
+            f"## {title}",
+            "",
+            f"Made by `{data['command']}` ({data['scale']} scale, {data['seconds'] / 60:.1f} min).",
+            "",
+        )
+
+
+def _table(page: Page, data: dict) -> None:
+    page.header("Table C.1 analogue: block efficiency and speedup without and with distillation", data)
+    page.add(
+        "Before: the garden draft (trained on the task's data, the paper's fine-tuned baseline). After: the same draft "
+        "distilled with DistillSpec's default recipe (on-policy data + TVD). tau on held-out prompts; speedup is "
+        "measured "
+        "wall-clock tokens/s of SD over the target alone, one prompt at a time, on this machine.",
+        "",
+    )
+    for task, t in data["tasks"].items():
+        recs = t["records"]
+        before = {(r["gamma"], r["temperature"]): r for r in recs if r["phase"] == "before"}
+        page.add(f"**{task}** ({t['steps']} distillation steps)", "")
+        page.add(
+            "| gamma | T | alpha before | alpha after | tau before | tau after | tau gain | speedup before "
+            "| speedup after |"
+        )
+        page.add("|---|---|---|---|---|---|---|---|---|")
+        for a in (r for r in recs if r["phase"] == "after"):
+            b = before[(a["gamma"], a["temperature"])]
+            page.add(
+                f"| {a['gamma']} | {a['temperature']:g} | {b['alpha']:.3f} | {a['alpha']:.3f} | {b['tau']:.2f} | "
+                f"{a['tau']:.2f} | {_pct(a['tau'] / b['tau'] - 1)} | {b['measured_speedup']:.2f}x | "
+                f"{a['measured_speedup']:.2f}x |"
+            )
+        page.add("")
+        page.image(page.runs / "table" / task / "tau.png", f"table-{task}.png", f"tau before/after on {task}")
+
+
+def _recipes(page: Page, data: dict) -> None:
+    page.header("Figure 4 analogue: the recipe grid (data source x divergence)", data)
+    page.add(
+        "Each cell distils the garden draft for the same number of steps with one data source (fixed = the data set's "
+        "references, SupKD; draft = on-policy samples; target = target samples, SeqKD; mixed = half each) and one "
+        "divergence, as a Ray Tune trial (`jobs/sweep.py`). Tau gain is over the undistilled draft at gamma = 5; "
+        "'draft score' is the distilled draft's own greedy task score. ± is the standard deviation over seeds.",
+        "",
+    )
+    for task, sweep in data["tasks"].items():
+        temps = sorted({k[len("tau_gain_") :] for c in sweep["cells"] for k in c if k.startswith("tau_gain_")})
+        score = next((k for k in sweep["cells"][0] if k.startswith("draft_") and k != "draft_seconds_per_token"), None)
+        seeds = len(sweep["cells"][0]["seeds"])
+        page.add(f"**{task}** ({sweep['steps']} steps a cell, {seeds} seed{'s' * (seeds > 1)})", "")
+        head = "| data | divergence | " + " | ".join(f"tau gain {t.replace('T', 'T=')}" for t in temps)
+        page.add(head + (f" | draft {score[6:]} |" if score else " |"))
+        page.add("|---|---|" + "---|" * (len(temps) + bool(score)))
+        for c in sorted(sweep["cells"], key=lambda c: (c["source"], c["divergence"])):
+            row = f"| {c['source']} | {DIV[c['divergence']]} | " + " | ".join(_pm(c, f"tau_gain_{t}") for t in temps)
+            page.add(row + (f" | {_pm(c, score, 1.0, '.3f', '')} |" if score else " |"))
+        b = sweep["best"]
+        page.add("", f"Best recipe on {task}: **{b['source']} data + {DIV[b['divergence']]}**.", "")
+        page.add(*_on_policy_verdict(task, sweep, temps), "")
+        page.image(page.runs / "recipes" / task / "recipes.png", f"recipes-{task}.png", f"recipe grid on {task}")
+
+
+def _on_policy_verdict(task: str, sweep: dict, temps: list[str]) -> list[str]:
+    """On-policy (draft) vs fixed data, per temperature: the mean over divergences, and DistillSpec vs SupKD."""
+    cells = {(c["source"], c["divergence"]): c for c in sweep["cells"]}
+    lines = []
+    for t in temps:
+        key = f"tau_gain_{t}"
+        draft = [c[key]["mean"] for (s, _), c in cells.items() if s == "draft"]
+        fixed = [c[key]["mean"] for (s, _), c in cells.items() if s == "fixed"]
+        if not draft or not fixed:
+            continue
+        d, f = sum(draft) / len(draft), sum(fixed) / len(fixed)
+        verdict = "beats" if d > f else "does NOT beat"
+        line = (
+            f"- {t.replace('T', 'T=')}: on-policy data {verdict} fixed data on {task} "
+            f"(mean tau gain over divergences {_pct(d)} vs {_pct(f)})"
+        )
+        if ("draft", "tvd") in cells and ("fixed", "fkl") in cells:
+            line += (
+                f"; DistillSpec (draft + TVD) {_pct(cells[('draft', 'tvd')][key]['mean'])} vs SupKD (fixed + FKL) "
+                f"{_pct(cells[('fixed', 'fkl')][key]['mean'])}"
+            )
+        lines.append(line + ".")
+    return lines
+
+
+def _theory(page: Page, data: dict) -> None:
+    page.header("Figure 3c analogue: tau from TVD vs tau measured", data)
+    page.add(
+        f"One point per model of the recipe grid (and the undistilled drafts), at T = 0 and T = 1: the tau that "
+        f"alpha = 1 - E[TVD(p, q)] predicts, (1 - alpha^(gamma+1)) / (1 - alpha), against the tau speculative decoding "
+        f"measured. {len(data['points'])} points; Pearson r = **{data['pearson_r']:.3f}**; mean |error| = "
+        f"{100 * data['mean_abs_rel_error']:.1f}% of the measured tau.",
+        "",
+    )
+    page.image(page.runs / "theory" / "theory.png", "theory.png", "theoretical vs empirical tau")
+
+
+def _lenience(page: Page, data: dict) -> None:
+    page.header("Figure 5b analogue: quality vs latency with lossy speculative decoding", data)
+    page.add(
+        "Lenience f(p, epsilon) in the acceptance min(1, f(p)/q): lin = p/eps, sq = p/eps^2, exp = p^eps, over a range "
+        "of epsilon, with the raw and the distilled draft (gamma = 5, T = 1). Latency relative to the target alone is "
+        "(c*gamma + v)/tau with the measured cost ratio c and verify cost v of this machine.",
+        "",
+    )
+    for task, t in data["tasks"].items():
+        metric = t["metric"]
+        page.add(f"**{task}** (c = {t['c']:.3f}, v = {t['v']:.2f})", "")
+        page.add(
+            f"| draft | lenience | epsilon | alpha | tau | relative latency | {metric} |",
+            "|---|---|---|---|---|---|---|",
+        )
+        for p in t["points"]:
+            page.add(
+                f"| {p['draft']} | {p['lenience'] or 'lossless'} | {p['epsilon']:g} | {p['alpha']:.3f} | "
+                f"{p['tau']:.2f} | {p['relative_latency']:.3f} | {p[metric]:.3f} |"
+            )
+        page.add("")
+        page.image(page.runs / "lenience" / task / "lenience.png", f"lenience-{task}.png", f"lenience on {task}")
+
+
+def _garden(page: Page, data: dict) -> None:
+    page.header("Figure 6 analogue: the model garden", data)
+    page.add(
+        "Three sizes S < M < L of one architecture trained on the task (L is the target). Raw: each model decoding "
+        "alone. Distilled: S and M distilled from L (on-policy + TVD) decoding alone. Speculative: M or L with the raw "
+        "S as draft. DistillSpec: the distilled M with an S distilled from it, and L with the S distilled from L. "
+        "Greedy decoding, batch 1; speculative output equals its target's, so it has the target's score.",
+        "",
+    )
+    for task, t in data["tasks"].items():
+        params = ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in t["parameters"].items() if "distilled" not in k)
+        page.add(
+            f"**{task}** (parameters: {params})",
+            "",
+            f"| kind | model | {t['metric']} | ms per token |",
+            "|---|---|---|---|",
+        )
+        for p in t["points"]:
+            page.add(f"| {p['kind']} | {p['label']} | {p['score']:.3f} | {1e3 * p['seconds_per_token']:.2f} |")
+        page.add("")
+        page.image(page.runs / "garden" / task / "garden.png", f"garden-{task}.png", f"model garden on {task}")
+
+
+def _transfer(page: Page, data: dict) -> None:
+    page.header("Transfer: a draft distilled on one task, measured on the others", data)
+    names = data["tasks"]
+    page.add(
+        f"One garden pair trained on all of {', '.join(names)} (one tokenizer); its draft distilled on each task "
+        f"({data['steps']} steps, on-policy + TVD), tau gain at gamma = {data['gamma']}, T = 1 on every task's "
+        "held-out prompts. Rows: distilled on; columns: measured on.",
+        "",
+        "| distilled on | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    )
+    for src in names:
+        page.add(f"| {src} | " + " | ".join(_pct(data["matrix"][src][d]["tau_gain"]) for d in names) + " |")
+    page.add("")
+
+
+def _assisted(page: Page, data: dict) -> None:
+    page.header("Peer: transformers assisted generation", data)
+    page.add(
+        "Same garden pair, same gamma, batch 1, one prompt at a time: `target.generate(assistant_model=draft)` with a "
+        "constant `num_assistant_tokens` = gamma, against our `speculative_generate`; and ours at batch 8, which "
+        "assisted generation does not support. Goal: ours >= 1.3x assisted generation at batch 1.",
+        "",
+        "| task | T | HF generate | HF assisted | ours, target only | ours SD | ours SD batch 8 "
+        "| ours SD / HF assisted | greedy outputs equal |",
+        "|---|---|---|---|---|---|---|---|---|",
+    )
+    for task, t in data["tasks"].items():
+        for temp in ("T0", "T1"):
+            r = t[temp]
+            hf = r.get("hf_greedy", r.get("hf_sample"))
+            ratio = r["ratio_ours_sd_over_hf_assisted"]
+            agree = f"{100 * r['greedy_outputs_agree']:.0f}%" if "greedy_outputs_agree" in r else "-"
+            page.add(
+                f"| {task} | {temp[1:]} | {hf['tokens_per_s']:.1f} | {r['hf_assisted']['tokens_per_s']:.1f} | "
+                f"{r['ours_target_only']['tokens_per_s']:.1f} | {r['ours_sd']['tokens_per_s']:.1f} | "
+                f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | **{ratio:.2f}x** "
+                f"{'(goal met)' if ratio >= 1.3 else '(goal NOT met)'} | {agree} |"
+            )
+    page.add("", "Tokens/s; all of them measured in the same process, interleaved by method.", "")
+
+
+def _trl(page: Page, data: dict) -> None:
+    page.header("Peer: TRL's on-policy distillation trainer", data)
+    page.add(
+        "TRL's `DistillationTrainer` (on-policy generalised JSD, the GKD trainer's successor) against our loop with "
+        "the "
+        "matching recipe (`gkd`: draft-generated data, JSD with the same beta), same pair, prompts, batch, learning "
+        "rate, schedule and steps. alpha (gamma = 5, T = 1, held-out prompts) against training seconds; evaluations "
+        "are left out of the clock. Goal: our time to reach TRL's best alpha <= 0.5x TRL's.",
+        "",
+        "| task | steps | batch | alpha start | alpha ours | alpha TRL | seconds ours | seconds TRL "
+        "| time to TRL's best alpha, ours / TRL |",
+        "|---|---|---|---|---|---|---|---|---|",
+    )
+    for task, r in data["tasks"].items():
+        ratio = r["time_ratio_ours_over_trl"]
+        verdict = "-" if ratio is None else f"**{ratio:.2f}x** {'(goal met)' if ratio <= 0.5 else '(goal NOT met)'}"
+        if ratio is None and r["seconds_to_goal"]["ours"] is None:
+            verdict = "ours did not reach it"
+        page.add(
+            f"| {task} | {r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | {r['alpha_final']['ours']:.3f} | "
+            f"{r['alpha_final']['trl']:.3f} | {r['train_seconds']['ours']:.0f} | "
+            f"{r['train_seconds']['trl']:.0f} | {verdict} |"
+        )
+        page.image(page.runs / "trl" / task / "trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
+    page.add("")
+
+
+SECTIONS = {
+    "table": _table,
+    "recipes": _recipes,
+    "theory": _theory,
+    "lenience": _lenience,
+    "garden": _garden,
+    "transfer": _transfer,
+    "assisted": _assisted,
+    "trl": _trl,
+}
+
+
+def write_page(runs: Path, docs: Path) -> Path:
+    """Write ``docs/RESULTS.md`` (and copy the plots to ``docs/results/``) from the JSON files under ``runs``."""
+    from distillspec.errors import DistillSpecError  # noqa: PLC0415
+
+    found = {
+        name: json.loads((runs / f"{name}.json").read_text()) for name in SECTIONS if (runs / f"{name}.json").exists()
+    }
+    if not found:
+        raise DistillSpecError(f"no suite results under {runs}: run e.g. `python jobs/benchmark.py quick` first")
+    page = Page(runs, docs)
+    total = sum(d["seconds"] for d in found.values())
+    machine = next(iter(found.values()))["machine"]
+    page.add(
+        "# Results",
+        "",
+        f"Generated by `python jobs/benchmark.py report` on {time.strftime('%Y-%m-%d')} from the suites' JSON files; "
+        f"every section names the command that made it. Machine: {machine}, no GPU. The suites below took "
+        f"{total / 60:.1f} minutes in all. Models are the project's garden (Llama-architecture models trained from "
+        "scratch here), so absolute figures are small-model, CPU figures; the directions are what to compare with the "
+        "paper.",
+        "",
+    )
+    for name, data in found.items():
+        SECTIONS[name](page, data)
+    notes = docs / "RESULTS-notes.md"
+    if notes.exists():
+        page.add(notes.read_text())
+    docs.mkdir(parents=True, exist_ok=True)
+    path = docs / "RESULTS.md"
+    path.write_text("\n".join(page.lines).rstrip() + "\n")
+    return path
