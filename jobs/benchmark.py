@@ -305,18 +305,29 @@ GROUPS = {
 }
 
 
-def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path) -> dict:
+def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, tasks: list[str] | None = None) -> dict:
     """One suite of the results page (jobs/suites), timed, with the command and scale that made it."""
     import platform  # noqa: PLC0415
+    from dataclasses import replace  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
-    from jobs.suites.common import SCALES, command  # noqa: PLC0415
+    from jobs.suites.common import (  # noqa: PLC0415
+        SCALES,
+        TASKS,  # noqa: PLC0415
+        command,
+    )
     from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
     from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
 
+    sizes = SCALES[scale]
+    if tasks:
+        unknown = sorted(set(tasks) - set(TASKS))
+        if unknown:
+            raise DistillSpecError(f"--tasks {unknown[0]!r}: choose from {sorted(TASKS)}")
+        sizes = replace(sizes, tasks=tasks, garden_tasks=tasks)
     start = time.perf_counter()
-    result = {**PAPER, **PEERS}[name](SCALES[scale], overrides, out / name)
+    result = {**PAPER, **PEERS}[name](sizes, overrides, out / name)
     return {
         "suite": name,
         "scale": scale,
@@ -344,6 +355,10 @@ def main() -> None:
         default=str(Path(__file__).resolve().parents[1] / "docs"),
         help="suite report: where RESULTS.md and its plots go",
     )
+    parser.add_argument("--tasks", nargs="+", help="results-page suites: only these tasks (default: the scale's)")
+    parser.add_argument(
+        "--runs", nargs="+", help="suite report: run folders to merge (default: --output-dir); later ones win a task"
+    )
     parser.add_argument("--distilled", help="suite serve: a distilled draft folder (a distill run's out/draft)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
@@ -355,13 +370,14 @@ def main() -> None:
         if name == "report":
             from jobs.suites.page import write_page  # noqa: PLC0415
 
-            print(f"wrote {write_page(out, Path(args.docs))}")
+            runs = [Path(r).resolve() for r in args.runs] if args.runs else [out]
+            print(f"wrote {write_page(runs, Path(args.docs))}")
             continue
         if name in SUITES:
             kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
             result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
         else:
-            result = run_paper_suite(name, scale, args.overrides + extra, out)
+            result = run_paper_suite(name, scale, args.overrides + extra, out, args.tasks)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))
         print(f"wrote {out / f'{name}.json'} ({time.perf_counter() - start:.0f}s since the start)")

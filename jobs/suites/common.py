@@ -54,7 +54,7 @@ class Scale:
 
 
 SCALES = {
-    "quick": Scale("quick", ["arith"], steps=40, num_prompts=32, seeds=[0], speedup_prompts=8, peer_steps=40),
+    "quick": Scale("quick", ["arith"], steps=40, num_prompts=32, seeds=[0], speedup_prompts=8, peer_steps=120),
     "full": Scale(
         "full",
         ["arith", "gsm8k", "multi30k", "tinyshakespeare"],
@@ -62,7 +62,7 @@ SCALES = {
         num_prompts=64,
         seeds=[0, 1],
         speedup_prompts=16,
-        peer_steps=80,
+        peer_steps=240,
     ),
 }
 

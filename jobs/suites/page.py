@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -23,26 +24,26 @@ def _pm(cell: dict, key: str, scale: float = 100.0, fmt: str = "+.1f", unit: str
 
 
 class Page:
-    def __init__(self, runs: Path, docs: Path) -> None:
+    def __init__(self, runs: list[Path], docs: Path) -> None:
         self.runs, self.docs, self.lines = runs, docs, []
         self.images = docs / "results"
 
     def add(self, *lines: str) -> None:
         self.lines += lines
 
-    def image(self, path: Path, name: str, alt: str) -> None:
-        if path.exists():
+    def image(self, rel: str, name: str, alt: str) -> None:
+        """Copy ``rel`` from the latest run folder that has it into docs/results and link it."""
+        path = next((r / rel for r in reversed(self.runs) if (r / rel).exists()), None)
+        if path is not None:
             self.images.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, self.images / name)
             self.add(f"![{alt}](results/{name})", "")
 
     def header(self, title: str, data: dict) -> None:
-        self.add(
-            f"## {title}",
-            "",
-            f"Made by `{data['command']}` ({data['scale']} scale, {data['seconds'] / 60:.1f} min).",
-            "",
-        )
+        self.add(f"## {title}", "")
+        for run in data["runs"]:
+            tasks = f" ({', '.join(run['tasks'])})" if len(data["runs"]) > 1 and run["tasks"] else ""
+            self.add(f"Made by `{run['command']}`{tasks}: {run['scale']} scale, {run['seconds'] / 60:.1f} min.", "")
 
 
 def _table(page: Page, data: dict) -> None:
@@ -71,7 +72,7 @@ def _table(page: Page, data: dict) -> None:
                 f"{a['measured_speedup']:.2f}x |"
             )
         page.add("")
-        page.image(page.runs / "table" / task / "tau.png", f"table-{task}.png", f"tau before/after on {task}")
+        page.image(f"table/{task}/tau.png", f"table-{task}.png", f"tau before/after on {task}")
 
 
 def _recipes(page: Page, data: dict) -> None:
@@ -97,7 +98,7 @@ def _recipes(page: Page, data: dict) -> None:
         b = sweep["best"]
         page.add("", f"Best recipe on {task}: **{b['source']} data + {DIV[b['divergence']]}**.", "")
         page.add(*_on_policy_verdict(task, sweep, temps), "")
-        page.image(page.runs / "recipes" / task / "recipes.png", f"recipes-{task}.png", f"recipe grid on {task}")
+        page.image(f"recipes/{task}/recipes.png", f"recipes-{task}.png", f"recipe grid on {task}")
 
 
 def _on_policy_verdict(task: str, sweep: dict, temps: list[str]) -> list[str]:
@@ -134,7 +135,7 @@ def _theory(page: Page, data: dict) -> None:
         f"{100 * data['mean_abs_rel_error']:.1f}% of the measured tau.",
         "",
     )
-    page.image(page.runs / "theory" / "theory.png", "theory.png", "theoretical vs empirical tau")
+    page.image("theory/theory.png", "theory.png", "theoretical vs empirical tau")
 
 
 def _lenience(page: Page, data: dict) -> None:
@@ -158,7 +159,7 @@ def _lenience(page: Page, data: dict) -> None:
                 f"{p['tau']:.2f} | {p['relative_latency']:.3f} | {p[metric]:.3f} |"
             )
         page.add("")
-        page.image(page.runs / "lenience" / task / "lenience.png", f"lenience-{task}.png", f"lenience on {task}")
+        page.image(f"lenience/{task}/lenience.png", f"lenience-{task}.png", f"lenience on {task}")
 
 
 def _garden(page: Page, data: dict) -> None:
@@ -181,7 +182,7 @@ def _garden(page: Page, data: dict) -> None:
         for p in t["points"]:
             page.add(f"| {p['kind']} | {p['label']} | {p['score']:.3f} | {1e3 * p['seconds_per_token']:.2f} |")
         page.add("")
-        page.image(page.runs / "garden" / task / "garden.png", f"garden-{task}.png", f"model garden on {task}")
+        page.image(f"garden/{task}/garden.png", f"garden-{task}.png", f"model garden on {task}")
 
 
 def _transfer(page: Page, data: dict) -> None:
@@ -242,14 +243,16 @@ def _trl(page: Page, data: dict) -> None:
     for task, r in data["tasks"].items():
         ratio = r["time_ratio_ours_over_trl"]
         verdict = "-" if ratio is None else f"**{ratio:.2f}x** {'(goal met)' if ratio <= 0.5 else '(goal NOT met)'}"
-        if ratio is None and r["seconds_to_goal"]["ours"] is None:
+        if not r.get("trl_improved", True):
+            verdict = "TRL did not raise alpha above the start"
+        elif ratio is None:
             verdict = "ours did not reach it"
         page.add(
             f"| {task} | {r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | {r['alpha_final']['ours']:.3f} | "
             f"{r['alpha_final']['trl']:.3f} | {r['train_seconds']['ours']:.0f} | "
             f"{r['train_seconds']['trl']:.0f} | {verdict} |"
         )
-        page.image(page.runs / "trl" / task / "trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
+        page.image(f"trl/{task}/trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
     page.add("")
 
 
@@ -265,15 +268,51 @@ SECTIONS = {
 }
 
 
-def write_page(runs: Path, docs: Path) -> Path:
-    """Write ``docs/RESULTS.md`` (and copy the plots to ``docs/results/``) from the JSON files under ``runs``."""
+def merge(runs: list[dict]) -> dict:
+    """One suite's results from several run folders: per task, the latest run that has it wins."""
+    merged = dict(runs[-1])
+    merged["runs"] = [
+        {
+            "command": r["command"],
+            "scale": r["scale"],
+            "seconds": r["seconds"],
+            "tasks": list(r["tasks"]) if isinstance(r.get("tasks"), dict) else [],
+        }
+        for r in runs
+    ]
+    merged["seconds"] = sum(r["seconds"] for r in runs)
+    if isinstance(merged.get("tasks"), dict):
+        merged["tasks"] = {k: v for r in runs for k, v in r["tasks"].items()}
+    if "points" in merged:  # theory: the latest run's points for each task
+        latest = {p["task"]: i for i, r in enumerate(runs) for p in r["points"]}
+        merged["points"] = [p for i, r in enumerate(runs) for p in r["points"] if latest[p["task"]] == i]
+        x, y = [p["tau_theory"] for p in merged["points"]], [p["tau"] for p in merged["points"]]
+        merged["pearson_r"] = pearson(x, y)
+        merged["mean_abs_rel_error"] = sum(abs(a - b) / b for a, b in zip(x, y)) / len(x)
+    return merged
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sx, sy = math.sqrt(sum((a - mx) ** 2 for a in x)), math.sqrt(sum((b - my) ** 2 for b in y))
+    return sxy / (sx * sy) if sx and sy else float("nan")
+
+
+def write_page(runs: Path | list[Path], docs: Path) -> Path:
+    """Write ``docs/RESULTS.md`` (and copy the plots to ``docs/results/``) from the suites' JSON files under
+    ``runs`` (one folder, or several whose tasks are merged: the latest folder wins a task they share)."""
     from distillspec.errors import DistillSpecError  # noqa: PLC0415
 
-    found = {
-        name: json.loads((runs / f"{name}.json").read_text()) for name in SECTIONS if (runs / f"{name}.json").exists()
-    }
+    runs = [runs] if isinstance(runs, Path) else runs
+    found = {}
+    for name in SECTIONS:
+        parts = [json.loads((r / f"{name}.json").read_text()) for r in runs if (r / f"{name}.json").exists()]
+        if parts:
+            found[name] = merge(parts)
     if not found:
-        raise DistillSpecError(f"no suite results under {runs}: run e.g. `python jobs/benchmark.py quick` first")
+        where = ", ".join(str(r) for r in runs)
+        raise DistillSpecError(f"no suite results under {where}: run e.g. `python jobs/benchmark.py quick` first")
     page = Page(runs, docs)
     total = sum(d["seconds"] for d in found.values())
     machine = next(iter(found.values()))["machine"]

@@ -11,12 +11,12 @@
 from __future__ import annotations
 
 import copy
-import math
 import random
 from dataclasses import replace
 from pathlib import Path
 
 from jobs.suites.common import TASKS, Scale, available, distilled_draft, task_config, with_garden
+from jobs.suites.page import pearson
 
 
 def _pair(cfg):
@@ -90,7 +90,7 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
     if not points:
         raise DistillSpecError("the recipe suite's results hold none of these tasks: run the recipes suite first")
     errors = [abs(p["tau_theory"] - p["tau"]) / p["tau"] for p in points]
-    fit = _pearson([p["tau_theory"] for p in points], [p["tau"] for p in points])
+    fit = pearson([p["tau_theory"] for p in points], [p["tau"] for p in points])
     out.mkdir(parents=True, exist_ok=True)
     plot_theory(points, out / "theory.png")
     print(
@@ -98,13 +98,6 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
         f"{100 * sum(errors) / len(errors):.1f}%"
     )
     return {"points": points, "pearson_r": fit, "mean_abs_rel_error": sum(errors) / len(errors)}
-
-
-def _pearson(x: list[float], y: list[float]) -> float:
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sx, sy = math.sqrt(sum((a - mx) ** 2 for a in x)), math.sqrt(sum((b - my) ** 2 for b in y))
-    return sxy / (sx * sy) if sx and sy else float("nan")
 
 
 def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
@@ -281,6 +274,7 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     from distillspec.data import Task, load_task  # noqa: PLC0415
     from distillspec.errors import DistillSpecError  # noqa: PLC0415
     from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.models import load_pair  # noqa: PLC0415
     from distillspec.study import cell_config, measure_pair, run_cell  # noqa: PLC0415
 
     names = [n for n in available(scale.tasks) if n != "arith"]
@@ -291,9 +285,9 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
         scale,
         [
             "garden.vocab_size=2048",
-            "garden.max_len=160",
-            "garden.target_steps=800",
-            "garden.draft_steps=800",
+            "garden.max_len=128",
+            "garden.target_steps=600",
+            "garden.draft_steps=600",
             *overrides,
         ],
         out,
@@ -303,7 +297,6 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     mixed = [e for t in tasks.values() for e in t.train[:6000]]
     rng.shuffle(mixed)
     garden = build_garden(Task("mix-" + "-".join(names), mixed, [], None), base.garden, seed=base.seed)
-    from distillspec.models import load_pair  # noqa: PLC0415
 
     target, draft, tokenizer = load_pair(str(garden.target), str(garden.draft), device=base.device)
     kw = {

@@ -1,0 +1,111 @@
+"""The results page's building blocks: recipe cells, summaries, the peer decoders and the page itself (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distillspec.config import DistillConfig
+from distillspec.distill import resolve_recipe
+from distillspec.errors import DistillSpecError
+from distillspec.study import DATA_SOURCES, cell_config, run_cell, spread, time_to_alpha
+
+
+@pytest.mark.parametrize("source", sorted(DATA_SOURCES))
+def test_cell_config_sets_the_data_source_of_algorithm_a2(source):
+    cfg = cell_config(DistillConfig(), source, "jsd", steps=7)
+    recipe = resolve_recipe(cfg)
+    assert (recipe.lambda1, recipe.lambda2) == DATA_SOURCES[source]
+    assert recipe.divergence == "jsd" and cfg.steps == 7 and cfg.time_budget_s == 0
+
+
+@pytest.mark.parametrize(
+    ("source", "divergence", "message"), [("web", "tvd", "data source 'web'"), ("draft", "kl", "'kl'")]
+)
+def test_cell_config_refuses_unknown_names(source, divergence, message):
+    with pytest.raises(DistillSpecError, match=message):
+        cell_config(DistillConfig(), source, divergence, steps=1)
+
+
+def test_run_cell_distils_a_copy_and_measures_it(text_pair, tokenizer, task):
+    target, draft = text_pair
+    before = [p.clone() for p in draft.parameters()]
+    cfg = cell_config(DistillConfig(batch_size=4, max_new_tokens=8, lr=1e-2, warmup_steps=1), "draft", "tvd", 3)
+    student, record = run_cell(
+        target, draft, tokenizer, task, cfg, gammas=[2, 3], temperatures=[0.0, 1.0], num_prompts=4, max_new_tokens=8
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, draft.parameters())), "the caller's draft must not change"
+    assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters()))
+    assert record["steps"] == 3 and record["train_tokens"] > 0
+    assert [(r["gamma"], r["temperature"]) for r in record["sd"]] == [(2, 0.0), (2, 1.0), (3, 0.0), (3, 1.0)]
+    for r in record["sd"]:
+        assert 1.0 <= r["tau"] <= r["gamma"] + 1 and 0.0 <= r["alpha_tvd"] <= 1.0
+    assert 0.0 <= record["draft_alone"]["accuracy"] <= 1.0 and record["draft_alone"]["seconds_per_token"] > 0
+
+
+def test_spread_and_time_to_alpha():
+    s = spread([0.1, 0.3])
+    assert s["mean"] == pytest.approx(0.2) and s["std"] == pytest.approx(0.1414, abs=1e-4) and s["n"] == 2
+    assert spread([0.5])["std"] == 0.0
+    curve = [{"seconds": 0, "alpha": 0.7}, {"seconds": 5, "alpha": 0.75}, {"seconds": 9, "alpha": 0.8}]
+    assert time_to_alpha(curve, 0.74) == 5 and time_to_alpha(curve, 0.8) == 9 and time_to_alpha(curve, 0.9) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_our_decoders_and_transformers_assisted_generation_agree_on_greedy_text(
+    text_pair, tokenizer, task, temperature
+):
+    """The peer suite times like with like: at T = 0 all three decoders print the target's greedy output."""
+    from jobs.suites.peers import _timed, decoder
+
+    target, draft = text_pair
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    prompts = [e.prompt for e in task.test[:3]]
+    outputs = {}
+    for kind in ("hf", "hf_assisted", "ours", "ours_sd"):
+        fn = decoder(kind, target, draft, tokenizer, gamma=3, max_new_tokens=12, temperature=temperature)
+        speed, outputs[kind] = _timed(fn, prompts, tokenizer, batch=1)
+        assert speed > 0 and all(1 <= len(o) <= 12 for o in outputs[kind])
+    if temperature == 0:
+        assert outputs["hf"] == outputs["hf_assisted"] == outputs["ours"] == outputs["ours_sd"]
+
+
+def _cell(source: str, divergence: str, t0: float, t1: float) -> dict:
+    one = lambda v: {"mean": v, "std": 0.0, "min": v, "max": v, "n": 1}  # noqa: E731
+    return {
+        "source": source,
+        "divergence": divergence,
+        "seeds": [0],
+        "tau_gain_T0": one(t0),
+        "tau_gain_T1": one(t1),
+        "draft_accuracy": one(0.1),
+    }
+
+
+def test_results_page_names_commands_and_says_where_on_policy_loses(tmp_path):
+    from jobs.suites.page import write_page
+
+    runs, docs = tmp_path / "runs", tmp_path / "docs"
+    runs.mkdir()
+    cells = [_cell("draft", "tvd", 0.20, 0.15), _cell("fixed", "fkl", 0.05, 0.30)]
+    sweep = {"steps": 40, "gamma": 5, "cells": cells, "best": {"source": "draft", "divergence": "tvd"}}
+    common = {"scale": "quick", "seconds": 120.0, "machine": "x86_64"}
+    (runs / "recipes.json").write_text(
+        json.dumps({**common, "command": "python jobs/benchmark.py recipes", "tasks": {"arith": sweep}})
+    )
+    page = write_page(runs, docs).read_text()
+    assert "Made by `python jobs/benchmark.py recipes`" in page
+    assert "| draft | TVD | +20.0% | +15.0% | 0.100 |" in page
+    assert "T=0: on-policy data beats fixed data on arith" in page
+    assert "T=1: on-policy data does NOT beat fixed data on arith" in page
+    assert "Best recipe on arith: **draft data + TVD**" in page
+
+
+def test_results_page_without_results_is_a_clear_error(tmp_path):
+    from jobs.suites.page import write_page
+
+    with pytest.raises(DistillSpecError, match="no suite results"):
+        write_page(tmp_path, tmp_path / "docs")

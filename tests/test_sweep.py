@@ -1,0 +1,58 @@
+"""The recipe search (jobs/sweep.py): a real Ray Tune grid on the session's Ray cluster, and its CLI errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from distillspec.config import load_config
+from distillspec.models import load_model
+from tests.test_job import run_job
+
+
+def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(ray_cluster, tiny_garden, tmp_path):
+    from jobs.sweep import format_sweep, run_sweep
+
+    cfg = load_config(
+        None,
+        [
+            f"target={tiny_garden.target}",
+            f"draft={tiny_garden.draft}",
+            "sweep.sources=[draft,fixed]",
+            "sweep.divergences=[tvd]",
+            "sweep.seeds=[0]",
+            "sweep.steps=2",
+            "eval.num_prompts=4",
+            "eval.max_new_tokens=8",
+            "eval.temperatures=[0,1]",
+            "distill.batch_size=4",
+            "distill.max_new_tokens=8",
+            f"output_dir={tmp_path}",
+        ],
+    )
+    result = run_sweep(cfg, tmp_path, log=lambda *_: None)
+    assert not result["failed"]
+    assert sorted((t["source"], t["divergence"]) for t in result["trials"]) == [("draft", "tvd"), ("fixed", "tvd")]
+    for trial in result["trials"]:
+        m = trial["metrics"]
+        assert 1.0 <= m["tau_T1"] <= 6.0 and 0.0 <= m["alpha_T0"] <= 1.0
+        assert m["tau_gain_T1"] == pytest.approx(m["tau_T1"] / result["before"]["T1"]["tau"] - 1.0)
+        assert m["train_tokens"] > 0
+        assert load_model(str(tmp_path / "drafts" / f"{trial['source']}-tvd-s0"))[0] is not None
+    gains = [c["tau_gain_T1"]["mean"] for c in result["cells"]]
+    assert gains == sorted(gains, reverse=True)
+    assert (result["best"]["source"], result["best"]["divergence"]) == (result["cells"][0]["source"], "tvd")
+    assert "best recipe on arith" in format_sweep(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sweep.sources=[web]"], "sweep.sources has 'web'"),
+        (["sweep.divergences=[]"], "sweep.divergences is empty"),
+        (["sweep.rank_temperature=0.5"], "sweep.rank_temperature=0.5 is not among eval.temperatures"),
+    ],
+)
+def test_sweep_bad_input_is_one_line(args, message, tmp_path):
+    proc = run_job("--output-dir", str(tmp_path), *args, job="sweep.py")
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
