@@ -115,7 +115,7 @@ def plot_recipe_grid(sweep: dict, path: str | Path) -> None:
     divergences = [d for d in ("fkl", "jsd", "rkl", "tvd") if any(k[1] == d for k in cells)]
     temps = sorted({k[len("tau_gain_") :] for c in sweep["cells"] for k in c if k.startswith("tau_gain_")})
     score = next((k for k in sweep["cells"][0] if k.startswith("draft_") and k != "draft_seconds_per_token"), None)
-    fig, axes = plt.subplots(1, len(temps), figsize=(4.2 * len(temps), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(temps), figsize=(5.4 * len(temps), 4.2), squeeze=False)
     for ax, t in zip(axes[0], temps):
         grid = [
             [cells[(s, d)][f"tau_gain_{t}"]["mean"] * 100 if (s, d) in cells else float("nan") for d in divergences]
@@ -132,7 +132,7 @@ def plot_recipe_grid(sweep: dict, path: str | Path) -> None:
                     if c[f"tau_gain_{t}"]["n"] > 1:
                         text += f"\n±{c[f'tau_gain_{t}']['std'] * 100:.1f}"
                     if score:
-                        text += f"\n{score[6:]} {c[score]['mean']:.2f}"
+                        text += f"\n{score[6:][:5]} {c[score]['mean']:.2f}"
                     ax.text(j, i, text, ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(divergences)), [d.upper() for d in divergences])
         ax.set_yticks(range(len(sources)), sources)

@@ -174,6 +174,20 @@ def time_to_alpha(curve: list[dict], alpha: float) -> float | None:
     return next((p["seconds"] for p in curve if p["alpha"] >= alpha), None)
 
 
+def race(ours: list[dict], theirs: list[dict]) -> dict:
+    """Time for each of two training curves (their first point: the common start) to reach the same alpha.
+
+    The goal is the lower of the two best alphas after the start, so both reach it; ``ratio`` is our time over
+    theirs (None when neither raised alpha above the start).
+    """
+    start = ours[0]["alpha"]
+    goal = min(max(p["alpha"] for p in ours[1:]), max(p["alpha"] for p in theirs[1:]))
+    if goal <= start:
+        return {"goal_alpha": goal, "seconds_ours": None, "seconds_theirs": None, "ratio": None}
+    t_ours, t_theirs = time_to_alpha(ours[1:], goal), time_to_alpha(theirs[1:], goal)
+    return {"goal_alpha": goal, "seconds_ours": t_ours, "seconds_theirs": t_theirs, "ratio": t_ours / t_theirs}
+
+
 @torch.inference_mode()
 def latency_per_token(
     target: PreTrainedModel,

@@ -10,7 +10,7 @@ import torch
 from distillspec.config import DistillConfig
 from distillspec.distill import resolve_recipe
 from distillspec.errors import DistillSpecError
-from distillspec.study import DATA_SOURCES, cell_config, run_cell, spread, time_to_alpha
+from distillspec.study import DATA_SOURCES, cell_config, race, run_cell, spread, time_to_alpha
 
 
 @pytest.mark.parametrize("source", sorted(DATA_SOURCES))
@@ -51,6 +51,11 @@ def test_spread_and_time_to_alpha():
     assert spread([0.5])["std"] == 0.0
     curve = [{"seconds": 0, "alpha": 0.7}, {"seconds": 5, "alpha": 0.75}, {"seconds": 9, "alpha": 0.8}]
     assert time_to_alpha(curve, 0.74) == 5 and time_to_alpha(curve, 0.8) == 9 and time_to_alpha(curve, 0.9) is None
+    theirs = [{"seconds": 0, "alpha": 0.7}, {"seconds": 3, "alpha": 0.78}, {"seconds": 6, "alpha": 0.85}]
+    r = race(curve, theirs)  # the common alpha is the lower best, 0.8: ours at 9 s, theirs at 6 s
+    assert r["goal_alpha"] == 0.8 and r["ratio"] == pytest.approx(9 / 6)
+    flat = [{"seconds": 0, "alpha": 0.7}, {"seconds": 3, "alpha": 0.6}]
+    assert race(curve, flat)["ratio"] is None
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -109,3 +114,33 @@ def test_results_page_without_results_is_a_clear_error(tmp_path):
 
     with pytest.raises(DistillSpecError, match="no suite results"):
         write_page(tmp_path, tmp_path / "docs")
+
+
+def test_results_page_pools_the_seeds_of_several_runs(tmp_path):
+    from jobs.suites.page import write_page
+
+    def run(folder, seed: int, gain: float) -> None:
+        folder.mkdir()
+        metrics = {"tau_gain_T1": gain, "tau_T1": 4.0}
+        sweep = {
+            "steps": 40,
+            "gamma": 5,
+            "rank": "tau_gain_T1",
+            "trials": [{"source": "draft", "divergence": "tvd", "seed": seed, "metrics": metrics}],
+            "cells": [],
+            "best": {},
+        }
+        data = {
+            "scale": "full",
+            "seconds": 60.0,
+            "machine": "x86_64",
+            "command": f"run {seed}",
+            "tasks": {"gsm8k": sweep},
+        }
+        (folder / "recipes.json").write_text(json.dumps(data))
+
+    run(tmp_path / "a", 0, 0.10)
+    run(tmp_path / "b", 1, 0.20)
+    page = write_page([tmp_path / "a", tmp_path / "b"], tmp_path / "docs").read_text()
+    assert "Made by `run 0` (gsm8k)" in page and "Made by `run 1` (gsm8k)" in page
+    assert "| draft | TVD | +15.0% ± 7.1 |" in page and "(40 steps a cell, 2 seeds)" in page

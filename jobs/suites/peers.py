@@ -170,7 +170,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
 
     from distillspec.distill import Distiller  # noqa: PLC0415
     from distillspec.report import plot_peer_curves  # noqa: PLC0415
-    from distillspec.study import time_to_alpha  # noqa: PLC0415
+    from distillspec.study import race  # noqa: PLC0415
 
     results = {}
     for name in available(scale.tasks[:1]):
@@ -233,11 +233,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         trainer.train()
         curves["trl"] = curve
 
-        # The goal: the best alpha TRL's training reached (after step 0); each system's first time at or above it.
-        goal = max(p["alpha"] for p in curves["trl"][1:])
-        improved = goal > start_alpha
-        t_trl = time_to_alpha(curves["trl"][1:], goal) if improved else None
-        t_ours = time_to_alpha(curves["ours"][1:], goal) if improved else None
+        reached = race(curves["ours"], curves["trl"])
         row = {
             "steps": steps,
             "batch_size": d.batch_size,
@@ -245,10 +241,9 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
             "curves": curves,
             "alpha_final": {k: c[-1]["alpha"] for k, c in curves.items()},
             "train_seconds": {k: c[-1]["seconds"] for k, c in curves.items()},
-            "goal_alpha": goal,
-            "trl_improved": improved,
-            "seconds_to_goal": {"trl": t_trl, "ours": t_ours},
-            "time_ratio_ours_over_trl": (t_ours / t_trl) if t_ours is not None and t_trl else None,
+            "goal_alpha": reached["goal_alpha"],
+            "seconds_to_goal": {"ours": reached["seconds_ours"], "trl": reached["seconds_theirs"]},
+            "time_ratio_ours_over_trl": reached["ratio"],
         }
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_peer_curves(
@@ -259,8 +254,8 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         )
         print(
             f"  alpha final: ours {row['alpha_final']['ours']:.3f} in {row['train_seconds']['ours']:.0f}s, "
-            f"TRL {row['alpha_final']['trl']:.3f} in {row['train_seconds']['trl']:.0f}s; time to TRL's best alpha "
-            f"{goal:.3f}: ours {t_ours}, TRL {t_trl}"
+            f"TRL {row['alpha_final']['trl']:.3f} in {row['train_seconds']['trl']:.0f}s; time to the common alpha "
+            f"{reached['goal_alpha']:.3f}: ratio ours / TRL {reached['ratio']}"
         )
         results[name] = row
     return {"tasks": results}
