@@ -9,7 +9,9 @@ Results page (``--scale quick``: the arith garden, <= 20 minutes on 2 CPU cores;
 Multi30k and tinyshakespeare from ../shared/data, several seeds); ``report`` writes docs/RESULTS.md from the JSON:
 
     python jobs/benchmark.py quick report                        # every results-page suite, then the page
-    python jobs/benchmark.py full report --scale full
+    python jobs/benchmark.py full report                         # (the full group implies --scale full)
+    python jobs/benchmark.py recipes table --scale full --tasks gsm8k multi30k --output-dir outputs/real
+    python jobs/benchmark.py report --runs outputs/benchmark outputs/real   # one page from several runs
     python jobs/benchmark.py recipes theory --scale full         # Figure 4 (Ray Tune sweep) and Figure 3c
     python jobs/benchmark.py table lenience garden transfer      # Table C.1, Figure 5b, Figure 6, transfer
     python jobs/benchmark.py assisted trl                        # the peers: transformers assisted generation, TRL
