@@ -112,7 +112,7 @@ def _on_policy_verdict(task: str, sweep: dict, temps: list[str]) -> list[str]:
         if not draft or not fixed:
             continue
         d, f = sum(draft) / len(draft), sum(fixed) / len(fixed)
-        verdict = "beats" if d > f else "does NOT beat"
+        verdict = "ties with" if abs(d - f) < 0.01 else "beats" if d > f else "does NOT beat"
         line = (
             f"- {t.replace('T', 'T=')}: on-policy data {verdict} fixed data on {task} "
             f"(mean tau gain over divergences {_pct(d)} vs {_pct(f)})"
