@@ -20,7 +20,7 @@ def _pm(cell: dict, key: str, scale: float = 100.0, fmt: str = "+.1f", unit: str
     if s is None:
         return "-"
     text = f"{scale * s['mean']:{fmt}}{unit}"
-    return text + (f" ± {scale * s['std']:.1f}" if s["n"] > 1 else "")
+    return text + (f" ± {scale * s['std']:{fmt.lstrip('+')}}" if s["n"] > 1 else "")
 
 
 class Page:
@@ -38,6 +38,12 @@ class Page:
             self.images.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, self.images / name)
             self.add(f"![{alt}](results/{name})", "")
+
+    def plot(self, fn, data: dict, name: str, alt: str) -> None:
+        """Draw ``fn(data, path)`` into docs/results (for figures of data merged from several runs) and link it."""
+        self.images.mkdir(parents=True, exist_ok=True)
+        fn(data, self.images / name)
+        self.add(f"![{alt}](results/{name})", "")
 
     def header(self, title: str, data: dict) -> None:
         self.add(f"## {title}", "")
@@ -76,6 +82,8 @@ def _table(page: Page, data: dict) -> None:
 
 
 def _recipes(page: Page, data: dict) -> None:
+    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
+
     page.header("Figure 4 analogue: the recipe grid (data source x divergence)", data)
     page.add(
         "Each cell distils the garden draft for the same number of steps with one data source (fixed = the data set's "
@@ -98,7 +106,9 @@ def _recipes(page: Page, data: dict) -> None:
         b = sweep["best"]
         page.add("", f"Best recipe on {task}: **{b['source']} data + {DIV[b['divergence']]}**.", "")
         page.add(*_on_policy_verdict(task, sweep, temps), "")
-        page.image(f"recipes/{task}/recipes.png", f"recipes-{task}.png", f"recipe grid on {task}")
+        page.plot(
+            plot_recipe_grid, {"task": task, **sweep}, f"recipes-{task}.png", f"recipe grid on {task}"
+        )  # pooled over runs
 
 
 def _on_policy_verdict(task: str, sweep: dict, temps: list[str]) -> list[str]:
