@@ -234,7 +234,7 @@ def _assisted(page: Page, data: dict) -> None:
                 f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | **{ratio:.2f}x** "
                 f"{'(goal met)' if ratio >= 1.3 else '(goal NOT met)'} | {agree} |"
             )
-    page.add("", "Tokens/s; all of them measured in the same process, interleaved by method.", "")
+    page.add("", "Tokens/s, measured one method after another in one process.", "")
 
 
 def _trl(page: Page, data: dict) -> None:
