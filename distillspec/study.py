@@ -87,10 +87,15 @@ def measure_pair(
     seed: int = 0,
     lenience: str | None = None,
     epsilon: float = 1.0,
+    desc: str | None = None,
 ) -> list[dict]:
-    """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts."""
+    """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts
+    (``desc``: show a progress bar with this label)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
     test = task.test[:num_prompts]
     prompts, refs = [e.prompt for e in test], [e.reference for e in test]
+    grid = [(gamma, temperature) for gamma in gammas for temperature in temperatures]
     return [
         evaluate_sd(
             target,
@@ -107,8 +112,7 @@ def measure_pair(
             lenience=lenience,
             epsilon=epsilon,
         )
-        for gamma in gammas
-        for temperature in temperatures
+        for gamma, temperature in tqdm(grid, desc=desc, disable=desc is None)
     ]
 
 

@@ -36,46 +36,44 @@ from distillspec.cli import parse_job_args, run_main  # noqa: E402
 from distillspec.config import JobConfig, to_dict  # noqa: E402
 from distillspec.data import load_task  # noqa: E402
 from distillspec.distill import Distiller, resolve_recipe  # noqa: E402
-from distillspec.evaluate import evaluate_sd, measure_speedup  # noqa: E402
+from distillspec.evaluate import measure_speedup  # noqa: E402
 from distillspec.garden import build_garden  # noqa: E402
 from distillspec.models import load_pair  # noqa: E402
 from distillspec.report import format_table, plot_tau, plot_training  # noqa: E402
+from distillspec.study import measure_pair  # noqa: E402
 
 
 def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[dict]:
-    test = task.test[: cfg.eval.num_prompts]
-    prompts, refs = [e.prompt for e in test], [e.reference for e in test]
-    records = []
-    grid = [(g, t) for g in cfg.eval.gammas for t in cfg.eval.temperatures]
-    for gamma, temperature in tqdm(grid, desc=f"measure {phase}"):
-        rec = evaluate_sd(
-            target,
-            draft,
-            tokenizer,
-            prompts,
-            gamma=gamma,
-            temperature=temperature,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            batch_size=cfg.eval.batch_size,
-            seed=cfg.seed,
-            references=refs,
-            metric=task.metric,
-        )
-        if gamma == cfg.eval.speedup_gamma and cfg.eval.speedup_prompts:
+    """alpha/tau at every gamma x temperature, and the wall-clock speedup at ``eval.speedup_gamma``."""
+    records = measure_pair(
+        target,
+        draft,
+        tokenizer,
+        task,
+        gammas=cfg.eval.gammas,
+        temperatures=cfg.eval.temperatures,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        batch_size=cfg.eval.batch_size,
+        seed=cfg.seed,
+        desc=f"measure {phase}",
+    )
+    prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
+    for rec in records:
+        if rec["gamma"] == cfg.eval.speedup_gamma and prompts:
             rec.update(
                 measure_speedup(
                     target,
                     draft,
                     tokenizer,
-                    prompts[: cfg.eval.speedup_prompts],
-                    gamma=gamma,
-                    temperature=temperature,
+                    prompts,
+                    gamma=rec["gamma"],
+                    temperature=rec["temperature"],
                     max_new_tokens=cfg.eval.max_new_tokens,
                     seed=cfg.seed,
                 )
             )
-        records.append({"phase": phase, **rec})
-    return records
+    return [{"phase": phase, **rec} for rec in records]
 
 
 def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dict:
