@@ -43,8 +43,12 @@ from distillspec.report import format_table, plot_tau, plot_training  # noqa: E4
 from distillspec.study import measure_pair  # noqa: E402
 
 
-def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[dict]:
-    """alpha/tau at every gamma x temperature, and the wall-clock speedup at ``eval.speedup_gamma``."""
+def measure(
+    phase: str, cfg: JobConfig, target, draft, tokenizer, task, speedup_gammas: list[int] | None = None
+) -> list[dict]:
+    """alpha/tau at every gamma x temperature, and the wall-clock speedup at ``speedup_gammas``
+    (default: ``eval.speedup_gamma``)."""
+    speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
     records = measure_pair(
         target,
         draft,
@@ -60,7 +64,7 @@ def measure(phase: str, cfg: JobConfig, target, draft, tokenizer, task) -> list[
     )
     prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
     for rec in records:
-        if rec["gamma"] == cfg.eval.speedup_gamma and prompts:
+        if rec["gamma"] in speedup_gammas and prompts:
             rec.update(
                 measure_speedup(
                     target,

@@ -102,44 +102,20 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Table C.1: per task, tau and measured speedup (batch 1) before / after DistillSpec."""
-    from distillspec.evaluate import measure_speedup  # noqa: PLC0415
     from distillspec.models import load_model  # noqa: PLC0415
     from distillspec.report import format_table, plot_tau  # noqa: PLC0415
-    from distillspec.study import measure_pair  # noqa: PLC0415
+    from jobs.distill import measure  # noqa: PLC0415
 
     results = {}
     for name in available(scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
         distilled = distilled_draft(cfg, task, out.parent)
         target, draft, tokenizer = _pair(cfg)
-        prompts = [e.prompt for e in task.test[: cfg.eval.speedup_prompts]]
+        grid = replace(cfg, eval=replace(cfg.eval, gammas=[3, 5, 7], temperatures=[0.0, 1.0]))
         records = []
         for phase, model in (("before", draft), ("after", load_model(distilled, device=cfg.device)[0])):
             print(f"== table: {name}, {phase} distillation")
-            for r in measure_pair(
-                target,
-                model,
-                tokenizer,
-                task,
-                gammas=[3, 5, 7],
-                temperatures=[0.0, 1.0],
-                num_prompts=cfg.eval.num_prompts,
-                max_new_tokens=cfg.eval.max_new_tokens,
-                seed=cfg.seed,
-            ):
-                r.update(
-                    measure_speedup(
-                        target,
-                        model,
-                        tokenizer,
-                        prompts,
-                        gamma=r["gamma"],
-                        temperature=r["temperature"],
-                        max_new_tokens=cfg.eval.max_new_tokens,
-                        seed=cfg.seed,
-                    )
-                )
-                records.append({"phase": phase, **r})
+            records += measure(phase, grid, target, model, tokenizer, task, speedup_gammas=[3, 5, 7])
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_tau(
             records,
