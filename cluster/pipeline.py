@@ -23,9 +23,11 @@ from transformers import AutoConfig
 from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
 from actors.common import buffer_name, prompts_name, weights_name
 from actors.learner import RUN_DIR, latest_step, make_trainer
+from actors.weights import publish
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
+from distillspec.models import load_model
 
 
 @dataclass
@@ -162,15 +164,19 @@ class Pipeline:
                 ray.get(eval_run)
         if self.feed_error is not None:
             raise DistillSpecError(f"the rollout feeder failed: {self.feed_error}")
-        report = {"history": [], "alarms": []}
-        if self.evaluator is not None:
-            ray.get(self.evaluator.evaluate.remote())  # the final version
-            report = ray.get(self.evaluator.report.remote())
         draft_dir = self.out / "draft"
         with result.checkpoint.as_directory() as d:
             shutil.rmtree(draft_dir, ignore_errors=True)
             shutil.copytree(Path(d) / "draft", draft_dir)
             train_log = json.loads((Path(d) / "train_log.json").read_text())
+        if train_log:
+            # The learner owned its published weights and has exited, so they are gone from the object store:
+            # the driver publishes the final draft again, for the evaluator and for Serve replicas still pulling.
+            publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
+        report = {"history": [], "alarms": []}
+        if self.evaluator is not None:
+            ray.get(self.evaluator.evaluate.remote())  # the final version
+            report = ray.get(self.evaluator.report.remote())
         return PipelineResult(
             draft_dir=draft_dir,
             train_log=train_log,

@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from distillspec.divergences import reduce, tvd
-from distillspec.speculative import CachedLM
+from distillspec.kvcache import CachedLM
 
 
 def alpha_from_tvd(

@@ -234,7 +234,12 @@ def _assisted(page: Page, data: dict) -> None:
                 f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | **{ratio:.2f}x** "
                 f"{'(goal met)' if ratio >= 1.3 else '(goal NOT met)'} | {agree} |"
             )
-    page.add("", "Tokens/s, measured one method after another in one process.", "")
+    page.add(
+        "",
+        "Tokens/s: the median of interleaved rounds (every method once per round, in one process), since this "
+        "machine's speed drifts from minute to minute.",
+        "",
+    )
 
 
 def _trl(page: Page, data: dict) -> None:

@@ -1,0 +1,76 @@
+"""The lean KV cache gives the model's own logits, holes, row selection and all."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from distillspec import DistillSpecError, speculative_generate
+from distillspec.kvcache import CachedLM, supports_lean
+
+from .conftest import tiny_llama
+
+V = 40
+
+
+def tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    """Grouped-query attention (4 query heads, 2 key/value heads) and q/k/v biases."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def run(lm: CachedLM, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill, a 3-token step, holes, a step that starts with a hole, then the batch drops a row."""
+    out = [lm.prefill(ids, mask)]
+    out.append(lm.step(torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])))
+    lm.reject_tail(torch.tensor([2, 0, 1]))
+    out.append(lm.step(torch.tensor([[14, 15], [16, 17], [18, 19]]), torch.tensor([[0, 1], [1, 1], [0, 1]])))
+    lm.select_rows(torch.tensor([0, 2]))
+    out.append(lm.step(torch.tensor([[20], [21]])))
+    return out
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(V, d=32, layers=2, seed=1), tiny_qwen2], ids=["llama", "qwen2"])
+def test_lean_cache_matches_the_models_own_forward(make):
+    model = make()
+    assert supports_lean(model)
+    ids = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8], [0, 9, 10, 11, 12]])
+    mask = (torch.arange(5) >= torch.tensor([2, 0, 1])[:, None]).long()
+    lean, hf = CachedLM(model), CachedLM(model, lean=False)
+    assert lean.lean and not hf.lean
+    for a, b in zip(run(lean, ids, mask), run(hf, ids, mask)):
+        # Only real tokens count: the hole's own query (row 0 and 2, first column of the third call) is discarded.
+        torch.testing.assert_close(a[..., -1, :] if a.ndim == 3 else a, b[..., -1, :] if b.ndim == 3 else b)
+    assert torch.equal(lean.mask, hf.mask) and torch.equal(lean.next_pos, hf.next_pos)
+
+
+def test_lean_cache_grows_past_its_first_allocation():
+    model = tiny_llama(V, d=32, layers=1, seed=2)
+    ids = torch.tensor([[1, 2, 3]])
+    lean, hf = CachedLM(model), CachedLM(model, lean=False)
+    lean.prefill(ids, torch.ones_like(ids)), hf.prefill(ids, torch.ones_like(ids))
+    first = lean.keys.shape[3]
+    for i in range(first + 5):
+        token = torch.tensor([[i % V]])
+        torch.testing.assert_close(lean.step(token), hf.step(token))
+    assert lean.keys.shape[3] > first
+
+
+def test_other_architectures_use_the_models_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2)).eval()
+    assert not supports_lean(gpt2) and not CachedLM(gpt2).lean
+    with pytest.raises(DistillSpecError, match="leave lean unset"):
+        CachedLM(gpt2, lean=True)
+    prompt = torch.tensor([[1, 2, 3]])
+    out = speculative_generate(gpt2, gpt2, prompt, gamma=3, max_new_tokens=8, temperature=0.0)
+    assert out.stats.alpha == 1.0  # a draft identical to the target is always accepted
+    ref = gpt2.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
