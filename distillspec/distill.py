@@ -86,6 +86,16 @@ class Batch:
     def tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def window(self) -> int:
+        """The first column where ``loss_mask`` can be 1 (the prompt's last): logits before it are never used."""
+        return int(self.loss_mask.any(0).long().argmax())
+
+    @property
+    def window_mask(self) -> Tensor:
+        """``loss_mask`` from :attr:`window` on, aligned with :func:`forward_logits`."""
+        return self.loss_mask[:, self.window :]
+
 
 def batch_to_arrays(batch: Batch) -> dict[str, np.ndarray]:
     """The batch as numpy arrays: what travels through Ray's object store (read zero-copy)."""
@@ -173,14 +183,22 @@ def generate_batch(
     return make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
 
 
-def forward_logits(model: PreTrainedModel, batch: Batch) -> Tensor:
-    return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
+def forward_logits(model: PreTrainedModel, batch: Batch, start: int | None = None) -> Tensor:
+    """Logits [B, T - start, V] of columns ``start:`` (default :attr:`Batch.window`: the prompt's logits but its
+    last are never used, so the LM head and the divergence skip them)."""
+    start = batch.window if start is None else start
+    return model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=batch.input_ids.shape[1] - start,
+    ).logits
 
 
 def lm_loss(model: PreTrainedModel, batch: Batch, mask: Tensor | None = None) -> Tensor:
     """Next-token cross-entropy at the positions of ``mask`` (default: the continuation)."""
     mask = batch.loss_mask if mask is None else mask
-    logits = forward_logits(model, batch)[:, :-1]
+    logits = forward_logits(model, batch, start=0)[:, :-1]
     labels = batch.input_ids[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
     m = mask[:, :-1].flatten().float()
@@ -210,7 +228,7 @@ def kd_loss(
         recipe.divergence,
         draft_logits,
         target_logits,
-        batch.loss_mask,
+        batch.window_mask,
         temperature=train_temperature(temperature),
         beta=beta,
         reduction="seq",

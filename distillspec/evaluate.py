@@ -64,7 +64,7 @@ def evaluate_sd(
         n = batch.loss_mask.sum().item()
         if n:
             a = alpha_from_tvd(
-                forward_logits(draft, batch), forward_logits(target, batch), batch.loss_mask, temperature
+                forward_logits(draft, batch), forward_logits(target, batch), batch.window_mask, temperature
             )
             tvd_sum += (1.0 - a) * n
             tvd_count += n

@@ -115,7 +115,7 @@ class SpecStats:
 
 @dataclass
 class GenerationOutput:
-    sequences: Tensor  # [B, prompt_len + generated]: prompt, then new tokens, padded after EOS
+    sequences: Tensor  # [B, prompt_len + max(num_new_tokens)]: prompt, then new tokens, padded after EOS
     num_new_tokens: Tensor  # [B]
     stats: SpecStats | None = None
 
@@ -159,6 +159,10 @@ class _Emitter:
         if self.eos is not None:
             done |= ((tokens == self.eos) & take).any(1)
         return done
+
+    def sequences(self, input_ids: Tensor) -> Tensor:
+        """The prompts, then the new tokens, as wide as the longest row's (not the token budget)."""
+        return torch.cat([input_ids, self.out[:, : int(self.count.max())]], 1)
 
 
 def _prepare(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -207,7 +211,7 @@ def autoregressive_generate(
             rows, token = rows[keep], token[keep]
             lm.select_rows(keep)
         logits = lm.step(token[:, None])[:, -1]
-    return GenerationOutput(torch.cat([input_ids, emitter.out], 1), emitter.count.clone())
+    return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone())
 
 
 @torch.inference_mode()
@@ -340,4 +344,4 @@ def speculative_generate(
         target_calls=tgt.calls,
         draft_calls=drf.calls,
     )
-    return GenerationOutput(torch.cat([input_ids, emitter.out], 1), emitter.count.clone(), stats)
+    return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone(), stats)

@@ -11,10 +11,12 @@ from distillspec.distill import (
     Distiller,
     draw_source,
     encode_examples,
+    forward_logits,
     kd_loss,
     make_optimizer,
     resolve_recipe,
 )
+from distillspec.divergences import divergence
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
@@ -42,6 +44,20 @@ def test_batch_layout(tokenizer, task):
         predicted = batch.input_ids[row, 1:][batch.loss_mask[row, :-1].bool()]
         assert predicted.tolist() == cont  # the loss covers exactly the reference and its EOS
     assert (batch.attention_mask[:, -1] + (batch.loss_mask.sum(1) > 0)).all()
+
+
+@pytest.mark.parametrize("name", ["fkl", "jsd", "tvd"])
+def test_loss_window_skips_only_unused_prompt_logits(text_pair, tokenizer, task, name):
+    target, draft = text_pair
+    batch = encode_examples(tokenizer, task.train[:6], max_len=96)
+    assert 0 < batch.window == int(batch.loss_mask.any(0).nonzero()[0])
+    assert forward_logits(draft, batch).shape[1] == batch.input_ids.shape[1] - batch.window
+    with torch.no_grad():
+        full = divergence(
+            name, forward_logits(draft, batch, start=0), forward_logits(target, batch, start=0), batch.loss_mask
+        )
+        windowed = kd_loss(draft, target, batch, resolve_recipe(DistillConfig(recipe="supkd", divergence=name)))
+    torch.testing.assert_close(windowed, full)
 
 
 def test_recipes_and_sources():
