@@ -271,6 +271,17 @@ def _trl(page: Page, data: dict) -> None:
             f"{r['alpha_final']['trl']:.3f} | {r['train_seconds']['ours']:.0f} | "
             f"{r['train_seconds']['trl']:.0f} | {verdict} |"
         )
+        if "time_ratio_best_over_trl" in r:
+            b, src = r["time_ratio_best_over_trl"], r["best_recipe"]
+            page.add(
+                f"| {task}, ours with the task's best recipe ({src['source']} data, {src['divergence']}) | "
+                f"{r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | "
+                f"{r['curves']['ours_best'][-1]['alpha']:.3f} | {r['alpha_final']['trl']:.3f} | "
+                f"{r['curves']['ours_best'][-1]['seconds']:.0f} | {r['train_seconds']['trl']:.0f} | "
+                + ("-" if b is None else f"**{b:.2f}x** at alpha {r['best_goal_alpha']:.3f} ")
+                + ("" if b is None else "(goal met)" if b <= 0.5 else "(goal NOT met)")
+                + " |"
+            )
         page.image(f"trl/{task}/trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
     page.add("")
 

@@ -174,14 +174,38 @@ class _Clock:
         return value
 
 
+def _ours_curve(target, draft, tok, task, cfg, dcfg, steps: int, every: int, start_alpha: float) -> list[dict]:
+    """Our synchronous loop (Algorithm A.2) on a copy of ``draft``: alpha every ``every`` steps against seconds."""
+    from distillspec.distill import Distiller  # noqa: PLC0415
+
+    model = copy.deepcopy(draft)
+    distiller = Distiller(target, model, tok, task.train, replace_steps(dcfg, steps), seed=cfg.seed)
+    clock, curve = _Clock(), [{"step": 0, "seconds": 0.0, "alpha": start_alpha}]
+    while distiller.step_count < steps:
+        distiller.step()
+        if distiller.step_count % every == 0:
+            now = clock.now()
+            alpha = clock.measure(functools.partial(_alpha, target, model, tok, task, cfg))
+            curve.append({"step": distiller.step_count, "seconds": now, "alpha": alpha})
+    return curve
+
+
+#: The best (data source, divergence) per task in the full recipe grid (Figure 4 on docs/RESULTS.md, T = 1).
+BEST_RECIPES = {
+    "arith": ("fixed", "tvd"),
+    "gsm8k": ("target", "jsd"),
+    "multi30k": ("target", "tvd"),
+    "tinyshakespeare": ("target", "tvd"),
+}
+
+
 def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
     """alpha vs training time: ours (sync loop, recipe gkd) vs TRL's DistillationTrainer, same settings."""
     from datasets import Dataset  # noqa: PLC0415
     from trl import DistillationConfig, DistillationTrainer  # noqa: PLC0415
 
-    from distillspec.distill import Distiller  # noqa: PLC0415
     from distillspec.report import plot_peer_curves  # noqa: PLC0415
-    from distillspec.study import race  # noqa: PLC0415
+    from distillspec.study import cell_config, race  # noqa: PLC0415
 
     results = {}
     for name in available(scale.tasks[:1]):
@@ -195,16 +219,11 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         curves = {}
 
         print(f"== trl: {name}, ours ({steps} steps, batch {d.batch_size}, JSD beta {d.beta})")
-        ours = copy.deepcopy(draft)
-        distiller = Distiller(target, ours, tok, task.train, replace_steps(d, steps), seed=cfg.seed)
-        clock, curve = _Clock(), [{"step": 0, "seconds": 0.0, "alpha": start_alpha}]
-        while distiller.step_count < steps:
-            distiller.step()
-            if distiller.step_count % every == 0:
-                now = clock.now()
-                alpha = clock.measure(functools.partial(_alpha, target, ours, tok, task, cfg))
-                curve.append({"step": distiller.step_count, "seconds": now, "alpha": alpha})
-        curves["ours"] = curve
+        curves["ours"] = _ours_curve(target, draft, tok, task, cfg, d, steps, every, start_alpha)
+        source, div = BEST_RECIPES[name]
+        print(f"== trl: {name}, ours with the task's best recipe ({source} data, {div})")
+        best_cfg = cell_config(d, source, div, steps)
+        curves["ours_best"] = _ours_curve(target, draft, tok, task, cfg, best_cfg, steps, every, start_alpha)
 
         print(f"== trl: {name}, TRL DistillationTrainer ({steps} steps)")
         student = copy.deepcopy(draft)
@@ -245,6 +264,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         curves["trl"] = curve
 
         reached = race(curves["ours"], curves["trl"])
+        best = race(curves["ours_best"], curves["trl"])
         row = {
             "steps": steps,
             "batch_size": d.batch_size,
@@ -255,6 +275,10 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
             "goal_alpha": reached["goal_alpha"],
             "seconds_to_goal": {"ours": reached["seconds_ours"], "trl": reached["seconds_theirs"]},
             "time_ratio_ours_over_trl": reached["ratio"],
+            "best_recipe": {"source": source, "divergence": div},
+            "best_goal_alpha": best["goal_alpha"],
+            "best_seconds_to_goal": {"ours_best": best["seconds_ours"], "trl": best["seconds_theirs"]},
+            "time_ratio_best_over_trl": best["ratio"],
         }
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_peer_curves(
@@ -266,7 +290,8 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         print(
             f"  alpha final: ours {row['alpha_final']['ours']:.3f} in {row['train_seconds']['ours']:.0f}s, "
             f"TRL {row['alpha_final']['trl']:.3f} in {row['train_seconds']['trl']:.0f}s; time to the common alpha "
-            f"{reached['goal_alpha']:.3f}: ratio ours / TRL {reached['ratio']}"
+            f"{reached['goal_alpha']:.3f}: ratio ours / TRL {reached['ratio']}; best recipe ({source}, {div}): "
+            f"alpha {curves['ours_best'][-1]['alpha']:.3f}, time to {best['goal_alpha']:.3f}: ratio {best['ratio']}"
         )
         results[name] = row
     return {"tasks": results}
