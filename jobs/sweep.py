@@ -79,6 +79,7 @@ def trial(params: dict, cfg: JobConfig, before: dict[str, dict], out: str) -> No
         folder = Path(out) / "drafts" / cell_name(params)
         student.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        (folder / "distillspec.json").write_text(json.dumps({**params, "steps": dcfg.steps}))
     tune.report(
         {
             **flatten(record["sd"], record["draft_alone"], before),

@@ -144,3 +144,15 @@ def test_results_page_pools_the_seeds_of_several_runs(tmp_path):
     page = write_page([tmp_path / "a", tmp_path / "b"], tmp_path / "docs").read_text()
     assert "Made by `run 0` (gsm8k)" in page and "Made by `run 1` (gsm8k)" in page
     assert "| draft | TVD | +15.0% ± 7.1 |" in page and "(40 steps a cell, 2 seeds)" in page
+
+
+def test_results_page_credits_only_the_runs_it_shows():
+    from jobs.suites.page import merge
+
+    def run(command: str, tasks: list[str]) -> dict:
+        return {"command": command, "scale": "full", "seconds": 60.0, "tasks": {t: {"x": command} for t in tasks}}
+
+    merged = merge([run("old", ["arith", "gsm8k"]), run("older peer", ["arith"]), run("new", ["gsm8k"])])
+    assert merged["tasks"] == {"arith": {"x": "older peer"}, "gsm8k": {"x": "new"}}
+    assert [(r["command"], r["tasks"]) for r in merged["runs"]] == [("older peer", ["arith"]), ("new", ["gsm8k"])]
+    assert merged["seconds"] == 120.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -125,7 +126,21 @@ def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", dive
     )
     student.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    meta = {"source": source, "divergence": divergence, "steps": dcfg.steps}
+    (folder / "distillspec.json").write_text(json.dumps(meta))
     return str(folder)
+
+
+def draft_steps(folder: str | Path) -> int | None:
+    """How many steps a saved draft was distilled for: its ``distillspec.json``, else its recipe suite's JSON
+    (``<out>/recipes.json`` for ``<out>/recipes/<task>/drafts/<cell>``)."""
+    folder = Path(folder)
+    if (folder / "distillspec.json").exists():
+        return json.loads((folder / "distillspec.json").read_text()).get("steps")
+    suite = folder.parents[3] / "recipes.json" if len(folder.parents) > 3 else None
+    if suite is not None and suite.exists():
+        return json.loads(suite.read_text()).get("tasks", {}).get(folder.parents[1].name, {}).get("steps")
+    return None
 
 
 def command() -> str:

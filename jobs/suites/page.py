@@ -231,7 +231,7 @@ def _assisted(page: Page, data: dict) -> None:
             page.add(
                 f"| {task} | {temp[1:]} | {hf['tokens_per_s']:.1f} | {r['hf_assisted']['tokens_per_s']:.1f} | "
                 f"{r['ours_target_only']['tokens_per_s']:.1f} | {r['ours_sd']['tokens_per_s']:.1f} | "
-                f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | **{ratio:.2f}x** "
+                f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | **{ratio:.3f}x** "
                 f"{'(goal met)' if ratio >= 1.3 else '(goal NOT met)'} | {agree} |"
             )
     page.add(
@@ -301,16 +301,19 @@ SECTIONS = {
 def merge(runs: list[dict]) -> dict:
     """One suite's results from several run folders: per task, the latest run that has it wins."""
     merged = dict(runs[-1])
+    latest = {task: i for i, r in enumerate(runs) if isinstance(r.get("tasks"), dict) for task in r["tasks"]}
+    credited = []  # (run, the tasks it gives the page): the latest run of each task, every seed of a recipe grid
+    for i, r in enumerate(runs):
+        if not isinstance(r.get("tasks"), dict):
+            credited.append((r, []))
+            continue
+        tasks = [t for t, v in r["tasks"].items() if latest[t] == i or "trials" in v]
+        if tasks:
+            credited.append((r, tasks))
     merged["runs"] = [
-        {
-            "command": r["command"],
-            "scale": r["scale"],
-            "seconds": r["seconds"],
-            "tasks": list(r["tasks"]) if isinstance(r.get("tasks"), dict) else [],
-        }
-        for r in runs
+        {"command": r["command"], "scale": r["scale"], "seconds": r["seconds"], "tasks": tasks} for r, tasks in credited
     ]
-    merged["seconds"] = sum(r["seconds"] for r in runs)
+    merged["seconds"] = sum(r["seconds"] for r, _ in credited)
     if isinstance(merged.get("tasks"), dict):
         merged["tasks"] = {k: v for r in runs for k, v in r["tasks"].items()}
         for task, sweep in merged["tasks"].items():  # recipe grids of one task from several runs: pool the seeds

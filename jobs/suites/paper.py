@@ -15,7 +15,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from jobs.suites.common import TASKS, Scale, available, distilled_draft, task_config, with_garden
+from jobs.suites.common import TASKS, Scale, available, distilled_draft, draft_steps, task_config, with_garden
 from jobs.suites.page import pearson
 
 
@@ -120,10 +120,10 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
         plot_tau(
             records,
             out / name / "tau.png",
-            title=f"{name}: tau before / after DistillSpec (on-policy + TVD, {cfg.sweep.steps} steps)",
+            title=f"{name}: tau before / after DistillSpec (on-policy + TVD, {draft_steps(distilled)} steps)",
         )
         print(format_table(records))
-        results[name] = {"records": records, "distilled": distilled, "steps": cfg.sweep.steps}
+        results[name] = {"records": records, "distilled": distilled, "steps": draft_steps(distilled) or cfg.sweep.steps}
     return {"tasks": results}
 
 
