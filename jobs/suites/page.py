@@ -307,7 +307,7 @@ def merge(runs: list[dict]) -> dict:
         if not isinstance(r.get("tasks"), dict):
             credited.append((r, []))
             continue
-        tasks = [t for t, v in r["tasks"].items() if latest[t] == i or "trials" in v]
+        tasks = [t for t, v in r["tasks"].items() if latest[t] == i or _pools(v, t, i, runs)]
         if tasks:
             credited.append((r, tasks))
     merged["runs"] = [
@@ -326,6 +326,16 @@ def merge(runs: list[dict]) -> dict:
         merged["pearson_r"] = pearson(x, y)
         merged["mean_abs_rel_error"] = sum(abs(a - b) / b for a, b in zip(x, y)) / len(x)
     return merged
+
+
+def _pools(sweep: dict, task: str, i: int, runs: list[dict]) -> bool:
+    """Whether run ``i``'s recipe grid of ``task`` gives the pooled grid a seed no later run replaces."""
+    key = ("target", "draft", "steps")
+    later = [r["tasks"][task] for r in runs[i + 1 :] if task in r.get("tasks", {})]
+    if "trials" not in sweep or any(any(s.get(k) != sweep.get(k) for k in key) for s in later):
+        return False
+    seeds = {(t["source"], t["divergence"], t["seed"]) for t in sweep["trials"]}
+    return bool(seeds - {(t["source"], t["divergence"], t["seed"]) for s in later for t in s.get("trials", [])})
 
 
 def pool_seeds(sweeps: list[dict]) -> dict:
