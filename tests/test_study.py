@@ -156,3 +156,15 @@ def test_results_page_credits_only_the_runs_it_shows():
     assert merged["tasks"] == {"arith": {"x": "older peer"}, "gsm8k": {"x": "new"}}
     assert [(r["command"], r["tasks"]) for r in merged["runs"]] == [("older peer", ["arith"]), ("new", ["gsm8k"])]
     assert merged["seconds"] == 120.0
+
+
+def test_saved_drafts_report_the_steps_they_were_distilled_for(tmp_path):
+    from jobs.suites.common import draft_steps
+
+    own = tmp_path / "drafts" / "arith" / "draft-tvd-s0"
+    own.mkdir(parents=True)
+    (own / "distillspec.json").write_text(json.dumps({"source": "draft", "divergence": "tvd", "steps": 25}))
+    grid = tmp_path / "out" / "recipes" / "gsm8k" / "drafts" / "draft-tvd-s0"
+    grid.mkdir(parents=True)
+    (tmp_path / "out" / "recipes.json").write_text(json.dumps({"tasks": {"gsm8k": {"steps": 40}}}))
+    assert draft_steps(own) == 25 and draft_steps(grid) == 40 and draft_steps(tmp_path) is None
