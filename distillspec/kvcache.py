@@ -43,6 +43,10 @@ def supports_lean(model: PreTrainedModel) -> bool:
     )
 
 
+def _rope(model: PreTrainedModel):
+    return sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+
+
 class CachedLM:
     """A causal LM with a KV cache whose rows may hold holes (rejected positions).
 
@@ -59,6 +63,8 @@ class CachedLM:
         self.model = model
         self.lean = supports_lean(model) if lean is None else lean
         self.cache = None if self.lean else DynamicCache(config=model.config)
+        # Lean: the model's own rotary function (its modeling module's ``apply_rotary_pos_emb``).
+        self.rope = _rope(model) if self.lean else None
         self.keys: Tensor | None = None  # lean: [layers, B, kv_heads, capacity, head_dim]
         self.values: Tensor | None = None
         self.mask: Tensor | None = None
@@ -150,7 +156,6 @@ class CachedLM:
         own = (start + torch.arange(k, device=tokens.device))[:, None]
         visible = (self.mask.bool()[:, None, :] & (cols <= own)[None]) | (cols == own)[None]
         visible = visible[:, None]  # [B, 1, k, end]
-        rope = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
 
         h = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(h, positions)
@@ -160,7 +165,7 @@ class CachedLM:
             q = attn.q_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
             key = attn.k_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
             value = attn.v_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
-            q, key = rope(q, key, cos, sin)
+            q, key = self.rope(q, key, cos, sin)
             self.keys[i, :, :, start:end], self.values[i, :, :, start:end] = key, value
             o = F.scaled_dot_product_attention(
                 q,
