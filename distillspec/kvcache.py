@@ -39,12 +39,13 @@ def supports_lean(model: PreTrainedModel) -> bool:
         and all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or []))
         and inner is not None
         and hasattr(inner, "rotary_emb")
-        and hasattr(sys.modules[type(inner.layers[0].self_attn).__module__], "apply_rotary_pos_emb")
+        and _rope(model) is not None
     )
 
 
 def _rope(model: PreTrainedModel):
-    return sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    """The model's own rotary function: its modeling module's ``apply_rotary_pos_emb`` (None if it has none)."""
+    return getattr(sys.modules[type(model.model.layers[0].self_attn).__module__], "apply_rotary_pos_emb", None)
 
 
 class CachedLM:
@@ -63,7 +64,6 @@ class CachedLM:
         self.model = model
         self.lean = supports_lean(model) if lean is None else lean
         self.cache = None if self.lean else DynamicCache(config=model.config)
-        # Lean: the model's own rotary function (its modeling module's ``apply_rotary_pos_emb``).
         self.rope = _rope(model) if self.lean else None
         self.keys: Tensor | None = None  # lean: [layers, B, kv_heads, capacity, head_dim]
         self.values: Tensor | None = None

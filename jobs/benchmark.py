@@ -314,11 +314,7 @@ def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, task
 
     import torch  # noqa: PLC0415
 
-    from jobs.suites.common import (  # noqa: PLC0415
-        SCALES,
-        TASKS,  # noqa: PLC0415
-        command,
-    )
+    from jobs.suites.common import SCALES, TASKS, command  # noqa: PLC0415
     from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
     from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
 
