@@ -23,7 +23,9 @@ class EvalActor:
     def __init__(self, cfg: JobConfig, prompts: list[str]) -> None:
         setup_worker()
         self.cfg, self.prompts = cfg, prompts
-        self.target, self.draft, self.tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+        self.target, self.draft, self.tokenizer = load_pair(
+            cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
+        )
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
         self.version = -1
         self.history: list[dict] = []

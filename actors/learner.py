@@ -75,7 +75,7 @@ def learner_loop(config: dict) -> None:
     run = cfg.ray.run_name
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
-    target, _ = load_model(cfg.target, device=str(device))
+    target, _ = load_model(cfg.target, device=str(device), dtype=cfg.target_dtype)
     for p in target.parameters():
         p.requires_grad_(False)
     draft, tokenizer = load_model(cfg.draft, device=str(device))

@@ -37,7 +37,11 @@ class RolloutActor:
         self.cfg, self.rank, self.scorers = cfg, rank, scorers or []
         recipe = resolve_recipe(cfg.distill)
         self.draft, self.tokenizer = load_model(cfg.draft, device=cfg.device)
-        target = load_model(cfg.target, device=cfg.device)[0] if needs_target_samples(recipe) else None
+        target = (
+            load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)[0]
+            if needs_target_samples(recipe)
+            else None
+        )
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = cfg.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
         if cfg.ray.backend == "vllm":
@@ -96,7 +100,7 @@ class ScorerActor:
 
     def __init__(self, cfg: JobConfig) -> None:
         setup_worker()
-        self.target, _ = load_model(cfg.target, device=cfg.device)
+        self.target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
         self.topk, self.temperature = cfg.ray.topk, train_temperature(cfg.distill.temperature)
 
     @torch.inference_mode()

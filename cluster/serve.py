@@ -151,7 +151,7 @@ class Completions:
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s = cfg, s
-        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
         self.completer = Completer(
             target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=int(time.time_ns() % 2**31)
         )

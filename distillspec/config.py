@@ -224,6 +224,9 @@ class JobConfig:
     output_dir: str = "outputs/distill"
     seed: int = 0
     device: str = "cpu"
+    target_dtype: str = (
+        "float32"  #: the frozen target's weights: float32 | bfloat16 | float16 (the draft trains in float32)
+    )
     garden: GardenConfig = field(default_factory=GardenConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -236,6 +239,7 @@ class JobConfig:
         from distillspec.speculative import check_decoding_args  # noqa: PLC0415
 
         resolve_recipe(self.distill)
+        _choice("target_dtype", self.target_dtype, ("float32", "bfloat16", "float16"))
         for gamma in self.eval.gammas + [self.eval.speedup_gamma]:
             check_decoding_args(
                 gamma=gamma, max_new_tokens=self.eval.max_new_tokens, temperature=0.0, lenience=None, epsilon=1.0

@@ -16,9 +16,11 @@ def _looks_local(name: str) -> bool:
 
 
 def load_model(
-    name: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+    name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory."""
+    """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
+    dtype or its name (``"bfloat16"``)."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if _looks_local(name) and not Path(name).expanduser().exists():
         raise DistillSpecError(
             f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
@@ -50,11 +52,13 @@ def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
 
 
 def load_pair(
-    target: str, draft: str, *, device: str = "cpu"
+    target: str, draft: str, *, device: str = "cpu", target_dtype: torch.dtype | str = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target (in ``target_dtype``: it is frozen, so bfloat16 halves its memory and time) and the draft (float32,
+    to be trained), checked to share a tokenizer."""
     from distillspec.speculative import check_pair  # noqa: PLC0415
 
-    target_model, target_tok = load_model(target, device=device)
+    target_model, target_tok = load_model(target, device=device, dtype=target_dtype)
     draft_model, draft_tok = load_model(draft, device=device)
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -81,6 +82,7 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
         }
     rows["ratio_tokens_per_s"] = rows["async"]["tokens_per_s"] / rows["sync"]["tokens_per_s"]
     rows["alpha_gap"] = rows["async"]["alpha_after"] - rows["sync"]["alpha_after"]
+    rows["step_costs"] = costs = step_costs(load_config(out / "sync" / "config.yaml"))
     print(f"\nasync vs sync, {budget:.0f} s of training each:")
     print(
         f"{'mode':>6} {'steps':>6} {'tokens/s':>9} {'alpha before':>12} {'alpha after':>11} {'tau after':>9} {'lag':>5}"
@@ -92,7 +94,69 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
             f"{r['tau_after']:>9.3f} {r['mean_lag']:>5.2f}"
         )
     print(f"tokens/s ratio async/sync: {rows['ratio_tokens_per_s']:.2f}x; alpha async - sync: {rows['alpha_gap']:+.3f}")
+    c = costs
+    print(
+        f"one step alone, median of {c['steps']}: sample {c['sample_s']:.3f} s, update {c['update_s']:.3f} s "
+        f"({c['threads']} threads; {c['update_1thread_s']:.3f} s on 1). The most async can gain over sync: "
+        f"{c['bound_own_devices']:.2f}x with rollouts on their own devices, {c['bound_this_machine']:.2f}x on these "
+        f"{c['cores']} cores"
+    )
     return rows
+
+
+def step_costs(cfg, steps: int = 20) -> dict:
+    """What one training step of ``cfg`` costs alone in this process: sampling the batch and the update (with all
+    cores' threads and with one), median over ``steps`` after 3 warm-up steps; and from those, the most the
+    asynchronous pipeline can gain over the synchronous loop. With rollouts on their own devices it hides the
+    sampling: (sample + update) / update. On this machine's cores it must also fit sampling and the update's CPU
+    work (about its one-thread time) into the cores: (sample + update) / max(update, (sample + update_1) / cores).
+    """
+    import statistics  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.distill import Sampler, kd_loss, make_optimizer, update  # noqa: PLC0415
+    from distillspec.models import load_model  # noqa: PLC0415
+
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    threads = torch.get_num_threads()
+    target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
+    draft, tokenizer = load_model(cfg.draft, device=cfg.device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    sampler = Sampler(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
+    optimizer, scheduler = make_optimizer(draft, cfg.distill.lr, 10_000, 0)
+    times: dict[int, tuple[list[float], list[float]]] = {}
+    try:
+        for n in (threads, 1):
+            torch.set_num_threads(n)
+            times[n] = ([], [])
+            for i in range(steps + 3):
+                t0 = time.perf_counter()
+                _, batch = sampler()
+                t1 = time.perf_counter()
+                draft.train()
+                loss = kd_loss(draft, target, batch, sampler.recipe, temperature=cfg.distill.temperature)
+                update(draft, optimizer, scheduler, loss)
+                draft.eval()
+                if i >= 3:
+                    times[n][0].append(t1 - t0)
+                    times[n][1].append(time.perf_counter() - t1)
+    finally:
+        torch.set_num_threads(threads)
+    sample, update_s = (statistics.median(v) for v in times[threads])
+    update_1 = statistics.median(times[1][1])
+    return {
+        "steps": steps,
+        "threads": threads,
+        "cores": os.cpu_count() or threads,
+        "sample_s": sample,
+        "update_s": update_s,
+        "update_1thread_s": update_1,
+        "bound_own_devices": (sample + update_s) / update_s,
+        "bound_this_machine": (sample + update_s) / max(update_s, (sample + update_1) / (os.cpu_count() or threads)),
+    }
 
 
 def _send(

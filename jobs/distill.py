@@ -144,7 +144,7 @@ def main(cfg: JobConfig) -> list[dict]:
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed)
         cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
@@ -153,7 +153,7 @@ def main(cfg: JobConfig) -> list[dict]:
         training = train_sync(cfg, target, draft, tokenizer, task, out)
     else:
         training = train_async(cfg, task, out)
-        draft = load_pair(cfg.target, str(out / "draft"), device=cfg.device)[1]
+        draft = load_pair(cfg.target, str(out / "draft"), device=cfg.device, target_dtype=cfg.target_dtype)[1]
     (out / "train_log.json").write_text(json.dumps(training["train_log"]))
 
     records += measure("after", cfg, target, draft, tokenizer, task)

@@ -61,7 +61,7 @@ def trial(params: dict, cfg: JobConfig, before: dict[str, dict], out: str) -> No
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
     task = load_task(cfg.dataset, seed=cfg.seed)
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     dcfg = cell_config(cfg.distill, params["source"], params["divergence"], cfg.sweep.steps)
     student, record = run_cell(
         target,
@@ -136,7 +136,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
         cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     records = measure_pair(
         target,
         draft,

@@ -92,6 +92,7 @@ def test_config_yaml_and_overrides(tmp_path):
         (["distill.stepz=3"], "unknown config key distill.'stepz'"),
         (["distill.steps=many"], "distill.steps='many': expected int"),
         (["target=a"], "give both --target and --draft"),
+        (["target_dtype=half"], "target_dtype='half'"),
         (["nonsense"], "section.key=value"),
     ],
 )

@@ -98,3 +98,29 @@ def test_distiller_steps_from_each_source(text_pair, tokenizer, task, tmp_path, 
 def test_empty_dataset_is_refused(text_pair, tokenizer):
     with pytest.raises(DistillSpecError, match="empty"):
         Distiller(*text_pair, tokenizer, [], DistillConfig())
+
+
+def test_bfloat16_target(text_pair, tokenizer, task, tmp_path):
+    """target_dtype=bfloat16: the frozen target loads in bfloat16, the draft stays float32 and trains, and greedy
+    SD still gives the (bfloat16) target's own greedy output."""
+    from distillspec.config import load_config
+    from distillspec.models import encode_prompts, load_pair
+    from distillspec.speculative import autoregressive_generate, speculative_generate
+
+    for name, model in zip(("target", "draft"), text_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    cfg = load_config(None, [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}", "target_dtype=bfloat16"])
+    target, draft, _ = load_pair(cfg.target, cfg.draft, target_dtype=cfg.target_dtype)
+    assert target.dtype == torch.bfloat16 and draft.dtype == torch.float32
+    for example in task.test[:6]:
+        ids, _ = encode_prompts(tokenizer, [example.prompt])
+        own = autoregressive_generate(target, ids, max_new_tokens=12, temperature=0)
+        sd = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=12, temperature=0)
+        assert torch.equal(sd.sequences, own.sequences)
+    dcfg = DistillConfig(recipe="distillspec", steps=2, batch_size=4, max_new_tokens=8)
+    before = [p.detach().clone() for p in draft.parameters()]
+    records = Distiller(target, draft, tokenizer, task.train, dcfg).run()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert any(not torch.equal(a, b) for a, b in zip(before, draft.parameters()))
+    assert draft.dtype == torch.float32

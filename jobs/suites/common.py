@@ -119,7 +119,7 @@ def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", dive
     for folder in (out / "recipes" / task.name / "drafts" / name, out / "drafts" / task.name / name):
         if (folder / "config.json").exists():
             return str(folder)
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     dcfg = cell_config(cfg.distill, source, divergence, cfg.sweep.steps)
     student, _ = run_cell(
         target, draft, tokenizer, task, dcfg, gammas=[], temperatures=[], num_prompts=0, max_new_tokens=1

@@ -22,7 +22,7 @@ from jobs.suites.page import pearson
 def _pair(cfg):
     from distillspec.models import load_pair  # noqa: PLC0415
 
-    return load_pair(cfg.target, cfg.draft, device=cfg.device)
+    return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
 
 
 def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
@@ -274,7 +274,9 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     rng.shuffle(mixed)
     garden = build_garden(Task("mix-" + "-".join(names), mixed, [], None), base.garden, seed=base.seed)
 
-    target, draft, tokenizer = load_pair(str(garden.target), str(garden.draft), device=base.device)
+    target, draft, tokenizer = load_pair(
+        str(garden.target), str(garden.draft), device=base.device, target_dtype=base.target_dtype
+    )
     kw = {
         "gammas": [base.eval.speedup_gamma],
         "temperatures": [1.0],

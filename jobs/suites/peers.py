@@ -23,7 +23,7 @@ from jobs.suites.common import Scale, available, task_config, with_garden
 def _load(cfg):
     from distillspec.models import load_pair  # noqa: PLC0415
 
-    return load_pair(cfg.target, cfg.draft, device=cfg.device)
+    return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
 
 
 @torch.inference_mode()
