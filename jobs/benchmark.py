@@ -80,9 +80,11 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
             "tau_after": after["tau"],
             "mean_lag": sum(r.get("lag", 0) for r in log) / max(1, len(log)),
         }
+        if mode == "sync":  # before Ray starts: the step's parts alone on this machine
+            costs = step_costs(load_config(out / "sync" / "config.yaml"))
     rows["ratio_tokens_per_s"] = rows["async"]["tokens_per_s"] / rows["sync"]["tokens_per_s"]
     rows["alpha_gap"] = rows["async"]["alpha_after"] - rows["sync"]["alpha_after"]
-    rows["step_costs"] = costs = step_costs(load_config(out / "sync" / "config.yaml"))
+    rows["step_costs"] = costs
     print(f"\nasync vs sync, {budget:.0f} s of training each:")
     print(
         f"{'mode':>6} {'steps':>6} {'tokens/s':>9} {'alpha before':>12} {'alpha after':>11} {'tau after':>9} {'lag':>5}"
