@@ -12,8 +12,11 @@ from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
 from actors.weights import pull
 from distillspec.config import JobConfig
+from distillspec.data import Task
+from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.models import load_pair
+from distillspec.study import measure_phase
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
 
@@ -81,3 +84,25 @@ class EvalActor:
 
     def report(self) -> dict:
         return {"history": self.history, "alarms": self.alarms}
+
+
+@ray.remote(max_retries=0)
+def _measure_task(phase: str, cfg: JobConfig, draft: str, task: Task, threads: int) -> list[dict]:
+    setup_worker(threads)
+    target, model, tokenizer = load_pair(cfg.target, draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    return measure_phase(phase, cfg, target, model, tokenizer, task)
+
+
+def measure_on_cluster(phase: str, cfg: JobConfig, draft: str, task: Task, *, threads: int = 1) -> list[dict]:
+    """The job's before/after measurements (:func:`distillspec.study.measure_phase`) of the pair ``cfg.target`` and
+    ``draft`` as a Ray task with ``ray.eval_cpus`` CPUs and ``ray.eval_gpus`` GPUs (``threads`` torch threads), so a
+    driver on a head node without the job's device still measures on it. A user's mistake (a bad path, a tokenizer
+    mismatch) comes back as the :class:`DistillSpecError` it is."""
+    r = cfg.ray
+    ref = _measure_task.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(phase, cfg, draft, task, threads)
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, DistillSpecError):
+            raise exc.cause from None
+        raise

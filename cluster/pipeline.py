@@ -43,6 +43,25 @@ class PipelineResult:
     extra: dict = field(default_factory=dict)
 
 
+def check_devices(cfg: JobConfig) -> None:
+    """With ``device=cuda`` every model-holding part of the pipeline needs a GPU share, or it fails on load."""
+    r = cfg.ray
+    if not cfg.device.startswith("cuda"):
+        return
+    for key, value in (("use_gpu", r.use_gpu), ("rollout_gpus", r.rollout_gpus), ("eval_gpus", r.eval_gpus)):
+        if not value:
+            raise DistillSpecError(
+                f"device={cfg.device!r} runs the pipeline's models on GPUs, but ray.{key}={value!r}: set "
+                "ray.use_gpu=true, ray.rollout_gpus and ray.eval_gpus > 0 (fractions share a GPU, e.g. 0.25), "
+                "or device=cpu"
+            )
+    if r.target_logits == "scorer":
+        raise DistillSpecError(
+            f"device={cfg.device!r}: the scoring actors run on CPUs; use ray.target_logits=learner (the learner's "
+            "frozen target copy on its GPU)"
+        )
+
+
 def check_resources(cfg: JobConfig, strict: bool) -> None:
     """A request the cluster cannot meet would wait forever: refuse it on a fixed (local) cluster, warn otherwise
     (an autoscaler may add nodes)."""
@@ -50,10 +69,11 @@ def check_resources(cfg: JobConfig, strict: bool) -> None:
     cpus = r.num_learner_workers * r.learner_cpus + r.num_rollout_workers * r.rollout_cpus
     cpus += (r.eval_cpus if r.eval_every else 0) + (r.num_scorers * r.scorer_cpus if r.target_logits == "scorer" else 0)
     gpus = r.num_learner_workers * int(r.use_gpu) + r.num_rollout_workers * r.rollout_gpus
+    gpus += r.eval_gpus if r.eval_every else 0
     have = ray.cluster_resources()
     for kind, need, fix in (
         ("CPU", cpus, "lower ray.learner_cpus, ray.rollout_cpus, ray.eval_cpus or the worker counts"),
-        ("GPU", gpus, "set ray.use_gpu=false and ray.rollout_gpus=0, or use a cluster with GPUs"),
+        ("GPU", gpus, "set ray.use_gpu=false, ray.rollout_gpus=0 and ray.eval_gpus=0, or use a cluster with GPUs"),
     ):
         if need > have.get(kind, 0) + 1e-9:
             message = f"the pipeline asks for {need:g} {kind}s but the cluster has {have.get(kind, 0):g}: {fix}"
@@ -119,7 +139,9 @@ class Pipeline:
             for i in range(r.num_rollout_workers)
         ]
         prompts = [e.prompt for e in task.test[: r.eval_prompts]]
-        self.evaluator = EvalActor.options(num_cpus=r.eval_cpus).remote(cfg, prompts) if r.eval_every else None
+        self.evaluator = (
+            EvalActor.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(cfg, prompts) if r.eval_every else None
+        )
 
     def feed(self) -> None:
         """The driver's rollout loop (a thread beside the learner): keep each rollout actor busy while the

@@ -109,7 +109,8 @@ class RayConfig:
     publish_every: int = 1  #: learner steps per published weight version
     eval_every: int = 50  #: versions between evaluations of alpha/tau by the evaluation actor (0 = off)
     eval_prompts: int = 32  #: held-out prompts per evaluation
-    eval_cpus: float = 0.25
+    eval_cpus: float = 0.25  #: CPUs of the evaluation actor and of the before/after measurement tasks
+    eval_gpus: float = 0.0  #: GPUs of the same (> 0 when device is a GPU; a fraction shares one)
     alarm_drop: float = 0.15  #: alarm when alpha falls by more than this between two evaluations
     resume: bool = True  #: resume the learner from the latest checkpoint in output_dir
     max_failures: int = 3  #: learner restarts from its latest checkpoint after a worker failure
@@ -130,7 +131,7 @@ class RayConfig:
         for key in ("max_policy_lag", "topk", "eval_every", "max_failures", "learner_threads"):
             if getattr(self, key) < 0:
                 raise DistillSpecError(f"ray.{key}={getattr(self, key)!r}: must be >= 0")
-        for key in ("rollout_cpus", "learner_cpus", "scorer_cpus", "eval_cpus", "rollout_gpus"):
+        for key in ("rollout_cpus", "learner_cpus", "scorer_cpus", "eval_cpus", "rollout_gpus", "eval_gpus"):
             if getattr(self, key) < 0:
                 raise DistillSpecError(f"ray.{key}={getattr(self, key)!r}: must be >= 0")
         _positive(self, ["online_window", "online_min_prompts"], prefix="ray.")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.errors import DistillSpecError
 
@@ -15,24 +15,32 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
 
 
+def _check_path(name: str) -> None:
+    if _looks_local(name) and not Path(name).expanduser().exists():
+        raise DistillSpecError(
+            f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
+        )
+
+
+def _unloadable(name: str, exc: Exception) -> DistillSpecError:
+    return DistillSpecError(
+        f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "
+        "give a local directory or a reachable hub id"
+    )
+
+
 def load_model(
     name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
     dtype or its name (``"bfloat16"``)."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if _looks_local(name) and not Path(name).expanduser().exists():
-        raise DistillSpecError(
-            f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
-        )
+    _check_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
-        raise DistillSpecError(
-            f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "
-            "give a local directory or a reachable hub id"
-        ) from None
+        raise _unloadable(name, exc) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -48,6 +56,24 @@ def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise DistillSpecError(
             "draft and target tokenizers map tokens to different ids: the draft and target must share one tokenizer"
+        )
+
+
+def check_pair_sources(target: str, draft: str) -> None:
+    """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
+    share one tokenizer and one vocabulary. For a driver that leaves the models to its workers."""
+    tokenizers, vocab = [], []
+    for name in (target, draft):
+        _check_path(name)
+        try:
+            tokenizers.append(AutoTokenizer.from_pretrained(name))
+            vocab.append(AutoConfig.from_pretrained(name).vocab_size)
+        except (OSError, ValueError) as exc:
+            raise _unloadable(name, exc) from None
+    check_tokenizers(*tokenizers)
+    if vocab[0] != vocab[1]:
+        raise DistillSpecError(
+            f"draft vocab {vocab[1]} != target vocab {vocab[0]}: the draft and target must share one tokenizer"
         )
 
 

@@ -19,7 +19,7 @@ from distillspec.config import DistillConfig
 from distillspec.data import Task, score
 from distillspec.distill import Distiller
 from distillspec.errors import DistillSpecError
-from distillspec.evaluate import evaluate_sd
+from distillspec.evaluate import evaluate_sd, measure_speedup
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate
 
@@ -218,3 +218,47 @@ def latency_per_token(
         seconds += time.perf_counter() - start
         tokens += int(out.num_new_tokens.sum())
     return seconds / max(1, tokens)
+
+
+def measure_phase(
+    phase: str,
+    cfg,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: Task,
+    speedup_gammas: list[int] | None = None,
+) -> list[dict]:
+    """One phase (``before`` / ``after`` distillation) of a job's measurements (``cfg``: a JobConfig): alpha/tau at
+    every ``eval.gammas`` x ``eval.temperatures``, and the wall-clock speedup at ``speedup_gammas`` (default:
+    ``eval.speedup_gamma``)."""
+    speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
+    records = measure_pair(
+        target,
+        draft,
+        tokenizer,
+        task,
+        gammas=cfg.eval.gammas,
+        temperatures=cfg.eval.temperatures,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        batch_size=cfg.eval.batch_size,
+        seed=cfg.seed,
+        desc=f"measure {phase}",
+    )
+    prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
+    for rec in records:
+        if rec["gamma"] in speedup_gammas and prompts:
+            rec.update(
+                measure_speedup(
+                    target,
+                    draft,
+                    tokenizer,
+                    prompts,
+                    gamma=rec["gamma"],
+                    temperature=rec["temperature"],
+                    max_new_tokens=cfg.eval.max_new_tokens,
+                    seed=cfg.seed,
+                )
+            )
+    return [{"phase": phase, **rec} for rec in records]

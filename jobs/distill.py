@@ -36,48 +36,10 @@ from distillspec.cli import parse_job_args, run_main  # noqa: E402
 from distillspec.config import JobConfig, to_dict  # noqa: E402
 from distillspec.data import load_task  # noqa: E402
 from distillspec.distill import Distiller, resolve_recipe  # noqa: E402
-from distillspec.evaluate import measure_speedup  # noqa: E402
 from distillspec.garden import build_garden  # noqa: E402
-from distillspec.models import load_pair  # noqa: E402
+from distillspec.models import check_pair_sources, load_pair  # noqa: E402
 from distillspec.report import format_table, plot_tau, plot_training  # noqa: E402
-from distillspec.study import measure_pair  # noqa: E402
-
-
-def measure(
-    phase: str, cfg: JobConfig, target, draft, tokenizer, task, speedup_gammas: list[int] | None = None
-) -> list[dict]:
-    """alpha/tau at every gamma x temperature, and the wall-clock speedup at ``speedup_gammas``
-    (default: ``eval.speedup_gamma``)."""
-    speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
-    records = measure_pair(
-        target,
-        draft,
-        tokenizer,
-        task,
-        gammas=cfg.eval.gammas,
-        temperatures=cfg.eval.temperatures,
-        num_prompts=cfg.eval.num_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        batch_size=cfg.eval.batch_size,
-        seed=cfg.seed,
-        desc=f"measure {phase}",
-    )
-    prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
-    for rec in records:
-        if rec["gamma"] in speedup_gammas and prompts:
-            rec.update(
-                measure_speedup(
-                    target,
-                    draft,
-                    tokenizer,
-                    prompts,
-                    gamma=rec["gamma"],
-                    temperature=rec["temperature"],
-                    max_new_tokens=cfg.eval.max_new_tokens,
-                    seed=cfg.seed,
-                )
-            )
-    return [{"phase": phase, **rec} for rec in records]
+from distillspec.study import measure_phase  # noqa: E402
 
 
 def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dict:
@@ -99,15 +61,21 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     return {"mode": "sync", "train_log": log, "seconds": time.perf_counter() - start, "evaluations": []}
 
 
-def train_async(cfg: JobConfig, task, out: Path) -> dict:
-    """The Ray pipeline (``ray.mode=async``); the distilled draft lands in ``out/draft``."""
+def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
+    """The Ray pipeline (``ray.mode=async``); the distilled draft lands in ``out/draft``. The measurements before
+    and after run as Ray tasks (on a GPU when ``device`` is one), not in this driver: on a cluster the driver runs
+    on the head node, which may have no GPU. Returns the measurements and the training summary."""
     import ray  # noqa: PLC0415
 
+    from actors.evaluator import measure_on_cluster  # noqa: PLC0415
     from cluster.connect import connect, metrics_url  # noqa: PLC0415
-    from cluster.pipeline import Pipeline  # noqa: PLC0415
+    from cluster.pipeline import Pipeline, check_devices  # noqa: PLC0415
 
+    check_devices(cfg)
     how = connect(cfg.ray)
     print(f"ray: {how}; metrics (Prometheus): {metrics_url()}; dashboard: {ray.worker.get_dashboard_url() or '-'}")
+    threads = torch.get_num_threads()  # the measurements run alone, before and after the pipeline
+    records = measure_on_cluster("before", cfg, cfg.draft, task, threads=threads)
     pipeline = Pipeline(cfg, task, out, fixed_cluster=how.startswith("started"))
     if pipeline.resumed_from is not None:
         print(f"resuming the learner from its checkpoint at step {pipeline.resumed_from} in {out / 'learner'}")
@@ -124,7 +92,8 @@ def train_async(cfg: JobConfig, task, out: Path) -> dict:
     )
     for alarm in result.alarms:
         print(f"ALARM: {alarm}")
-    return {
+    records += measure_on_cluster("after", cfg, str(out / "draft"), task, threads=threads)
+    return records, {
         "mode": "async",
         "train_log": result.train_log,
         "seconds": result.seconds,
@@ -144,19 +113,19 @@ def main(cfg: JobConfig) -> list[dict]:
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed)
         cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
-    records = measure("before", cfg, target, draft, tokenizer, task)
     if cfg.ray.mode == "sync":
+        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+        records = measure_phase("before", cfg, target, draft, tokenizer, task)
         training = train_sync(cfg, target, draft, tokenizer, task, out)
+        records += measure_phase("after", cfg, target, draft, tokenizer, task)
     else:
-        training = train_async(cfg, task, out)
-        draft = load_pair(cfg.target, str(out / "draft"), device=cfg.device, target_dtype=cfg.target_dtype)[1]
+        check_pair_sources(cfg.target, cfg.draft)  # before Ray starts: a bad path fails in a second
+        records, training = train_async(cfg, task, out)
     (out / "train_log.json").write_text(json.dumps(training["train_log"]))
 
-    records += measure("after", cfg, target, draft, tokenizer, task)
     summary = {k: v for k, v in training.items() if k != "train_log"}
     (out / "results.json").write_text(json.dumps({"records": records, "training": summary}, indent=2))
     divergence = resolve_recipe(cfg.distill).divergence.upper()

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 import ray
 import yaml
 
@@ -186,3 +187,33 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log] == list(range(1, 61))
     assert yaml.safe_load((out / "config.yaml").read_text())["ray"]["address"] == ray_cluster
+
+
+def test_measurements_run_as_a_ray_task_and_user_errors_come_back_plain(ray_cluster, tiny_garden, task, tmp_path):
+    """The job's before/after measurements run on the cluster (a head node may lack the job's GPU); a bad draft
+    path surfaces as the DistillSpecError a user can read, not a Ray traceback."""
+    from actors.evaluator import measure_on_cluster
+    from distillspec import DistillSpecError
+
+    cfg = job_config(
+        tiny_garden, tmp_path, "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4", "eval.speedup_gamma=2"
+    )
+    records = measure_on_cluster("before", cfg, cfg.draft, task, threads=1)
+    assert [(r["phase"], r["gamma"], r["temperature"]) for r in records] == [("before", 2, 0.0)]
+    assert 0.0 <= records[0]["alpha"] <= 1.0 and records[0]["measured_speedup"] > 0
+    with pytest.raises(DistillSpecError, match="does not exist") as err:
+        measure_on_cluster("after", cfg, str(tmp_path / "no-such-draft"), task)
+    assert type(err.value) is DistillSpecError and "Traceback" not in str(err.value)
+
+
+def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path):
+    from cluster.pipeline import check_devices
+    from distillspec import DistillSpecError
+
+    check_devices(job_config(tiny_garden, tmp_path))  # CPU: nothing to ask
+    ok = ["device=cuda", "ray.use_gpu=true", "ray.rollout_gpus=0.25", "ray.eval_gpus=0.25"]
+    check_devices(job_config(tiny_garden, tmp_path, *ok))
+    with pytest.raises(DistillSpecError, match="ray.eval_gpus=0.0"):
+        check_devices(job_config(tiny_garden, tmp_path, *ok[:-1]))
+    with pytest.raises(DistillSpecError, match="target_logits=learner"):
+        check_devices(job_config(tiny_garden, tmp_path, *ok, "ray.target_logits=scorer"))

@@ -104,7 +104,7 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Table C.1: per task, tau and measured speedup (batch 1) before / after DistillSpec."""
     from distillspec.models import load_model  # noqa: PLC0415
     from distillspec.report import format_table, plot_tau  # noqa: PLC0415
-    from jobs.distill import measure  # noqa: PLC0415
+    from distillspec.study import measure_phase  # noqa: PLC0415
 
     results = {}
     for name in available(scale.tasks):
@@ -115,7 +115,7 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
         records = []
         for phase, model in (("before", draft), ("after", load_model(distilled, device=cfg.device)[0])):
             print(f"== table: {name}, {phase} distillation")
-            records += measure(phase, grid, target, model, tokenizer, task, speedup_gammas=[3, 5, 7])
+            records += measure_phase(phase, grid, target, model, tokenizer, task, speedup_gammas=[3, 5, 7])
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_tau(
             records,
