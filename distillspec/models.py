@@ -22,6 +22,14 @@ def _check_path(name: str) -> None:
         )
 
 
+def absolute(name: str | None) -> str | None:
+    """A local model directory as an absolute path (hub ids and None unchanged): actors and Tune trials may run
+    in another working directory."""
+    if name is not None and _looks_local(name) and Path(name).expanduser().exists():
+        return str(Path(name).expanduser().resolve())
+    return name
+
+
 def _unloadable(name: str, exc: Exception) -> DistillSpecError:
     return DistillSpecError(
         f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "

@@ -37,7 +37,7 @@ from distillspec.config import JobConfig, to_dict  # noqa: E402
 from distillspec.data import load_task  # noqa: E402
 from distillspec.distill import Distiller, resolve_recipe  # noqa: E402
 from distillspec.garden import build_garden  # noqa: E402
-from distillspec.models import check_pair_sources, load_pair  # noqa: E402
+from distillspec.models import absolute, check_pair_sources, load_pair  # noqa: E402
 from distillspec.report import format_table, plot_tau, plot_training  # noqa: E402
 from distillspec.study import measure_phase  # noqa: E402
 
@@ -112,7 +112,9 @@ def main(cfg: JobConfig) -> list[dict]:
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed)
-        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
+    # Actors may run in another working directory (a ray job's --working-dir): local paths become absolute.
+    cfg = replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 

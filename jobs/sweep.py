@@ -49,18 +49,17 @@ def flatten(sd: list[dict], draft_alone: dict, before: dict[str, dict]) -> dict[
     return metrics
 
 
-def trial(params: dict, cfg: JobConfig, before: dict[str, dict], out: str) -> None:
-    """One Ray Tune trial: distil one recipe cell, report its measurements."""
+def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str) -> None:
+    """One Ray Tune trial: distil one recipe cell on ``task`` (a :class:`~distillspec.data.Task`), report its
+    measurements."""
     import torch  # noqa: PLC0415
     from ray import tune  # noqa: PLC0415
 
-    from distillspec.data import load_task  # noqa: PLC0415
     from distillspec.models import load_pair  # noqa: PLC0415
     from distillspec.study import cell_config, run_cell  # noqa: PLC0415
 
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
-    task = load_task(cfg.dataset, seed=cfg.seed)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     dcfg = cell_config(cfg.distill, params["source"], params["divergence"], cfg.sweep.steps)
     student, record = run_cell(
@@ -123,7 +122,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     from cluster.connect import connect  # noqa: PLC0415
     from distillspec.data import load_task  # noqa: PLC0415
     from distillspec.garden import build_garden  # noqa: PLC0415
-    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.models import absolute, load_pair  # noqa: PLC0415
     from distillspec.study import measure_pair  # noqa: PLC0415
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
@@ -135,7 +134,9 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     task = load_task(cfg.dataset, seed=cfg.seed)
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
-        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
+    # Trials run in their own working directories: they get the task itself and absolute model paths.
+    cfg = replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
     records = measure_pair(
         target,
@@ -164,7 +165,11 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus}
     trainable = tune.with_resources(
         tune.with_parameters(
-            trial, cfg=replace(cfg, device="cuda" if cfg.sweep.trial_gpus else cfg.device), before=before, out=str(out)
+            trial,
+            cfg=replace(cfg, device="cuda" if cfg.sweep.trial_gpus else cfg.device),
+            task=task,
+            before=before,
+            out=str(out),
         ),
         resources,
     )
@@ -183,7 +188,8 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     for result in results:
         params = {k: result.config[k] for k in ("source", "divergence", "seed")}
         if result.error is not None:
-            failed.append({**params, "error": f"{type(result.error).__name__}: {str(result.error)[:300]}"})
+            error = getattr(result.error, "cause", None) or result.error  # Ray wraps the trial's own exception
+            failed.append({**params, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"})
             continue
         metrics = {k: v for k, v in result.metrics.items() if _reported(k)}
         trials.append({**params, "metrics": metrics})

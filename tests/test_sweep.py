@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from distillspec.config import load_config
@@ -9,14 +12,25 @@ from distillspec.models import load_model
 from tests.test_job import run_job
 
 
-def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(ray_cluster, tiny_garden, tmp_path):
+def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
+    ray_cluster, tiny_garden, task, tmp_path, monkeypatch
+):
+    """Relative paths, as a user types them: Tune runs each trial in its own working directory."""
     from jobs.sweep import format_sweep, run_sweep
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for split, examples in (("train", task.train), ("test", task.test)):
+        lines = [json.dumps({"prompt": e.prompt, "reference": e.reference}) for e in examples]
+        (tmp_path / "data" / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    os.symlink(tiny_garden.target, tmp_path / "target")
+    os.symlink(tiny_garden.draft, tmp_path / "draft")
     cfg = load_config(
         None,
         [
-            f"target={tiny_garden.target}",
-            f"draft={tiny_garden.draft}",
+            "target=./target",
+            "draft=./draft",
+            "dataset=./data",
             "sweep.sources=[draft,fixed]",
             "sweep.divergences=[tvd]",
             "sweep.seeds=[0]",
@@ -41,7 +55,7 @@ def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(ray_cluster, t
     gains = [c["tau_gain_T1"]["mean"] for c in result["cells"]]
     assert gains == sorted(gains, reverse=True)
     assert (result["best"]["source"], result["best"]["divergence"]) == (result["cells"][0]["source"], "tvd")
-    assert "best recipe on arith" in format_sweep(result)
+    assert f"best recipe on {result['task']}" in format_sweep(result)
 
 
 @pytest.mark.parametrize(
