@@ -9,6 +9,7 @@ toward the target by the sequence-level divergence of Eq. 2 over the continuatio
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -330,7 +331,10 @@ class Distiller:
             p.requires_grad_(False)
 
     def step(self) -> dict:
+        """Sample a batch, update on it; the record times the two parts (``sample_s``, ``update_s``)."""
+        start = time.perf_counter()
         source, batch = self.sampler()
+        sampled = time.perf_counter()
         self.draft.train()
         loss = kd_loss(
             self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta
@@ -344,6 +348,8 @@ class Distiller:
             "loss": loss.item(),
             "tokens": batch.tokens,
             "lr": self.scheduler.get_last_lr()[0],
+            "sample_s": sampled - start,
+            "update_s": time.perf_counter() - sampled,
         }
 
     def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:

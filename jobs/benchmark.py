@@ -114,50 +114,36 @@ def step_costs(cfg, steps: int = 20) -> dict:
     work (about its one-thread time) into the cores: (sample + update) / max(update, (sample + update_1) / cores).
     """
     import statistics  # noqa: PLC0415
+    from dataclasses import replace  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
     from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.distill import Sampler, kd_loss, make_optimizer, update  # noqa: PLC0415
-    from distillspec.models import load_model  # noqa: PLC0415
+    from distillspec.distill import Distiller  # noqa: PLC0415
+    from distillspec.models import load_pair  # noqa: PLC0415
 
     task = load_task(cfg.dataset, seed=cfg.seed)
-    threads = torch.get_num_threads()
-    target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
-    draft, tokenizer = load_model(cfg.draft, device=cfg.device)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    sampler = Sampler(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
-    optimizer, scheduler = make_optimizer(draft, cfg.distill.lr, 10_000, 0)
-    times: dict[int, tuple[list[float], list[float]]] = {}
+    threads, cores = torch.get_num_threads(), os.cpu_count() or torch.get_num_threads()
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    distiller = Distiller(target, draft, tokenizer, task.train, replace(cfg.distill, steps=10_000), seed=cfg.seed)
+    medians: dict[int, dict[str, float]] = {}
     try:
         for n in (threads, 1):
             torch.set_num_threads(n)
-            times[n] = ([], [])
-            for i in range(steps + 3):
-                t0 = time.perf_counter()
-                _, batch = sampler()
-                t1 = time.perf_counter()
-                draft.train()
-                loss = kd_loss(draft, target, batch, sampler.recipe, temperature=cfg.distill.temperature)
-                update(draft, optimizer, scheduler, loss)
-                draft.eval()
-                if i >= 3:
-                    times[n][0].append(t1 - t0)
-                    times[n][1].append(time.perf_counter() - t1)
+            records = [distiller.step() for _ in range(steps + 3)][3:]
+            medians[n] = {k: statistics.median(r[k] for r in records) for k in ("sample_s", "update_s")}
     finally:
         torch.set_num_threads(threads)
-    sample, update_s = (statistics.median(v) for v in times[threads])
-    update_1 = statistics.median(times[1][1])
+    sample, update_s, update_1 = medians[threads]["sample_s"], medians[threads]["update_s"], medians[1]["update_s"]
     return {
         "steps": steps,
         "threads": threads,
-        "cores": os.cpu_count() or threads,
+        "cores": cores,
         "sample_s": sample,
         "update_s": update_s,
         "update_1thread_s": update_1,
         "bound_own_devices": (sample + update_s) / update_s,
-        "bound_this_machine": (sample + update_s) / max(update_s, (sample + update_1) / (os.cpu_count() or threads)),
+        "bound_this_machine": (sample + update_s) / max(update_s, (sample + update_1) / cores),
     }
 
 
