@@ -174,6 +174,20 @@ def _prepare(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return mask
 
 
+def cached_lm(
+    model: PreTrainedModel, input_ids: Tensor, max_new_tokens: int | Sequence[int], gamma: int, compile: bool
+) -> CachedLM:
+    """The decoder's :class:`CachedLM` for ``model``. With ``compile``, its decoding steps run through
+    ``torch.compile`` at static shapes (a Llama, Mistral or Qwen2 model; see :mod:`distillspec.kvcache`): each
+    new batch size or cache capacity compiles once, in seconds, and later calls reuse it. The capacity is the
+    prompt, the budget and one block, rounded up to 128 columns so that calls with similar prompts share it."""
+    if not compile:
+        return CachedLM(model)
+    limit = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
+    capacity = -(-(input_ids.shape[1] + limit + gamma + 1) // 128) * 128
+    return CachedLM(model, compile=True, capacity=capacity)
+
+
 def _pad_value(pad_token_id: int | None, eos_token_id: int | None) -> int:
     return pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
 
@@ -190,12 +204,14 @@ def autoregressive_generate(
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
     on_block: BlockCallback | None = None,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
-    (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`)."""
+    (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`; ``compile``: see
+    :func:`cached_lm`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
-    lm = CachedLM(model)
+    lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
     emitter = _Emitter(
         len(input_ids), max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), input_ids.device
     )
@@ -230,6 +246,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
     on_block: BlockCallback | None = None,
+    compile: bool = False,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -238,6 +255,7 @@ def speculative_generate(
     ``{"lin", "sq", "exp"}``: a draft token ``x`` is accepted with probability
     ``min(1, f(p(x), epsilon) / q(x))``; on rejection the token is resampled from ``norm(max(0, p - q))``.
     ``max_new_tokens`` is one budget or one per row; ``on_block`` streams (see :data:`BlockCallback`).
+    ``compile`` runs both models' decoding steps through ``torch.compile`` (see :func:`cached_lm`).
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -248,7 +266,7 @@ def speculative_generate(
     f = LENIENCES[lenience] if lenience is not None else (lambda p, _eps: p)
     greedy = temperature == 0  # lenience has no effect on greedy decoding: p is one-hot
 
-    tgt, drf = CachedLM(target), CachedLM(draft)
+    tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     emitter = _Emitter(batch, max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), dev)
     blocks = torch.zeros(batch, dtype=torch.long, device=dev)
     accepted = torch.zeros(batch, gamma, dtype=torch.long, device=dev)

@@ -1,13 +1,15 @@
 """The lean KV cache gives the model's own logits, holes, row selection and all."""
 
+import shutil
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-from distillspec import DistillSpecError, speculative_generate
+from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
 from distillspec.kvcache import CachedLM, supports_lean
 
-from .conftest import tiny_llama
+from .conftest import perturbed, tiny_llama
 
 V = 40
 
@@ -57,20 +59,77 @@ def test_lean_cache_grows_past_its_first_allocation():
     ids = torch.tensor([[1, 2, 3]])
     lean, hf = CachedLM(model), CachedLM(model, lean=False)
     lean.prefill(ids, torch.ones_like(ids)), hf.prefill(ids, torch.ones_like(ids))
-    first = lean.keys.shape[3]
+    first = lean.keys[0].shape[2]
     for i in range(first + 5):
         token = torch.tensor([[i % V]])
         torch.testing.assert_close(lean.step(token), hf.step(token))
-    assert lean.keys.shape[3] > first
+    assert lean.keys[0].shape[2] > first
 
 
 def test_other_architectures_use_the_models_forward():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2)).eval()
     assert not supports_lean(gpt2) and not CachedLM(gpt2).lean
-    with pytest.raises(DistillSpecError, match="leave lean unset"):
+    with pytest.raises(DistillSpecError, match="leave it unset"):
         CachedLM(gpt2, lean=True)
+    with pytest.raises(DistillSpecError, match="compile=True but model type 'gpt2'"):
+        CachedLM(gpt2, compile=True)
     prompt = torch.tensor([[1, 2, 3]])
     out = speculative_generate(gpt2, gpt2, prompt, gamma=3, max_new_tokens=8, temperature=0.0)
     assert out.stats.alpha == 1.0  # a draft identical to the target is always accepted
     ref = gpt2.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out.sequences, ref)
+
+
+#: torch.compile's CPU backend writes C++ and builds it with the system's compiler.
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+
+
+@needs_compiler
+def test_compiled_steps_match_the_eager_cache():
+    """Static shapes over the whole cache give the same logits: holes, grouped-query attention, rows leaving."""
+    model = tiny_qwen2(seed=3)
+    ids = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8], [0, 9, 10, 11, 12]])
+    mask = (torch.arange(5) >= torch.tensor([2, 0, 1])[:, None]).long()
+    compiled, eager = CachedLM(model, compile=True, capacity=16), CachedLM(model)
+    assert compiled.compiled is not None and eager.compiled is None
+    for a, b in zip(run(compiled, ids, mask), run(eager, ids, mask)):
+        torch.testing.assert_close(a[..., -1, :] if a.ndim == 3 else a, b[..., -1, :] if b.ndim == 3 else b)
+    assert torch.equal(compiled.mask, eager.mask) and compiled.keys[0].shape[2] == 16
+
+
+@needs_compiler
+def test_compiled_decoders_give_the_same_tokens():
+    target = tiny_llama(V, d=32, layers=2, seed=4)
+    draft = perturbed(target, 0.05, seed=5)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    for temperature in (0.0, 1.0):
+        outs = [
+            speculative_generate(
+                target,
+                draft,
+                prompt,
+                gamma=3,
+                max_new_tokens=24,
+                temperature=temperature,
+                generator=torch.Generator().manual_seed(7),
+                compile=compile,
+            )
+            for compile in (False, True)
+        ]
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+        assert outs[0].stats.to_dict() == outs[1].stats.to_dict()
+        assert 0 < outs[1].stats.alpha < 1  # the draft differs from the target, so rejections were exercised
+        plain = [
+            autoregressive_generate(
+                target,
+                prompt,
+                max_new_tokens=24,
+                temperature=temperature,
+                generator=torch.Generator().manual_seed(7),
+                compile=compile,
+            )
+            for compile in (False, True)
+        ]
+        assert torch.equal(plain[0].sequences, plain[1].sequences)
+        if temperature == 0:  # lossless: speculative decoding prints the target's greedy text
+            assert torch.equal(outs[1].sequences, plain[1].sequences)

@@ -70,12 +70,13 @@ def test_our_decoders_and_transformers_assisted_generation_agree_on_greedy_text(
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     prompts = [e.prompt for e in task.test[:3]]
     outputs = {}
-    for kind in ("hf", "hf_assisted", "ours", "ours_sd"):
+    for kind in ("hf", "hf_assisted", "ours", "ours_sd", "ours_sd_compiled"):
         fn = decoder(kind, target, draft, tokenizer, gamma=3, max_new_tokens=12, temperature=temperature)
         speed, outputs[kind] = _timed(fn, prompts, tokenizer, batch=1)
         assert speed > 0 and all(1 <= len(o) <= 12 for o in outputs[kind])
     if temperature == 0:
         assert outputs["hf"] == outputs["hf_assisted"] == outputs["ours"] == outputs["ours_sd"]
+    assert outputs["ours_sd_compiled"] == outputs["ours_sd"]  # the same generator seed: the same tokens at T = 1 too
 
 
 def _cell(source: str, divergence: str, t0: float, t1: float) -> dict:
