@@ -76,6 +76,8 @@ class EvalConfig:
     max_new_tokens: int = 64
     speedup_prompts: int = 16  #: prompts decoded one at a time for the wall-clock speedup
     speedup_gamma: int = 5
+    #: time the wall-clock speedup with compiled decoding steps (torch.compile; Llama, Mistral or Qwen2 models)
+    compile: bool = False
 
 
 @dataclass

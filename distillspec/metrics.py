@@ -61,11 +61,14 @@ def measure_cost_ratio(
     gamma: int = 5,
     steps: int = 64,
     warmup: int = 8,
+    compile: bool = False,
 ) -> CostRatio:
     """Median times of decoding calls (KV cache, after a prefill), interleaved: a 1-token target call,
     a 1-token draft call and a (gamma+1)-token target (verify) call. Each call's tokens are then
-    rolled back, so every call sees the same cache length."""
-    lms = [CachedLM(target), CachedLM(draft), CachedLM(target)]
+    rolled back, so every call sees the same cache length. ``compile``: the calls run compiled (see
+    :class:`CachedLM`); the warm-up calls compile them."""
+    capacity = -(-(input_ids.shape[1] + gamma + 1) // 128) * 128
+    lms = [CachedLM(m, compile=compile, capacity=capacity) for m in (target, draft, target)]
     widths = [1, 1, gamma + 1]
     for lm in lms:
         lm.prefill(input_ids, torch.ones_like(input_ids))

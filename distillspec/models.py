@@ -67,17 +67,26 @@ def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
         )
 
 
-def check_pair_sources(target: str, draft: str) -> None:
+def check_pair_sources(target: str, draft: str, *, compile: bool = False) -> None:
     """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
-    share one tokenizer and one vocabulary. For a driver that leaves the models to its workers."""
+    share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs.
+    For a driver that leaves the models to its workers, before anything long starts."""
+    from distillspec.kvcache import LEAN_MODEL_TYPES  # noqa: PLC0415
+
     tokenizers, vocab = [], []
     for name in (target, draft):
         _check_path(name)
         try:
             tokenizers.append(AutoTokenizer.from_pretrained(name))
-            vocab.append(AutoConfig.from_pretrained(name).vocab_size)
+            config = AutoConfig.from_pretrained(name)
         except (OSError, ValueError) as exc:
             raise _unloadable(name, exc) from None
+        vocab.append(config.vocab_size)
+        if compile and (config.model_type not in LEAN_MODEL_TYPES or getattr(config, "sliding_window", None)):
+            raise DistillSpecError(
+                f"eval.compile=true: {name} is a {config.model_type!r} model; compiled decoding runs "
+                f"{', '.join(LEAN_MODEL_TYPES)} models with full attention: set eval.compile=false"
+            )
     check_tokenizers(*tokenizers)
     if vocab[0] != vocab[1]:
         raise DistillSpecError(

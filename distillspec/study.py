@@ -259,6 +259,7 @@ def measure_phase(
                     temperature=rec["temperature"],
                     max_new_tokens=cfg.eval.max_new_tokens,
                     seed=cfg.seed,
+                    compile=cfg.eval.compile,
                 )
             )
     return [{"phase": phase, **rec} for rec in records]

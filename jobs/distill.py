@@ -118,13 +118,13 @@ def main(cfg: JobConfig) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
+    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)  # a bad path fails in a second
     if cfg.ray.mode == "sync":
         target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
         records = measure_phase("before", cfg, target, draft, tokenizer, task)
         training = train_sync(cfg, target, draft, tokenizer, task, out)
         records += measure_phase("after", cfg, target, draft, tokenizer, task)
     else:
-        check_pair_sources(cfg.target, cfg.draft)  # before Ray starts: a bad path fails in a second
         records, training = train_async(cfg, task, out)
     (out / "train_log.json").write_text(json.dumps(training["train_log"]))
 

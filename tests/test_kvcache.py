@@ -133,3 +133,34 @@ def test_compiled_decoders_give_the_same_tokens():
         assert torch.equal(plain[0].sequences, plain[1].sequences)
         if temperature == 0:  # lossless: speculative decoding prints the target's greedy text
             assert torch.equal(outs[1].sequences, plain[1].sequences)
+
+
+@needs_compiler
+def test_compiled_speedup_measurement_decodes_what_the_eager_one_does(text_pair, tokenizer, task):
+    from distillspec.evaluate import measure_speedup
+
+    target, draft = text_pair
+    prompts = [e.prompt for e in task.test[:2]]
+    runs = [
+        measure_speedup(
+            target, draft, tokenizer, prompts, gamma=3, temperature=1.0, max_new_tokens=10, seed=0, compile=compile
+        )
+        for compile in (False, True)
+    ]
+    assert runs[0]["speedup_tau"] == runs[1]["speedup_tau"]  # the same seeds: the same blocks, compiled or not
+    assert all(r["measured_speedup"] > 0 and r["c"] > 0 for r in runs)
+
+
+def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_path, tiny_garden):
+    from transformers import AutoTokenizer
+
+    from distillspec.models import check_pair_sources
+
+    check_pair_sources(str(tiny_garden.target), str(tiny_garden.draft), compile=True)  # Llama: accepted
+    tokenizer = AutoTokenizer.from_pretrained(tiny_garden.target)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"))  # eager decoding runs any architecture
+    with pytest.raises(DistillSpecError, match="eval.compile=true: .* is a 'gpt2' model"):
+        check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"), compile=True)
