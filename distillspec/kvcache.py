@@ -75,6 +75,14 @@ def _lean_layers(model: PreTrainedModel, rope, h: Tensor, positions: Tensor, att
     return h
 
 
+def _visibility(mask: Tensor, own: Tensor) -> Tensor:
+    """Attention mask [B, 1, k, cols]: query i, at cache column ``own[i]``, sees the valid columns of ``mask``
+    [B, cols] up to its own, and always itself, so that a hole's or a pad's query has one finite score (its output
+    is never used)."""
+    cols = torch.arange(mask.shape[1], device=mask.device)
+    return ((mask.bool()[:, None, :] & (cols <= own[:, None])) | (cols == own[:, None]))[:, None]
+
+
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -86,12 +94,8 @@ def _compiled_step(model: PreTrainedModel) -> Callable[..., Tensor]:
         rope, inner = _rope(model), model.model
 
         def step(keys: Tensor, values: Tensor, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor):
-            k, capacity = tokens.shape[1], keys[0].shape[2]
-            own = start + torch.arange(k, device=tokens.device)
-            cols = torch.arange(capacity, device=tokens.device)
-            visible = ((mask.bool()[:, None, :] & (cols[None, :] <= own[:, None])[None]) | (cols == own[:, None]))[
-                :, None
-            ]
+            own = start + torch.arange(tokens.shape[1], device=tokens.device)
+            visible = _visibility(mask, own)
 
             def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
                 keys[i].index_copy_(2, own, key)
@@ -236,12 +240,7 @@ class CachedLM:
             mask[:, :end] = self.mask
             start_t = torch.tensor(start, device=tokens.device)
             return self.compiled(self.keys, self.values, tokens, positions, start_t, mask)
-        # Query i (column start + i) sees the valid columns up to its own, and always itself, so that a hole's
-        # or a pad's query has one finite score (its output is never used).
-        cols = torch.arange(end, device=tokens.device)
-        own = (start + torch.arange(k, device=tokens.device))[:, None]
-        visible = (self.mask.bool()[:, None, :] & (cols <= own)[None]) | (cols == own)[None]
-        visible = visible[:, None]  # [B, 1, k, end]
+        visible = _visibility(self.mask, start + torch.arange(k, device=tokens.device))
 
         def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
             self.keys[i][:, :, start:end], self.values[i][:, :, start:end] = key, value
