@@ -102,34 +102,19 @@ def test_compiled_decoders_give_the_same_tokens():
     target = tiny_llama(V, d=32, layers=2, seed=4)
     draft = perturbed(target, 0.05, seed=5)
     prompt = torch.tensor([[3, 4, 5, 6]])
-    for temperature in (0.0, 1.0):
-        outs = [
-            speculative_generate(
-                target,
-                draft,
-                prompt,
-                gamma=3,
-                max_new_tokens=24,
-                temperature=temperature,
-                generator=torch.Generator().manual_seed(7),
-                compile=compile,
-            )
-            for compile in (False, True)
+
+    def eager_and_compiled(decode, *models, **kw):
+        return [
+            decode(*models, prompt, max_new_tokens=24, generator=torch.Generator().manual_seed(7), compile=c, **kw)
+            for c in (False, True)
         ]
+
+    for temperature in (0.0, 1.0):
+        outs = eager_and_compiled(speculative_generate, target, draft, gamma=3, temperature=temperature)
         assert torch.equal(outs[0].sequences, outs[1].sequences)
         assert outs[0].stats.to_dict() == outs[1].stats.to_dict()
         assert 0 < outs[1].stats.alpha < 1  # the draft differs from the target, so rejections were exercised
-        plain = [
-            autoregressive_generate(
-                target,
-                prompt,
-                max_new_tokens=24,
-                temperature=temperature,
-                generator=torch.Generator().manual_seed(7),
-                compile=compile,
-            )
-            for compile in (False, True)
-        ]
+        plain = eager_and_compiled(autoregressive_generate, target, temperature=temperature)
         assert torch.equal(plain[0].sequences, plain[1].sequences)
         if temperature == 0:  # lossless: speculative decoding prints the target's greedy text
             assert torch.equal(outs[1].sequences, plain[1].sequences)
