@@ -83,6 +83,12 @@ def _visibility(mask: Tensor, own: Tensor) -> Tensor:
     return ((mask.bool()[:, None, :] & (cols <= own[:, None])) | (cols == own[:, None]))[:, None]
 
 
+def bucketed_capacity(length: int, bucket: int = 128) -> int:
+    """A cache capacity for ``length`` columns, rounded up to ``bucket``, so that a compiled step's shapes repeat
+    across calls of similar length."""
+    return -(-length // bucket) * bucket
+
+
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from distillspec.divergences import reduce, tvd
-from distillspec.kvcache import CachedLM
+from distillspec.kvcache import CachedLM, bucketed_capacity
 
 
 def alpha_from_tvd(
@@ -67,7 +67,7 @@ def measure_cost_ratio(
     a 1-token draft call and a (gamma+1)-token target (verify) call. Each call's tokens are then
     rolled back, so every call sees the same cache length. ``compile``: the calls run compiled (see
     :class:`CachedLM`); the warm-up calls compile them."""
-    capacity = -(-(input_ids.shape[1] + gamma + 1) // 128) * 128
+    capacity = bucketed_capacity(input_ids.shape[1] + gamma + 1)
     lms = [CachedLM(m, compile=compile, capacity=capacity) for m in (target, draft, target)]
     widths = [1, 1, gamma + 1]
     for lm in lms:

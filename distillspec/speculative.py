@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from distillspec.errors import DistillSpecError
-from distillspec.kvcache import CachedLM
+from distillspec.kvcache import CachedLM, bucketed_capacity
 
 #: Lenience functions ``f(p, epsilon)`` of lossy speculative decoding (paper Sec. 5.2).
 LENIENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
@@ -184,8 +184,7 @@ def cached_lm(
     if not compile:
         return CachedLM(model)
     limit = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-    capacity = -(-(input_ids.shape[1] + limit + gamma + 1) // 128) * 128
-    return CachedLM(model, compile=True, capacity=capacity)
+    return CachedLM(model, compile=True, capacity=bucketed_capacity(input_ids.shape[1] + limit + gamma + 1))
 
 
 def _pad_value(pad_token_id: int | None, eos_token_id: int | None) -> int:
