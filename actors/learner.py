@@ -37,6 +37,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.models import load_model
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  #: Ray Train's record of the registered checkpoints, in RUN_DIR
 
 
 def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> tuple[int, str, dict]:
@@ -192,7 +193,26 @@ def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
     )
 
 
+def checkpoint_steps(storage: Path) -> list[int]:
+    """The steps of every learner checkpoint directory under ``storage`` (registered or not)."""
+    return sorted(json.loads(p.read_text())["step"] for p in (storage / RUN_DIR).glob("checkpoint_*/step.json"))
+
+
 def latest_step(storage: Path) -> int | None:
-    """The step of the newest learner checkpoint under ``storage``, or None."""
-    steps = [json.loads(p.read_text())["step"] for p in (storage / RUN_DIR).glob("checkpoint_*/step.json")]
-    return max(steps) if steps else None
+    """The step of the checkpoint Ray Train resumes from under ``storage``, or None when it would start afresh.
+
+    Ray Train resumes from the last checkpoint its controller registered (its snapshot file), not from the newest
+    directory: a job killed while a checkpoint was being reported leaves a directory that was never registered.
+    """
+    snapshot = storage / RUN_DIR / SNAPSHOT_FILE
+    try:
+        latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]
+    except (OSError, ValueError, KeyError):
+        return None
+    if not latest:
+        return None
+    step = latest.get("metrics", {}).get("step")
+    if step is None:  # a snapshot from another Ray version: read the checkpoint itself
+        step_file = storage / RUN_DIR / latest["checkpoint_dir_name"] / "step.json"
+        step = json.loads(step_file.read_text())["step"] if step_file.exists() else None
+    return step

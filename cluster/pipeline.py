@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
 from actors.common import buffer_name, prompts_name, weights_name
-from actors.learner import RUN_DIR, latest_step, make_trainer
+from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
 from actors.weights import publish
 from distillspec.config import JobConfig
 from distillspec.data import Task
@@ -106,9 +106,10 @@ class Pipeline:
         self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
         r = cfg.ray
         self.resumed_from = latest_step(self.out)
-        if self.resumed_from is not None and not r.resume:
+        saved = checkpoint_steps(self.out)
+        if saved and not r.resume:
             raise DistillSpecError(
-                f"{self.out / RUN_DIR} holds a learner checkpoint (step {self.resumed_from}): "
+                f"{self.out / RUN_DIR} holds a learner checkpoint (step {saved[-1]}): "
                 "set ray.resume=true to go on from it, or give another --output-dir"
             )
         check_resources(cfg, strict=fixed_cluster)
