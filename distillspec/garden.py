@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distillspec.config import GardenConfig, ModelSize
 from distillspec.data import Example, Task
 from distillspec.distill import encode_examples, lm_loss, make_optimizer
+from distillspec.models import native_bf16
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
@@ -75,7 +76,7 @@ def train_lm(
     """Next-token training on whole examples (prompt and reference). Returns the loss per step.
 
     ``bf16`` runs the forward pass under bfloat16 autocast (weights stay float32): ~2x faster on CPUs
-    with AVX512-BF16 or AMX, and on GPUs.
+    with AVX512-BF16 or AMX, and on GPUs; ~30x slower on CPUs that emulate it (see :func:`native_bf16`).
     """
     rng = random.Random(seed)
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=max(1, steps // 20))
@@ -102,10 +103,15 @@ def _key(**parts) -> str:
     return hashlib.sha256(json.dumps({**parts, "version": 1}, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def garden_bf16(cfg: GardenConfig) -> bool:
+    """Whether the garden trains under bfloat16 autocast: ``cfg.bf16``, or where unset, where this CPU has it."""
+    return native_bf16("cpu") if cfg.bf16 is None else cfg.bf16
+
+
 def garden_keys(task_name: str, cfg: GardenConfig, seed: int) -> dict[str, str]:
     """Cache keys: the tokenizer's, and each model's (so a new draft size reuses the target)."""
     tok = _key(task=task_name, seed=seed, vocab_size=cfg.vocab_size, train_examples=cfg.train_examples)
-    train = {k: getattr(cfg, k) for k in ("batch_size", "lr", "max_len", "bf16")}
+    train = {k: getattr(cfg, k) for k in ("batch_size", "lr", "max_len")} | {"bf16": garden_bf16(cfg)}
     return {
         "tokenizer": tok,
         "target": _key(tok=tok, size=asdict(cfg.target), steps=cfg.target_steps, **train),
@@ -134,6 +140,13 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         log(f"garden: training a {cfg.vocab_size}-token tokenizer on {len(train)} {task.name} examples")
         tokenizer = train_tokenizer([e.prompt + e.reference for e in train], cfg.vocab_size)
         tokenizer.save_pretrained(root / "tokenizer")
+    bf16 = garden_bf16(cfg)
+    missing = [role for role in ("target", "draft") if not (root / f"{role}-{keys[role]}" / "garden.json").exists()]
+    if missing and bf16 and not native_bf16("cpu"):
+        log(
+            "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, ~30x slower "
+            "than float32: leave garden.bf16 unset"
+        )
     paths = {}
     for role, size, steps in (("target", cfg.target, cfg.target_steps), ("draft", cfg.draft, cfg.draft_steps)):
         folder = paths[role] = root / f"{role}-{keys[role]}"
@@ -144,7 +157,10 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         torch.manual_seed(seed + (0 if role == "target" else 1))
         model = make_model(size, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"garden: training the {role} ({n_params / 1e6:.2f}M parameters, {steps} steps) on {task.name}")
+        log(
+            f"garden: training the {role} ({n_params / 1e6:.2f}M parameters, {steps} steps, "
+            f"{'bfloat16 autocast' if bf16 else 'float32'}) on {task.name}"
+        )
         losses = train_lm(
             model,
             tokenizer,
@@ -154,7 +170,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
             lr=cfg.lr,
             max_len=cfg.max_len,
             seed=seed,
-            bf16=cfg.bf16,
+            bf16=bf16,
             desc=f"garden {role}",
         )
         model.eval().save_pretrained(folder)
@@ -168,6 +184,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
             "parameters": n_params,
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             "seconds": time.perf_counter() - start,
+            "bf16": bf16,
             "config": asdict(cfg),
         }
         (folder / "garden.json").write_text(json.dumps(meta, indent=2))

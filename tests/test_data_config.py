@@ -99,3 +99,22 @@ def test_config_yaml_and_overrides(tmp_path):
 def test_bad_config(overrides, match):
     with pytest.raises(DistillSpecError, match=match):
         load_config(None, overrides)
+
+
+def test_garden_trains_in_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
+    """An AVX2-only CPU emulates bfloat16 (a garden step ~30x slower): unset, garden.bf16 follows the hardware, and
+    an unset setting shares its cache entry with the explicit value it resolves to."""
+    from dataclasses import replace
+
+    from distillspec import garden
+    from distillspec.config import GardenConfig
+
+    cfg = GardenConfig()
+    assert cfg.bf16 is None
+    for native in (False, True):
+        monkeypatch.setattr(garden, "native_bf16", lambda device="cpu", native=native: native)
+        assert garden.garden_bf16(cfg) is native and garden.garden_bf16(replace(cfg, bf16=not native)) is not native
+        assert garden.garden_keys("arith", cfg, 0) == garden.garden_keys("arith", replace(cfg, bf16=native), 0)
+        assert garden.garden_keys("arith", cfg, 0) != garden.garden_keys("arith", replace(cfg, bf16=not native), 0)
+    assert load_config(None, ["garden.bf16=false"]).garden.bf16 is False
+    assert load_config(None, ["garden.bf16=null"]).garden.bf16 is None

@@ -1,3 +1,4 @@
+import logging
 import random
 
 import pytest
@@ -100,9 +101,10 @@ def test_empty_dataset_is_refused(text_pair, tokenizer):
         Distiller(*text_pair, tokenizer, [], DistillConfig())
 
 
-def test_bfloat16_target(text_pair, tokenizer, task, tmp_path):
+def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, caplog):
     """target_dtype=bfloat16: the frozen target loads in bfloat16, the draft stays float32 and trains, and greedy
     SD still gives the (bfloat16) target's own greedy output."""
+    from distillspec import models
     from distillspec.config import load_config
     from distillspec.models import encode_prompts, load_pair
     from distillspec.speculative import autoregressive_generate, speculative_generate
@@ -111,7 +113,12 @@ def test_bfloat16_target(text_pair, tokenizer, task, tmp_path):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     cfg = load_config(None, [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}", "target_dtype=bfloat16"])
-    target, draft, _ = load_pair(cfg.target, cfg.draft, target_dtype=cfg.target_dtype)
+    monkeypatch.setattr(models, "native_bf16", lambda device="cpu": False)  # an AVX2-only CPU: a warning
+    with caplog.at_level(logging.WARNING, logger="distillspec.models"):
+        load_pair(cfg.target, cfg.draft)
+        assert not caplog.records
+        target, draft, _ = load_pair(cfg.target, cfg.draft, target_dtype=cfg.target_dtype)
+        assert "target_dtype=bfloat16 on a CPU that has no hardware for it" in caplog.text
     assert target.dtype == torch.bfloat16 and draft.dtype == torch.float32
     for example in task.test[:6]:
         ids, _ = encode_prompts(tokenizer, [example.prompt])
