@@ -45,7 +45,7 @@ class GardenConfig:
     max_len: int = 160  #: training sequence length in tokens (longer examples are cut)
     train_examples: int = 20000  #: training examples drawn from the task (0 = all)
     #: bfloat16 autocast for the forward pass while training: ~2x faster where the hardware has it (AMX or
-    #: AVX512-BF16 CPUs, GPUs), ~30x slower where it is emulated (AVX2-only CPUs). None: on where the hardware has it.
+    #: AVX512-BF16 CPUs, GPUs), 18-33x slower where it is emulated (AVX2-only CPUs). None: on where the hardware has it.
     bf16: bool | None = None
     cache_dir: str = ".cache/garden"  #: where the tokenizer and each model are cached, keyed by their settings
 

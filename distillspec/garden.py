@@ -76,7 +76,7 @@ def train_lm(
     """Next-token training on whole examples (prompt and reference). Returns the loss per step.
 
     ``bf16`` runs the forward pass under bfloat16 autocast (weights stay float32): ~2x faster on CPUs
-    with AVX512-BF16 or AMX, and on GPUs; ~30x slower on CPUs that emulate it (see :func:`native_bf16`).
+    with AVX512-BF16 or AMX, and on GPUs; 18-33x slower on CPUs that emulate it (see :func:`native_bf16`).
     """
     rng = random.Random(seed)
     optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=max(1, steps // 20))
@@ -144,7 +144,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
     missing = [role for role in ("target", "draft") if not (root / f"{role}-{keys[role]}" / "garden.json").exists()]
     if missing and bf16 and not native_bf16("cpu"):
         log(
-            "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, ~30x slower "
+            "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, 18-33x slower "
             "than float32: leave garden.bf16 unset"
         )
     paths = {}

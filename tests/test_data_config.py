@@ -102,7 +102,7 @@ def test_bad_config(overrides, match):
 
 
 def test_garden_trains_in_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
-    """An AVX2-only CPU emulates bfloat16 (a garden step ~30x slower): unset, garden.bf16 follows the hardware, and
+    """An AVX2-only CPU emulates bfloat16 (a garden step 18-33x slower): unset, garden.bf16 follows the hardware, and
     an unset setting shares its cache entry with the explicit value it resolves to."""
     from dataclasses import replace
 
@@ -118,3 +118,15 @@ def test_garden_trains_in_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
         assert garden.garden_keys("arith", cfg, 0) != garden.garden_keys("arith", replace(cfg, bf16=not native), 0)
     assert load_config(None, ["garden.bf16=false"]).garden.bf16 is False
     assert load_config(None, ["garden.bf16=null"]).garden.bf16 is None
+
+
+def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
+    from distillspec.models import native_bf16
+    from jobs.benchmark import suite_precision
+
+    tiny = [f"garden.{k}={v}" for k, v in {"vocab_size": 300, "target": {"d_model": 32, "n_layers": 1}}.items()]
+    result = suite_precision(tiny, 0.0, tmp_path)
+    assert result["hardware"]["bfloat16"] is native_bf16("cpu") is result["garden_bf16_default"]
+    assert set(result["train_step_s"]) == {"float32", "bfloat16 autocast"}
+    assert set(result["forward_s"]) == {"float32", "bfloat16", "float16"}
+    assert all(s > 0 for s in [*result["train_step_s"].values(), *result["forward_s"].values()])
