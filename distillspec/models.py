@@ -54,7 +54,8 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 
 
 def native_half(dtype: torch.dtype) -> bool:
-    """Whether this CPU computes ``dtype`` in hardware (float32 always; bfloat16 and float16 need AMX or AVX512)."""
+    """Whether this CPU computes ``dtype`` in hardware: float32 always, bfloat16 with AVX512-BF16 or AMX, float16
+    with AMX-FP16."""
     if dtype == torch.bfloat16:
         return native_bf16("cpu")
     if dtype == torch.float16:
@@ -129,7 +130,7 @@ def load_pair(
     dtype = getattr(torch, target_dtype) if isinstance(target_dtype, str) else target_dtype
     if torch.device(device).type == "cpu" and not native_half(dtype):
         log.warning(
-            "target_dtype=%s on a CPU that has no hardware for it (AVX512-BF16 or AMX): the target runs several "
+            "target_dtype=%s on a CPU that has no hardware for it (AVX512-BF16, AMX): the target runs several "
             "times slower than in float32; set target_dtype=float32",
             str(dtype).removeprefix("torch."),
         )
