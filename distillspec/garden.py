@@ -141,15 +141,15 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         tokenizer = train_tokenizer([e.prompt + e.reference for e in train], cfg.vocab_size)
         tokenizer.save_pretrained(root / "tokenizer")
     bf16 = garden_bf16(cfg)
-    missing = [role for role in ("target", "draft") if not (root / f"{role}-{keys[role]}" / "garden.json").exists()]
-    if missing and bf16 and not native_bf16("cpu"):
+    folders = {role: root / f"{role}-{keys[role]}" for role in ("target", "draft")}
+    if bf16 and not native_bf16("cpu") and not all((f / "garden.json").exists() for f in folders.values()):
         log(
             "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, 18-33x slower "
             "than float32: leave garden.bf16 unset"
         )
     paths = {}
     for role, size, steps in (("target", cfg.target, cfg.target_steps), ("draft", cfg.draft, cfg.draft_steps)):
-        folder = paths[role] = root / f"{role}-{keys[role]}"
+        folder = paths[role] = folders[role]
         if (folder / "garden.json").exists():
             log(f"garden: reusing the {role} {folder}")
             continue
