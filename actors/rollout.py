@@ -11,7 +11,7 @@ import torch
 
 from actors.common import log, prompts_name, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.weights import pull
+from actors.weights import fetch, load_arrays
 from distillspec.config import JobConfig
 from distillspec.data import Example
 from distillspec.distill import (
@@ -24,7 +24,7 @@ from distillspec.distill import (
     target_to_arrays,
     train_temperature,
 )
-from distillspec.models import load_model
+from distillspec.models import load_model, load_tokenizer
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
@@ -35,21 +35,30 @@ class RolloutActor:
     def __init__(self, cfg: JobConfig, train: list[Example], rank: int, scorers: list | None = None) -> None:
         setup_worker()
         self.cfg, self.rank, self.scorers = cfg, rank, scorers or []
-        recipe = resolve_recipe(cfg.distill)
-        self.draft, self.tokenizer = load_model(cfg.draft, device=cfg.device)
-        target = (
-            load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)[0]
-            if needs_target_samples(recipe)
-            else None
-        )
+        d = cfg.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = cfg.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
-        if cfg.ray.backend == "vllm":
-            from actors.vllm_sampler import VLLMSampler  # the optional GPU extra, imported only when asked for
+        if cfg.ray.backend == "vllm":  # the engines hold the draft; new versions load into them in place
+            from distillspec.vllm_backend import VLLMGenerator  # the optional extra, imported only when asked for
 
-            self.sampler = VLLMSampler(cfg, train, self.tokenizer, seed=seed)
+            self.draft, self.tokenizer = None, load_tokenizer(cfg.draft)
+            self.engine = VLLMGenerator(
+                cfg.vllm,
+                cfg.target,
+                cfg.draft,
+                self.tokenizer,
+                max_new_tokens=d.max_new_tokens,
+                temperature=d.temperature,
+                gamma=cfg.eval.speedup_gamma,
+                seed=seed,
+            )
+            self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
         else:
-            self.sampler = Sampler(target, self.draft, self.tokenizer, train, cfg.distill, seed=seed)
+            self.draft, self.tokenizer = load_model(cfg.draft, device=cfg.device)
+            target = None
+            if needs_target_samples(resolve_recipe(d)):
+                target = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)[0]
+            self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
         self.prompts = ray.get_actor(prompts_name(cfg.ray.run_name)) if cfg.ray.online else None
         self.version = -1
@@ -88,22 +97,43 @@ class RolloutActor:
         return [Example(prompt=p, reference="") for p in prompts]
 
     def sync(self) -> None:
-        version = pull(self.store, self.draft, self.version)
-        if version != self.version and hasattr(self.sampler, "load_weights"):
-            self.sampler.load_weights(self.draft)
+        """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines."""
+        version, arrays = fetch(self.store, self.version)
+        if arrays is not None:
+            if self.draft is not None:
+                load_arrays(self.draft, arrays)
+            else:
+                self.engine.load_draft(arrays)
         self.version = version
+
+    def stats(self) -> dict:
+        """The version this actor samples with and, with vLLM, its in-place weight loads."""
+        loads = self.engine.loads if self.draft is None else None
+        return {"version": self.version, "made": self.made, "weight_loads": loads, "pid": os.getpid()}
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class ScorerActor:
-    """Runs the frozen target over a batch and returns its distribution: full logits or top-k log-probs."""
+    """Runs the frozen target over a batch and returns its distribution: full logits or top-k log-probs
+    (with ``ray.backend=vllm``, vLLM's prompt log-probs: top-k only)."""
 
     def __init__(self, cfg: JobConfig) -> None:
         setup_worker()
-        self.target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
         self.topk, self.temperature = cfg.ray.topk, train_temperature(cfg.distill.temperature)
+        self.target = self.engine = None
+        if cfg.ray.backend == "vllm":
+            from distillspec.vllm_backend import start_engine  # the optional extra, imported only when asked for
+
+            self.engine = start_engine(cfg.vllm, cfg.target, seed=cfg.seed)
+        else:
+            self.target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
 
     @torch.inference_mode()
     def score(self, arrays: dict) -> dict:
+        if self.engine is not None:
+            from distillspec.vllm_backend import prompt_topk  # loaded by __init__ already
+
+            top = prompt_topk(self.engine, batch_from_arrays(arrays), self.topk)
+            return {"target_topk_logprobs": top.logprobs.numpy(), "target_topk_indices": top.indices.numpy()}
         batch = batch_from_arrays(arrays, self.target.device)
         return target_to_arrays(forward_logits(self.target, batch), self.topk, self.temperature)

@@ -52,13 +52,20 @@ class WeightStore:
         return self.current
 
 
-def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, have: int) -> int:
-    """Load the store's latest weights into ``model`` when newer than version ``have``; returns the version."""
+def fetch(store: ray.actor.ActorHandle, have: int) -> tuple[int, dict[str, np.ndarray] | None]:
+    """The store's latest version and its weights when newer than version ``have``, else ``(have, None)``."""
     if ray.get(store.version.remote()) in (have, -1):
-        return have
+        return have, None
     version, refs = ray.get(store.latest.remote())
     try:
-        load_arrays(model, ray.get(refs[0]))
+        return version, ray.get(refs[0])
     except ray.exceptions.ObjectLostError:
-        return have  # the publisher died; its successor publishes again
+        return have, None  # the publisher died; its successor publishes again
+
+
+def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, have: int) -> int:
+    """Load the store's latest weights into ``model`` when newer than version ``have``; returns the version."""
+    version, arrays = fetch(store, have)
+    if arrays is not None:
+        load_arrays(model, arrays)
     return version

@@ -3,10 +3,13 @@ follows a running distillation job.
 
     serve run cluster/serve_config.yaml        # or: python jobs/serve.py
 
-One deployment, :class:`Completions`, is both the FastAPI ingress and the model holder; its replicas batch
-concurrent requests (``@serve.batch``) into :class:`distillspec.serving.Completer` calls. A thread in each
-replica checks the run's weight store (``<run>-weights`` in namespace ``distillspec``) and swaps in each new
-draft version; a request keeps the draft it started with. With ``serve.record_prompts`` the replica sends
+One deployment, :class:`Completions`, is both the FastAPI ingress and the model holder. With ``serve.backend=hf`` its
+replicas batch concurrent requests (``@serve.batch``) into :class:`distillspec.serving.Completer` calls; with
+``serve.backend=vllm`` each replica runs vLLM's async engine with the draft as its ``draft_model``
+(:class:`distillspec.vllm_backend.VLLMCompleter`, continuous batching), behind the same routes and errors. A thread
+in each replica checks the run's weight store (``<run>-weights`` in namespace ``distillspec``) and swaps in each new
+draft version; a request keeps the draft it started with (vLLM: the swap takes effect at the engine's next step, and a
+response names the version it ended on too). With ``serve.record_prompts`` the replica sends
 every served prompt to the run's prompt log (``<run>-prompts``), from which an online distillation job samples.
 """
 
@@ -29,11 +32,11 @@ from ray import serve
 from ray.serve import metrics
 
 from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.weights import pull
+from actors.weights import fetch, pull
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_pair
-from distillspec.serving import Completer, Completion, CompletionJob, DecodingArgs, cut_at_stop, merge_stats
+from distillspec.models import load_pair, load_tokenizer
+from distillspec.serving import Completer, Completion, CompletionJob, DecodingArgs, StreamText, merge_stats
 
 log = logging.getLogger("distillspec.serve")
 
@@ -133,9 +136,12 @@ def _usage(done: list[Completion]) -> dict:
 
 
 def _sd(done: list[Completion]) -> dict:
-    """SD statistics of a response: pooled over its choices, with the draft version and decoding time."""
+    """SD statistics of a response: pooled over its choices, with the draft version and decoding time (vLLM: a
+    ``draft_version_end`` when a new version took over during the request)."""
+    ends = [c.stats["draft_version_end"] for c in done if "draft_version_end" in c.stats]
     return {
         **merge_stats([c.stats for c in done]),
+        **({"draft_version_end": max(ends)} if ends else {}),
         "draft_version": done[0].version,
         "seconds": max(c.seconds for c in done),
     }
@@ -150,11 +156,25 @@ class Completions:
         s = cfg.serve
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
-        self.cfg, self.s = cfg, s
-        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
-        self.completer = Completer(
-            target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=int(time.time_ns() % 2**31)
-        )
+        self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
+        if s.backend == "vllm":
+            from distillspec.vllm_backend import VLLMCompleter  # the optional extra, imported only when asked for
+
+            self.completer = VLLMCompleter(
+                cfg.vllm,
+                cfg.target,
+                cfg.draft,
+                load_tokenizer(cfg.target),
+                gamma=s.gamma,
+                max_prompt_tokens=s.max_prompt_tokens,
+                seed=seed,
+            )
+        else:
+            target, draft, tokenizer = load_pair(
+                cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
+            )
+            self.completer = Completer(target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed)
+        self.vllm = s.backend == "vllm"
         self._batched.set_max_batch_size(s.max_batch_size)
         self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.run = s.follow_run or cfg.ray.run_name
@@ -180,14 +200,19 @@ class Completions:
                 latest = ray.get(store.version.remote(), timeout=10)
                 if latest >= 0 and latest != self.completer.version:
                     before = self.completer.version
-                    version = self.completer.swap_draft(functools.partial(_pull_into, store, before))
+                    if self.vllm:  # into the running engine, in place
+                        version, arrays = fetch(store, before)
+                        if arrays is not None:
+                            version = self.completer.load_draft(arrays, version)
+                    else:  # into a copy of the draft: calls already running keep theirs
+                        version = self.completer.swap_draft(functools.partial(_pull_into, store, before))
                     if version != before:
                         self.swaps.append({"from": before, "to": version, "time": time.time()})
                         self.metrics["distillspec_serve_draft_version"].set(version)
                         log.info("draft version %d -> %d", before, version)
             except ValueError:
                 store = None  # no such run (yet): keep serving the draft we have
-            except (RuntimeError, KeyError) as exc:  # weights of another shape: the run trains another draft
+            except (RuntimeError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
                 if not warned:
                     log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
                     warned = True
@@ -241,7 +266,11 @@ class Completions:
                 self._count("ok")
                 self._record([jobs[0].prompt])
                 return StreamingResponse(self._stream(jobs[0], start), media_type="text/event-stream")
-            done = await asyncio.gather(*[self._batched(job) for job in jobs])
+            if self.vllm:  # the engine batches concurrent requests itself
+                done = await asyncio.gather(*[self.completer.complete(job) for job in jobs])
+                self._observe(done)
+            else:
+                done = await asyncio.gather(*[self._batched(job) for job in jobs])
         except HTTPError as exc:
             self._count("client_error")
             raise exc
@@ -298,21 +327,33 @@ class Completions:
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
 
     async def _stream(self, job: CompletionJob, start: float):
-        """Server-sent events: text deltas as blocks are accepted, then a final chunk with usage and SD stats."""
+        """Server-sent events: text deltas as tokens are accepted, then a final chunk with usage and SD stats."""
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+            data = {"id": rid, "object": "text_completion", "created": created, "model": self.s.model_name}
+            return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
+
+        source = self.completer.stream(job) if self.vllm else self._hf_stream(job)
+        async for item in source:
+            if isinstance(item, str):
+                yield chunk(item)
+                continue
+            self._observe([item])
+            self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
+            yield chunk("", item.finish_reason, usage=_usage([item]), distillspec=_sd([item]))
+            yield "data: [DONE]\n\n"
+
+    async def _hf_stream(self, job: CompletionJob):
+        """Text deltas from this project's decoder block by block (a thread), then the completion."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        tokenizer, hold = self.completer.tokenizer, max((len(s) for s in job.stop), default=1) - 1
-        state = {"sent": 0, "cancel": False}
+        text, state = StreamText(self.completer.tokenizer, job.stop), {"cancel": False}
 
         def on_block(tokens: torch.Tensor, counts: torch.Tensor) -> bool:
-            text, hit = cut_at_stop(
-                tokenizer.decode(tokens[0, : int(counts[0])].tolist(), skip_special_tokens=True), job.stop
-            )
-            safe = len(text) if hit else max(state["sent"], len(text) - hold)
-            while safe > state["sent"] and text[safe - 1] == "\ufffd":  # a multi-byte character not yet complete
-                safe -= 1
-            if safe > state["sent"]:
-                loop.call_soon_threadsafe(queue.put_nowait, text[state["sent"] : safe])
-                state["sent"] = safe
+            delta, hit = text.update(tokens[0, : int(counts[0])].tolist())
+            if delta:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
             return hit or state["cancel"]
 
         def work() -> Completion:
@@ -322,23 +363,13 @@ class Completions:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
         task = asyncio.ensure_future(asyncio.to_thread(work))
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-            data = {"id": rid, "object": "text_completion", "created": created, "model": self.s.model_name}
-            return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
-
         try:
             while (delta := await queue.get()) is not None:
-                yield chunk(delta)
+                yield delta
             done = await task
-            if len(done.text) > state["sent"]:
-                yield chunk(done.text[state["sent"] :])
-            self._observe([done])
-            self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-            yield chunk("", done.finish_reason, usage=_usage([done]), distillspec=_sd([done]))
-            yield "data: [DONE]\n\n"
+            if len(done.text) > text.sent:
+                yield done.text[text.sent :]
+            yield done
         finally:
             state["cancel"] = True  # the client left: stop decoding at the next block
 

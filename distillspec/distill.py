@@ -269,51 +269,82 @@ def needs_target_samples(recipe: Recipe) -> bool:
     return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
 
 
-class Sampler:
-    """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
+#: A sampler backend: the continuations of a batch of ``examples`` from ``source`` ("draft" or "target").
+Generate = Callable[[str, list[Example]], Batch]
 
-    Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline.
-    ``target`` may be None when the recipe never asks for target-generated data.
-    """
+
+class HFGenerator:
+    """The transformers/torch backend of :class:`Sampler`: the draft samples on-policy continuations, and
+    speculative decoding with the draft samples the target's (``distillspec.vllm_backend.VLLMGenerator`` is the
+    vLLM one)."""
 
     def __init__(
         self,
         target: PreTrainedModel | None,
         draft: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int = 0,
+    ) -> None:
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.generator = torch.Generator(device=draft.device).manual_seed(seed)
+
+    def __call__(self, source: str, examples: list[Example]) -> Batch:
+        self.draft.eval()
+        return generate_batch(
+            source,
+            self.target,
+            self.draft,
+            self.tokenizer,
+            examples,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            generator=self.generator,
+        )
+
+
+class Sampler:
+    """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
+
+    Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline. Continuations come
+    from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``). ``target`` may be None when
+    the recipe never asks for target-generated data, and both may be None when ``generate`` is given.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel | None,
+        draft: PreTrainedModel | None,
+        tokenizer: PreTrainedTokenizerBase,
         train: list[Example],
         cfg,
         *,
         seed: int = 0,
         max_len: int = 256,
+        generate: Generate | None = None,
     ) -> None:
         if not train:
             raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
         self.recipe = resolve_recipe(cfg)
-        if target is None and needs_target_samples(self.recipe):
-            raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
-        self.target, self.draft, self.tokenizer, self.train, self.cfg = target, draft, tokenizer, train, cfg
+        if generate is None:
+            if target is None and needs_target_samples(self.recipe):
+                raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
+            generate = HFGenerator(
+                target, draft, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed
+            )
+        self.generate, self.tokenizer, self.train, self.cfg = generate, tokenizer, train, cfg
         self.max_len = max_len
         self.rng = random.Random(seed)
-        self.generator = torch.Generator(device=draft.device).manual_seed(seed)
 
     def __call__(self) -> tuple[str, Batch]:
         source = draw_source(self.rng, self.recipe)
         examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
         if source == "fixed":
             return source, encode_examples(self.tokenizer, examples, self.max_len)
-        self.draft.eval()
-        batch = generate_batch(
-            source,
-            self.target,
-            self.draft,
-            self.tokenizer,
-            examples,
-            max_new_tokens=self.cfg.max_new_tokens,
-            temperature=self.cfg.temperature,
-            generator=self.generator,
-        )
-        return source, batch
+        return source, self.generate(source, examples)
 
 
 class Distiller:

@@ -82,6 +82,7 @@ def evaluate_sd(
         "tau_theory": expected_tau(alpha_tvd, gamma),
         "drafted": blocks * gamma,
         "accepted": accepted,
+        "rejected": rejected,
         "target_calls": blocks,
         "new_tokens": new_tokens,
         "prompts": len(prompts),

@@ -27,6 +27,50 @@ def alpha_from_tvd(
     return 1.0 - float(tvd(draft_logits, target_logits, mask, temperature=temperature, reduction="token"))
 
 
+@dataclass(frozen=True)
+class AcceptanceCounts:
+    """The counts alpha and tau are computed from, whichever engine decoded (this project's or vLLM's).
+
+    ``blocks``: draft-and-verify blocks (target calls); ``accepted``: draft tokens the target accepted;
+    ``rejected``: blocks that ended in a rejection (each judges one token more than it accepts).
+    """
+
+    blocks: int
+    accepted: int
+    rejected: int
+
+    @property
+    def alpha(self) -> float:
+        """Accepted / judged draft tokens: the estimate of alpha = 1 - E[TVD(p, q)]."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target call: accepted + 1 per block."""
+        return (self.accepted + self.blocks) / self.blocks if self.blocks else float("nan")
+
+    def __sub__(self, other: AcceptanceCounts) -> AcceptanceCounts:
+        return AcceptanceCounts(
+            self.blocks - other.blocks, self.accepted - other.accepted, self.rejected - other.rejected
+        )
+
+    @classmethod
+    def from_vllm(cls, num_drafts: int, num_accepted: int, accepted_per_pos: list[int]) -> AcceptanceCounts:
+        """From vLLM's counters (``vllm:spec_decode_num_drafts``, ``..._num_accepted_tokens``,
+        ``..._num_accepted_tokens_per_pos``): a block ends in a rejection unless its last draft token is accepted."""
+        full = accepted_per_pos[-1] if accepted_per_pos else 0
+        return cls(blocks=int(num_drafts), accepted=int(num_accepted), rejected=int(num_drafts - full))
+
+    @classmethod
+    def from_histogram(cls, histogram: list[int]) -> AcceptanceCounts:
+        """From one request's histogram of accepted draft tokens per block (vLLM's per-request
+        ``acceptance_histogram``: entry j counts the blocks that accepted j of the gamma draft tokens)."""
+        blocks = sum(histogram)
+        accepted = sum(j * n for j, n in enumerate(histogram))
+        return cls(blocks=blocks, accepted=accepted, rejected=blocks - (histogram[-1] if histogram else 0))
+
+
 def expected_tau(alpha: float, gamma: int) -> float:
     """Theoretical block efficiency (1 - alpha^(gamma+1)) / (1 - alpha), which is gamma + 1 at alpha = 1."""
     if alpha >= 1.0:

@@ -63,20 +63,29 @@ def native_half(dtype: torch.dtype) -> bool:
     return True
 
 
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a hub id or a local ``save_pretrained`` directory, with a pad token (EOS if it has none)."""
+    _check_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise _unloadable(name, exc) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(
     name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
     dtype or its name (``"bfloat16"``)."""
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    _check_path(name)
+    tokenizer = load_tokenizer(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
 
 

