@@ -150,7 +150,9 @@ class RayConfig:
 class VLLMConfig:
     """The vLLM engines of ``ray.backend=vllm`` (rollouts, scorers) and ``serve.backend=vllm`` (the endpoint)."""
 
-    dtype: str = "auto"  #: weights and activations: auto (the checkpoint's) | float32 | bfloat16 | float16
+    #: weights and activations: float32 (the project's default for the target, and what the draft trains in) |
+    #: bfloat16 | float16 | auto (vLLM's choice: on CPUs it turns float32 checkpoints into bfloat16)
+    dtype: str = "float32"
     max_model_len: int = 1024  #: the longest prompt + continuation an engine takes
     gpu_memory_utilization: float = 0.3  #: share of a GPU's memory an engine takes (GPU only)
     cpu_kv_cache_gib: int = 1  #: KV cache of an engine on CPU, in GiB (VLLM_CPU_KVCACHE_SPACE; CPU only)

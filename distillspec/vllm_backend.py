@@ -52,9 +52,10 @@ def on_gpu() -> bool:
 
 
 def prepare_environment(cfg: VLLMConfig) -> None:
-    """Settings vLLM reads from the environment when an engine starts: its cache folder and, on CPU, the KV cache
-    size and one OpenMP thread per engine unless the user chose otherwise."""
+    """Settings vLLM reads from the environment when an engine starts: its cache folder, its log level and, on CPU,
+    the KV cache size and one OpenMP thread per engine; each unless the user set it."""
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(cfg.cache_root).resolve()))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would flood the job's console
     if not on_gpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -110,7 +111,7 @@ def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> bytes:
     """The draft's weights as one safetensors byte string: what ``DraftWeights.load_draft`` takes."""
     tensors, seen = {}, set()
     for name, value in state.items():
-        tensor = torch.as_tensor(np.asarray(value)).contiguous()
+        tensor = torch.as_tensor(np.array(value)).contiguous()  # a copy: object-store arrays are read-only
         if tensor.data_ptr() in seen:  # tied weights (embeddings and LM head): safetensors wants one owner each
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())
