@@ -318,14 +318,20 @@ def _vllm_server(cfg, port: int, speculative: bool):
     raise DistillSpecError("vLLM's OpenAI server did not answer within 300 s")
 
 
-def suite_vllm(overrides: list[str], budget: float, out: Path) -> dict:
+def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """One garden pair and prompt set, three endpoints: (a) this project's decoder on Serve, (b) the vLLM-backed Serve
-    endpoint, (c) vLLM's own OpenAI server with the same draft; speculation on and off; concurrency 1 and 8."""
+    endpoint, (c) vLLM's own OpenAI server with the same draft; speculation on and off; concurrency 1 and 8. Then
+    400 requests at concurrency 8 on (b) while a new draft version (``--distilled``, else the draft) is published."""
+    import ray  # noqa: PLC0415
     from ray import serve  # noqa: PLC0415
 
+    from actors import WeightStore  # noqa: PLC0415
+    from actors.common import NAMESPACE, weights_name  # noqa: PLC0415
+    from actors.weights import publish  # noqa: PLC0415
     from cluster.connect import connect  # noqa: PLC0415
     from cluster.serve import resolve_models  # noqa: PLC0415
     from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.models import load_model  # noqa: PLC0415
     from jobs.serve import start  # noqa: PLC0415
 
     del budget
@@ -345,8 +351,22 @@ def suite_vllm(overrides: list[str], budget: float, out: Path) -> dict:
         rows["a_hf_sd"] = measure(url, {})
         rows["a_hf_off"] = measure(url, {"speculative": False})
         serve.delete("hf")
-        url = start(replace(cfg, serve=replace(cfg.serve, backend="vllm", port=8101)), name="vllm")
+        url = start(replace(cfg, serve=replace(cfg.serve, backend="vllm", port=8101, sync_every_s=0.5)), name="vllm")
         rows["b_vllm_serve_sd"] = measure(url, {})
+        # 400 requests at concurrency 8 while the weight store publishes a new draft after the first 100.
+        store = WeightStore.options(name=weights_name("vllm-bench"), namespace=NAMESPACE).remote("vllm-bench")
+        new_draft = load_model(distilled or cfg.draft)[0]
+        swapped: list[float] = []
+
+        def swap(done: int) -> None:
+            if done >= 100 and not swapped:
+                swapped.append(time.perf_counter())
+                publish(store, new_draft, 1)
+
+        try:
+            swap_row = _load(url, prompts, 400, 8, body, during=swap)
+        finally:
+            ray.kill(store)
         serve.delete("vllm")
     finally:
         serve.shutdown()
@@ -377,6 +397,11 @@ def suite_vllm(overrides: list[str], budget: float, out: Path) -> dict:
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     rows["ratios"] = ratios
+    r = rows["b_vllm_serve_swap"] = swap_row
+    print(
+        f"b_vllm_serve, 400 requests at concurrency 8, a new draft published after 100: {r['ok']} ok, {r['errors']} "
+        f"errors, {r['tokens_per_s']:.1f} tokens/s, draft versions answering {r['draft_versions']}"
+    )
     return rows
 
 
@@ -580,7 +605,7 @@ def main() -> None:
     parser.add_argument(
         "--runs", nargs="+", help="suite report: run folders to merge (default: --output-dir); later ones win a task"
     )
-    parser.add_argument("--distilled", help="suite serve: a distilled draft folder (a distill run's out/draft)")
+    parser.add_argument("--distilled", help="suites serve, online, vllm: a distilled draft (a distill run's out/draft)")
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
     out = Path(args.output_dir).resolve()
@@ -595,7 +620,7 @@ def main() -> None:
             print(f"wrote {write_page(runs, Path(args.docs))}")
             continue
         if name in SUITES:
-            kw = {"distilled": args.distilled} if name in ("serve", "online") else {}
+            kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm") else {}
             result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
         else:
             result = run_paper_suite(name, scale, args.overrides + extra, out, args.tasks)
