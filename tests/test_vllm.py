@@ -94,7 +94,7 @@ def margins(model: torch.nn.Module, ids: torch.Tensor, start: int) -> torch.Tens
 @pytest.fixture(scope="module")
 def clear_examples(models, task):
     """Test prompts whose greedy paths (target, and draft along both the target's and its own) have no near-tie:
-    vLLM's CPU kernels round differently from torch's, so a near-tie may flip an argmax (seen: 4e-4 apart)."""
+    vLLM's kernels sum in another order than torch's, so a near-tie could flip an argmax."""
     target, draft, tokenizer = models
     chosen = []
     for example in task.test:
@@ -155,8 +155,8 @@ def test_prompt_topk_equals_the_targets_top_k(generator, models, task):
     # order of near-equal tokens may differ).
     error = float((full.gather(-1, theirs.indices)[mask] - theirs.logprobs[mask]).abs().max())
     print(f"vLLM prompt log-probs vs torch float32: max abs difference {error:.4f}")
-    assert error < 0.1
-    assert bool((theirs.logprobs[mask].min(-1).values >= ours.logprobs[mask][:, -1] - 0.1).all())
+    assert error < 1e-3  # float32 (vllm.dtype); vLLM's "auto" would compute in bfloat16 on a CPU: errors ~0.05
+    assert bool((theirs.logprobs[mask].min(-1).values >= ours.logprobs[mask][:, -1] - 1e-3).all())
     assert (theirs.indices[mask][:, 0] == ours.indices[mask][:, 0]).float().mean() > 0.95
 
 
