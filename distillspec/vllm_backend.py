@@ -311,7 +311,7 @@ class VLLMCompleter:
     async def _generate(self, job: CompletionJob, sink: Any) -> Completion:
         """On the engine loop: run ``job``, pass each step's token ids to ``sink``, return the completion."""
         ids, mask = encode_prompts(self.tokenizer, [job.prompt])
-        prompt = {"prompt_token_ids": ids[0][mask[0].bool()].tolist()}
+        prompt = _token_prompts(ids, mask)[0]
         start, version, final = time.perf_counter(), self.version, None
         async for out in self.engine.generate(prompt, self._params(job), uuid.uuid4().hex):
             final = out.outputs[0]
