@@ -50,6 +50,11 @@ class AcceptanceCounts:
         """Tokens per target call: accepted + 1 per block."""
         return (self.accepted + self.blocks) / self.blocks if self.blocks else float("nan")
 
+    def __add__(self, other: AcceptanceCounts) -> AcceptanceCounts:
+        return AcceptanceCounts(
+            self.blocks + other.blocks, self.accepted + other.accepted, self.rejected + other.rejected
+        )
+
     def __sub__(self, other: AcceptanceCounts) -> AcceptanceCounts:
         return AcceptanceCounts(
             self.blocks - other.blocks, self.accepted - other.accepted, self.rejected - other.rejected

@@ -327,12 +327,11 @@ def speculative_generate(
             residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
             new = sample(residual, generator)
 
-        # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts. Only draft positions inside
-        # the row's token budget count (a block emits n + 1 tokens), as in vLLM, which drafts no further.
-        judged = (emitter.limit[rows] - emitter.count[rows] - 1).clamp(min=0, max=gamma)
+        # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts. Every draft the target judged
+        # counts, also past the row's budget in its last block (as vLLM counts them).
         blocks[rows] += 1
-        accepted[rows] += (torch.arange(gamma, device=dev)[None, :] < torch.minimum(n, judged)[:, None]).long()
-        rejected[rows] += (n < judged).long()
+        accepted[rows] += (torch.arange(gamma, device=dev)[None, :] < n[:, None]).long()
+        rejected[rows] += (n < gamma).long()
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
         done = emitter.emit(rows, emitted, n + 1)
