@@ -24,16 +24,9 @@ from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.metrics import gauge
 from actors.weights import publish
 from distillspec.config import JobConfig
-from distillspec.distill import (
-    batch_from_arrays,
-    kd_loss,
-    make_optimizer,
-    resolve_recipe,
-    target_from_arrays,
-    train_temperature,
-    update,
-)
+from distillspec.distill import batch_from_arrays, target_from_arrays, train_temperature
 from distillspec.errors import DistillSpecError
+from distillspec.learner import Learner, load_checkpoint, save_checkpoint
 from distillspec.models import load_model
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
@@ -77,102 +70,73 @@ def learner_loop(config: dict) -> None:
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
     target, _ = load_model(cfg.target, device=str(device), dtype=cfg.target_dtype)
-    for p in target.parameters():
-        p.requires_grad_(False)
     draft, tokenizer = load_model(cfg.draft, device=str(device))
-    recipe = resolve_recipe(cfg.distill)
-    optimizer, scheduler = make_optimizer(draft, cfg.distill.lr, cfg.distill.steps, cfg.distill.warmup_steps)
-    step, log_records, seconds_before = 0, [], 0.0
-
+    learner = Learner(draft, target, cfg.distill)
+    log_records, seconds_before = [], 0.0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
-            draft.load_state_dict(load_model(str(Path(d) / "draft"), device=str(device))[0].state_dict())
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            step, seconds_before = state["step"], state["seconds"]
-            log_records = json.loads((Path(d) / "train_log.json").read_text())
-        log.info("learner rank %d: resumed from the checkpoint at step %d", rank, step)
+            log_records, seconds_before = load_checkpoint(d, learner)
+        log.info("learner rank %d: resumed from the checkpoint at step %d", rank, learner.step_count)
 
-    model = ray.train.torch.prepare_model(draft)
+    learner.model = ray.train.torch.prepare_model(draft)
     if rank == 0:
-        publish(store, draft, step)
+        publish(store, draft, learner.step_count)
     start = time.perf_counter() - seconds_before
-    window = (time.perf_counter(), 0, 0)  # for samples/s and tokens/s
+    rate = Rate()
     budget = cfg.distill.time_budget_s
     temperature = train_temperature(cfg.distill.temperature)
 
     def save(final: bool) -> None:
-        metrics = {"step": step, "final": final, **(log_records[-1] if log_records else {})}
+        metrics = {"step": learner.step_count, "final": final, **(log_records[-1] if log_records else {})}
         if rank != 0:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as d:
-            draft.save_pretrained(Path(d) / "draft")
-            tokenizer.save_pretrained(Path(d) / "draft")
-            state = {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "step": step,
-                "seconds": time.perf_counter() - start,
-            }
-            torch.save(state, Path(d) / "state.pt")
-            (Path(d) / "step.json").write_text(json.dumps({"step": step}))
-            (Path(d) / "train_log.json").write_text(json.dumps(log_records))
-            (Path(d) / "ledger.json").write_text(json.dumps(ray.get(buffer.ledger.remote())))
+            ledger = ray.get(buffer.ledger.remote())
+            seconds = time.perf_counter() - start
+            save_checkpoint(d, learner, tokenizer, log_records, seconds=seconds, extra={"ledger": ledger})
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
-    while step < cfg.distill.steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
+    steps = cfg.distill.steps
+    while learner.step_count < steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
         t_take = time.perf_counter()
-        sampled, source, arrays = take_batch(buffer, step, cfg.ray.take_timeout_s)
-        t_compute = time.perf_counter()
-        batch = batch_from_arrays(arrays, device)
-        model.train()
-        loss = kd_loss(
-            model,
-            target,
-            batch,
-            recipe,
-            temperature=cfg.distill.temperature,
-            beta=cfg.distill.beta,
+        version, source, arrays = take_batch(buffer, learner.step_count, cfg.ray.take_timeout_s)
+        record = learner.step(
+            batch_from_arrays(arrays, device),
             target_logits=target_from_arrays(arrays, temperature, device),
+            source=source,
+            version=version,
+            wait_s=time.perf_counter() - t_take,
+            start=start,
         )
-        update(model, optimizer, scheduler, loss)
-        model.eval()
-        step += 1
-        t_publish = time.perf_counter()
-        if rank == 0 and step % cfg.ray.publish_every == 0:
-            publish(store, draft, step)
-        t_end = time.perf_counter()
-        t0, rows, tokens = window
-        rows, tokens = rows + batch.input_ids.shape[0], tokens + batch.tokens
-        elapsed = time.perf_counter() - t0
-        if elapsed > 2.0:
-            gauge("distillspec_learner_samples_per_s", rows / elapsed, run=run)
-            gauge("distillspec_learner_tokens_per_s", tokens / elapsed, run=run)
-            rows = tokens = 0
-            t0 = time.perf_counter()
-        window = (t0, rows, tokens)
-        gauge("distillspec_learner_loss", loss.item(), run=run)
-        log_records.append(
-            {
-                "step": step,
-                "source": source,
-                "loss": loss.item(),
-                "tokens": batch.tokens,
-                "lr": scheduler.get_last_lr()[0],
-                "version": sampled,
-                "lag": step - 1 - sampled,
-                "time": time.perf_counter() - start,
-                "wait_s": t_compute - t_take,  # waiting for a batch
-                "compute_s": t_publish - t_compute,
-                "publish_s": t_end - t_publish,
-            }
-        )
-        if cfg.distill.checkpoint_every and step % cfg.distill.checkpoint_every == 0 and step < cfg.distill.steps:
+        if rank == 0 and learner.step_count % cfg.ray.publish_every == 0:
+            publish(store, draft, learner.step_count)
+        log_records.append(record)
+        gauge("distillspec_learner_loss", record["loss"], run=run)
+        for name, value in rate.add(len(arrays["input_ids"]), record["tokens"]).items():
+            gauge(f"distillspec_learner_{name}_per_s", value, run=run)
+        every = cfg.distill.checkpoint_every
+        if every and learner.step_count % every == 0 and learner.step_count < steps:
             save(final=False)
     save(final=True)
+
+
+class Rate:
+    """Samples/s and tokens/s over windows of about two seconds."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        self.window_s, self.t0, self.samples, self.tokens = window_s, time.perf_counter(), 0, 0
+
+    def add(self, samples: int, tokens: int) -> dict[str, float]:
+        """Count a batch; returns the rates when a window closes, else nothing."""
+        self.samples, self.tokens = self.samples + samples, self.tokens + tokens
+        elapsed = time.perf_counter() - self.t0
+        if elapsed < self.window_s:
+            return {}
+        rates = {"samples": self.samples / elapsed, "tokens": self.tokens / elapsed}
+        self.t0, self.samples, self.tokens = time.perf_counter(), 0, 0
+        return rates
 
 
 def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:

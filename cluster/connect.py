@@ -9,6 +9,8 @@ import ray
 from actors.common import NAMESPACE
 from distillspec.config import RayConfig
 
+_DASHBOARD: list[str] = []  #: the dashboard address ray.init reported
+
 
 def connect(cfg: RayConfig) -> str:
     """``ray.init`` once; returns how: ``joined <address>`` or ``started a local cluster``."""
@@ -16,21 +18,32 @@ def connect(cfg: RayConfig) -> str:
         return "already connected"
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
-        return f"joined {address}"
-    # address="local": never join a stale cluster recorded in Ray's temp folder.
-    ray.init(
-        address="local",
-        namespace=NAMESPACE,
-        num_cpus=cfg.num_cpus,
-        object_store_memory=cfg.object_store_memory,
-        _metrics_export_port=cfg.metrics_export_port,
-    )
-    return "started a local cluster"
+        context = ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        how = f"joined {address}"
+    else:  # address="local": never join a stale cluster recorded in Ray's temp folder.
+        context = ray.init(
+            address="local",
+            namespace=NAMESPACE,
+            num_cpus=cfg.num_cpus,
+            object_store_memory=cfg.object_store_memory,
+            _metrics_export_port=cfg.metrics_export_port,
+        )
+        how = "started a local cluster"
+    _DASHBOARD[:] = [context.dashboard_url] if context.dashboard_url else []
+    return how
 
 
 def metrics_url() -> str | None:
-    """The Prometheus endpoint of this node's metrics agent (``ray_*`` application metrics)."""
-    node = ray.worker.global_worker.node
-    port = getattr(node, "metrics_export_port", None)
-    return f"http://{node.node_ip_address}:{port}/metrics" if port else None
+    """The Prometheus endpoint of the metrics agent on this machine's node (``ray_*`` application metrics), at
+    127.0.0.1 so that a browser on this machine opens it."""
+    node = ray.get_runtime_context().get_node_id()
+    port = next((n.get("MetricsExportPort") for n in ray.nodes() if n["NodeID"] == node), None)
+    return f"http://127.0.0.1:{port}/metrics" if port else None
+
+
+def dashboard_url() -> str | None:
+    """The Ray dashboard's address, when the cluster runs one."""
+    if not _DASHBOARD:
+        return None
+    url = _DASHBOARD[0]
+    return url if url.startswith("http") else f"http://{url}"

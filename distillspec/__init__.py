@@ -1,42 +1,47 @@
-"""DistillSpec: speculative decoding and draft-model distillation (Zhou et al., ICLR 2024)."""
+"""DistillSpec: speculative decoding and draft-model distillation (Zhou et al., ICLR 2024).
 
-from distillspec.divergences import (
-    DIVERGENCES,
-    TopKLogprobs,
-    compress_topk,
-    divergence,
-    forward_kl,
-    jsd,
-    reverse_kl,
-    tvd,
-)
-from distillspec.errors import DistillSpecError
-from distillspec.metrics import alpha_from_tvd, expected_tau, measure_cost_ratio, predicted_speedup
-from distillspec.speculative import (
-    LENIENCES,
-    GenerationOutput,
-    SpecStats,
-    autoregressive_generate,
-    speculative_generate,
-)
+The library API is importable from here; submodules load on first use (PEP 562), so ``import distillspec`` and
+the command-line ``--help`` stay fast.
+"""
 
-__all__ = [
-    "DIVERGENCES",
-    "LENIENCES",
-    "DistillSpecError",
-    "GenerationOutput",
-    "SpecStats",
-    "TopKLogprobs",
-    "alpha_from_tvd",
-    "autoregressive_generate",
-    "compress_topk",
-    "divergence",
-    "expected_tau",
-    "forward_kl",
-    "jsd",
-    "measure_cost_ratio",
-    "predicted_speedup",
-    "reverse_kl",
-    "speculative_generate",
-    "tvd",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "distillspec.divergences": [
+        "DIVERGENCES",
+        "TopKLogprobs",
+        "compress_topk",
+        "divergence",
+        "forward_kl",
+        "jsd",
+        "reverse_kl",
+        "tvd",
+    ],
+    "distillspec.errors": ["DistillSpecError"],
+    "distillspec.learner": ["Learner"],
+    "distillspec.metrics": [
+        "AcceptanceCounts",
+        "alpha_from_tvd",
+        "expected_tau",
+        "measure_cost_ratio",
+        "predicted_speedup",
+    ],
+    "distillspec.speculative": [
+        "LENIENCES",
+        "GenerationOutput",
+        "SpecStats",
+        "autoregressive_generate",
+        "speculative_generate",
+    ],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_WHERE)  # noqa: PLE0605 (built from _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'distillspec' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)

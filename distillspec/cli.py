@@ -1,14 +1,17 @@
-"""Entry-point helper: a user's mistake is one line on stderr and exit status 2, never a traceback."""
+"""Entry-point helper: ``--config``, flags and ``section.key=value`` overrides -> one validated config; ``--help``
+lists every key the job reads (default and help text); a user's mistake is one line on stderr and exit status 2,
+never a traceback."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from distillspec.config import JobConfig, load_config
+from distillspec.config import JobConfig, describe, load_config
 from distillspec.errors import DistillSpecError
 
 FLAGS = {
@@ -17,6 +20,30 @@ FLAGS = {
     "dataset": "arith (default), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path",
     "output_dir": "where results, plots and the distilled draft go",
 }
+#: The config sections each job reads (its --help lists their keys).
+SECTIONS = {
+    "distill": ("garden", "distill", "eval", "ray", "vllm"),
+    "serve": ("garden", "serve", "ray", "vllm"),
+    "sweep": ("garden", "distill", "eval", "ray", "sweep"),
+    "garden": ("garden", "eval"),
+}
+
+
+def keys_help(sections: tuple[str, ...]) -> str:
+    """The ``--help`` epilog: every key of ``sections`` (and the top-level ones) with its default and help."""
+    rows = describe(JobConfig, sections)
+    width = max(len(key) for key, _, _ in rows) + 2
+    lines = ["config keys (section.key=value on the command line, or in a --config YAML file):"]
+    section = None
+    for key, default, text in rows:
+        head = key.split(".")[0] if "." in key else ""
+        if head != section:
+            section = head
+            lines.append(f"\n  [{head}]" if head else "")
+        body = textwrap.wrap(f"{text} (default: {default})", 118 - width - 4) or [""]
+        lines.append(f"    {key:<{width}}{body[0]}")
+        lines += [" " * (4 + width) + more for more in body[1:]]
+    return "\n".join(lines)
 
 
 def parse_job_args(
@@ -24,12 +51,15 @@ def parse_job_args(
     argv: list[str] | None = None,
     flags: tuple[str, ...] = tuple(FLAGS),
     defaults: tuple[str, ...] = (),
+    job: str = "distill",
 ) -> JobConfig:
     """``--config FILE``, the named ``flags`` and ``section.key=value`` overrides -> a validated JobConfig.
 
     ``defaults`` are overrides the job applies first (e.g. its own output folder); the user's win over them.
     """
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=doc, epilog=keys_help(SECTIONS[job]), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML file with any of the config's keys")
     for flag in flags:
         parser.add_argument("--" + flag.replace("_", "-"), dest=flag, help=FLAGS[flag])

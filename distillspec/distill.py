@@ -9,56 +9,20 @@ toward the target by the sequence-level divergence of Eq. 2 over the continuatio
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec.config import Recipe, resolve_recipe
 from distillspec.data import Example
-from distillspec.divergences import TopKLogprobs, check_divergence, compress_topk, divergence
+from distillspec.divergences import TopKLogprobs, compress_topk, divergence
 from distillspec.errors import DistillSpecError
 from distillspec.models import encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
-
-
-@dataclass(frozen=True)
-class Recipe:
-    lambda1: float  #: share of fixed-data batches
-    lambda2: float  #: of the rest, share of draft-generated (on-policy) batches
-    divergence: str
-
-
-#: Table 1 of the paper: data source and divergence of each KD method.
-RECIPES: dict[str, Recipe] = {
-    "supkd": Recipe(lambda1=1.0, lambda2=0.0, divergence="fkl"),  # fixed data set
-    "seqkd": Recipe(lambda1=0.0, lambda2=0.0, divergence="fkl"),  # target-generated
-    "imitkd": Recipe(lambda1=0.5, lambda2=1.0, divergence="fkl"),  # fixed data + draft-generated
-    "fdistill": Recipe(lambda1=0.0, lambda2=0.5, divergence="tvd"),  # draft + target generated
-    "gkd": Recipe(lambda1=0.0, lambda2=1.0, divergence="jsd"),  # on-policy (draft-generated)
-    # The default: on-policy data with TVD, whose minimiser maximises alpha = 1 - E[TVD] (Sec. 4.1).
-    "distillspec": Recipe(lambda1=0.0, lambda2=1.0, divergence="tvd"),
-}
-
-
-def resolve_recipe(cfg) -> Recipe:
-    """The recipe named by ``cfg.recipe`` with ``cfg.divergence``/``lambda1``/``lambda2`` overriding it."""
-    if cfg.recipe not in RECIPES:
-        raise DistillSpecError(f"recipe={cfg.recipe!r}: choose one of {sorted(RECIPES)}")
-    base = RECIPES[cfg.recipe]
-    recipe = Recipe(
-        lambda1=base.lambda1 if cfg.lambda1 is None else cfg.lambda1,
-        lambda2=base.lambda2 if cfg.lambda2 is None else cfg.lambda2,
-        divergence=base.divergence if cfg.divergence is None else cfg.divergence,
-    )
-    check_divergence(recipe.divergence)
-    for name in ("lambda1", "lambda2"):
-        if not 0.0 <= getattr(recipe, name) <= 1.0:
-            raise DistillSpecError(f"{name}={getattr(recipe, name)!r}: must be in [0, 1]")
-    return recipe
 
 
 def draw_source(rng: random.Random, recipe: Recipe) -> str:
@@ -241,29 +205,6 @@ def train_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def update(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loss: Tensor,
-    max_grad_norm: float = 1.0,
-) -> None:
-    """One optimizer step on ``loss``: backward, clip the gradient norm, step, schedule."""
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def make_optimizer(
-    model: PreTrainedModel, lr: float, steps: int, warmup_steps: int
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with linear warm-up and cosine decay."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
-
-
 def needs_target_samples(recipe: Recipe) -> bool:
     """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
     return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
@@ -345,48 +286,3 @@ class Sampler:
         if source == "fixed":
             return source, encode_examples(self.tokenizer, examples, self.max_len)
         return source, self.generate(source, examples)
-
-
-class Distiller:
-    """Algorithm A.2 in one process: each ``step()`` samples a batch, then updates the draft on it."""
-
-    def __init__(
-        self, target: PreTrainedModel, draft: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, train, cfg, **kw
-    ) -> None:
-        """The arguments of :class:`Sampler` (``train``: the prompts; ``cfg``: a DistillConfig)."""
-        self.sampler = Sampler(target, draft, tokenizer, train, cfg, **kw)
-        self.target, self.draft, self.cfg, self.recipe = target.eval(), draft, cfg, self.sampler.recipe
-        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
-        self.step_count = 0
-        for p in target.parameters():
-            p.requires_grad_(False)
-
-    def step(self) -> dict:
-        """Sample a batch, update on it; the record times the two parts (``sample_s``, ``update_s``)."""
-        start = time.perf_counter()
-        source, batch = self.sampler()
-        sampled = time.perf_counter()
-        self.draft.train()
-        loss = kd_loss(
-            self.draft, self.target, batch, self.recipe, temperature=self.cfg.temperature, beta=self.cfg.beta
-        )
-        update(self.draft, self.optimizer, self.scheduler, loss)
-        self.draft.eval()
-        self.step_count += 1
-        return {
-            "step": self.step_count,
-            "source": source,
-            "loss": loss.item(),
-            "tokens": batch.tokens,
-            "lr": self.scheduler.get_last_lr()[0],
-            "sample_s": sampled - start,
-            "update_s": time.perf_counter() - sampled,
-        }
-
-    def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:
-        records = []
-        for _ in range(self.cfg.steps if steps is None else steps):
-            records.append(self.step())
-            if callback is not None:
-                callback(records[-1])
-        return records

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from distillspec.config import DIVERGENCE_NAMES, Divergence, check_choice
 from distillspec.errors import DistillSpecError
 
 REDUCTIONS = ("seq", "token", "none")
@@ -158,12 +159,12 @@ def tvd(
     return reduce(0.5 * (p - q).abs().sum(-1), mask, reduction)
 
 
-DIVERGENCES: dict[str, Callable[..., Tensor]] = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jsd, "tvd": tvd}
+DIVERGENCES: dict[Divergence, Callable[..., Tensor]] = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jsd, "tvd": tvd}
+assert tuple(DIVERGENCES) == DIVERGENCE_NAMES
 
 
 def check_divergence(name: str) -> None:
-    if name not in DIVERGENCES:
-        raise DistillSpecError(f"divergence={name!r}: choose one of {sorted(DIVERGENCES)}")
+    check_choice("divergence", name, DIVERGENCE_NAMES)
 
 
 def divergence(

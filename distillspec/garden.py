@@ -18,9 +18,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from distillspec.config import GardenConfig, ModelSize
+from distillspec.config import DistillConfig, GardenConfig, ModelSize
 from distillspec.data import Example, Task
-from distillspec.distill import encode_examples, lm_loss, make_optimizer
+from distillspec.distill import Batch, encode_examples, lm_loss
+from distillspec.learner import Learner
 from distillspec.models import native_bf16
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
@@ -60,6 +61,13 @@ def make_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, *, max_posit
     return LlamaForCausalLM(config)
 
 
+def whole_example_loss(model: torch.nn.Module, batch: Batch, _target: object = None) -> torch.Tensor:
+    """Next-token cross-entropy over every real token of the batch (prompt and reference)."""
+    valid_next = batch.attention_mask.clone()
+    valid_next[:, :-1] = batch.attention_mask[:, 1:]
+    return lm_loss(model, batch, mask=valid_next * batch.attention_mask)
+
+
 def train_lm(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
@@ -79,22 +87,13 @@ def train_lm(
     with AVX512-BF16 or AMX, and on GPUs; 18-33x slower on CPUs that emulate it (see :func:`native_bf16`).
     """
     rng = random.Random(seed)
-    optimizer, scheduler = make_optimizer(model, lr, steps, warmup_steps=max(1, steps // 20))
-    model.train()
+    schedule = DistillConfig(lr=lr, steps=steps, warmup_steps=max(1, steps // 20))
+    learner = Learner(model, None, schedule, objective=whole_example_loss, bf16=bf16)
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False)
     for _ in bar:
         batch = encode_examples(tokenizer, rng.sample(examples, min(batch_size, len(examples))), max_len)
-        valid_next = batch.attention_mask.clone()
-        valid_next[:, :-1] = batch.attention_mask[:, 1:]
-        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = lm_loss(model, batch, mask=valid_next * batch.attention_mask)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(learner.step(batch)["loss"])
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
 

@@ -14,11 +14,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from distillspec.config import Lenience
 from distillspec.errors import DistillSpecError
 from distillspec.kvcache import CachedLM, bucketed_capacity
 
 #: Lenience functions ``f(p, epsilon)`` of lossy speculative decoding (paper Sec. 5.2).
-LENIENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
+LENIENCES: dict[Lenience, Callable[[Tensor, float], Tensor]] = {
     "lin": lambda p, epsilon: p / epsilon,
     "sq": lambda p, epsilon: p / epsilon**2,
     "exp": lambda p, epsilon: p.pow(epsilon),

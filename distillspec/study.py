@@ -10,37 +10,16 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import DistillConfig
 from distillspec.data import Task, score
-from distillspec.distill import Distiller
-from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd, measure_speedup
+from distillspec.learner import Distiller
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate
-
-#: Figure 4's data sources as (lambda1, lambda2) of Algorithm A.2.
-DATA_SOURCES: dict[str, tuple[float, float]] = {
-    "fixed": (1.0, 0.0),  # the data set's references (SupKD)
-    "draft": (0.0, 1.0),  # on-policy: continuations the draft samples
-    "target": (0.0, 0.0),  # continuations the target samples (SeqKD)
-    "mixed": (0.0, 0.5),  # half draft-, half target-generated
-}
-DIVERGENCES = ("fkl", "jsd", "rkl", "tvd")
-
-
-def cell_config(base: DistillConfig, source: str, divergence: str, steps: int) -> DistillConfig:
-    """``base`` with the data source and divergence of one grid cell and a fixed step budget."""
-    if source not in DATA_SOURCES:
-        raise DistillSpecError(f"data source {source!r}: choose one of {sorted(DATA_SOURCES)}")
-    if divergence not in DIVERGENCES:
-        raise DistillSpecError(f"divergence {divergence!r}: choose one of {list(DIVERGENCES)}")
-    lambda1, lambda2 = DATA_SOURCES[source]
-    return replace(base, divergence=divergence, lambda1=lambda1, lambda2=lambda2, steps=steps, time_budget_s=0.0)
 
 
 @torch.inference_mode()

@@ -11,20 +11,23 @@ Each model is cached under ``garden.cache_dir`` by its settings; the job prints 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from distillspec.cli import parse_job_args, run_main
+from distillspec.config import JobConfig
 
-from distillspec.cli import parse_job_args, run_main  # noqa: E402
-from distillspec.config import JobConfig  # noqa: E402
-from distillspec.data import load_task  # noqa: E402
-from distillspec.garden import Garden, build_garden  # noqa: E402
-from distillspec.metrics import measure_cost_ratio  # noqa: E402
-from distillspec.models import encode_prompts, load_pair  # noqa: E402
+if TYPE_CHECKING:
+    from distillspec.garden import Garden
 
 
 def main(cfg: JobConfig) -> Garden:
+    """Build (or find in the cache) the garden of ``cfg.dataset``; print its folders and cost ratio."""
+    # torch and transformers load after parsing: --help stays fast
+    from distillspec.data import load_task  # noqa: PLC0415
+    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.metrics import measure_cost_ratio  # noqa: PLC0415
+    from distillspec.models import encode_prompts, load_pair  # noqa: PLC0415
+
     task = load_task(cfg.dataset, seed=cfg.seed)
     garden = build_garden(task, cfg.garden, seed=cfg.seed)
     target, draft, tokenizer = load_pair(
@@ -40,5 +43,10 @@ def main(cfg: JobConfig) -> Garden:
     return garden
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The console script: a user's mistake is one line and exit status 2."""
+    run_main(lambda: main(parse_job_args(__doc__, argv, flags=("dataset",), job="garden")))
+
+
 if __name__ == "__main__":
-    run_main(lambda: main(parse_job_args(__doc__, flags=("dataset",))))
+    cli()

@@ -14,14 +14,10 @@ published. Stop with Ctrl-C.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from distillspec.cli import parse_job_args, run_main  # noqa: E402
-from distillspec.config import JobConfig  # noqa: E402
+from distillspec.cli import parse_job_args, run_main
+from distillspec.config import JobConfig
 
 
 def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
@@ -58,5 +54,10 @@ def main(cfg: JobConfig) -> None:
         ray.shutdown()
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The console script: a user's mistake is one line and exit status 2."""
+    run_main(lambda: main(parse_job_args(__doc__, argv, job="serve")))
+
+
 if __name__ == "__main__":
-    run_main(lambda: main(parse_job_args(__doc__)))
+    cli()

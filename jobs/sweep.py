@@ -17,16 +17,13 @@ and, with ``sweep.save_drafts``, each distilled draft under ``--output-dir``/dra
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from distillspec.cli import parse_job_args, run_main  # noqa: E402
-from distillspec.config import JobConfig  # noqa: E402
-from distillspec.errors import DistillSpecError  # noqa: E402
+from distillspec.cli import parse_job_args, run_main
+from distillspec.config import JobConfig
+from distillspec.errors import DistillSpecError
 
 
 def _key(t: float) -> str:
@@ -55,8 +52,9 @@ def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str)
     import torch  # noqa: PLC0415
     from ray import tune  # noqa: PLC0415
 
+    from distillspec.config import cell_config  # noqa: PLC0415
     from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import cell_config, run_cell  # noqa: PLC0415
+    from distillspec.study import run_cell  # noqa: PLC0415
 
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
@@ -251,5 +249,10 @@ def main(cfg: JobConfig) -> dict:
     return result
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """The console script: a user's mistake is one line and exit status 2."""
+    run_main(lambda: main(parse_job_args(__doc__, argv, defaults=("output_dir=outputs/sweep",), job="sweep")))
+
+
 if __name__ == "__main__":
-    run_main(lambda: main(parse_job_args(__doc__, defaults=("output_dir=outputs/sweep",))))
+    cli()

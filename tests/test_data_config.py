@@ -85,12 +85,14 @@ def test_config_yaml_and_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["eval.gammas=[0]"], "gamma=0"),
-        (["distill.recipe=bogus"], "recipe='bogus'"),
-        (["distill.divergence=kl"], "divergence='kl'"),
-        (["distill.max_new_tokens=0"], "max_new_tokens=0"),
-        (["distill.stepz=3"], "unknown config key distill.'stepz'"),
-        (["distill.steps=many"], "distill.steps='many': expected int"),
+        (["eval.gammas=[0]"], r"eval\.gammas\[0\]=0: input should be greater than or equal to 1"),
+        (["distill.recipe=bogus"], "distill.recipe='bogus': choose one of"),
+        (["distill.recipe=distilspec"], "did you mean 'distillspec'"),
+        (["distill.divergence=kl"], "distill.divergence='kl'"),
+        (["distill.max_new_tokens=0"], "distill.max_new_tokens=0"),
+        (["distill.stepz=3"], r"unknown config key 'distill.stepz' \(did you mean 'steps'\?\)"),
+        (["ray.num_rollout_worker=3"], "did you mean 'num_rollout_workers'"),
+        (["distill.steps=many"], "distill.steps='many': input should be a valid integer"),
         (["target=a"], "give both --target and --draft"),
         (["target_dtype=half"], "target_dtype='half'"),
         (["nonsense"], "section.key=value"),
@@ -121,8 +123,8 @@ def test_garden_trains_in_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
 
 
 def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
+    from benchmarks.benchmark import suite_precision
     from distillspec.models import native_bf16
-    from jobs.benchmark import suite_precision
 
     tiny = [f"garden.{k}={v}" for k, v in {"vocab_size": 300, "target": {"d_model": 32, "n_layers": 1}}.items()]
     result = suite_precision(tiny, 0.0, tmp_path)

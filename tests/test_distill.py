@@ -6,18 +6,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
-from distillspec.config import DistillConfig
+from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
 from distillspec.distill import (
-    RECIPES,
-    Distiller,
     draw_source,
     encode_examples,
     forward_logits,
     kd_loss,
-    make_optimizer,
-    resolve_recipe,
 )
 from distillspec.divergences import divergence
+from distillspec.learner import Distiller, make_optimizer
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
@@ -70,12 +67,11 @@ def test_recipes_and_sources():
         counts[draw_source(rng, mixed)] += 1
     assert abs(counts["fixed"] / 4000 - 0.5) < 0.03 and abs(counts["draft"] / 4000 - 0.25) < 0.03
     assert draw_source(rng, RECIPES["supkd"]) == "fixed"
-    with pytest.raises(DistillSpecError, match="recipe='minillm'"):
-        resolve_recipe(DistillConfig(recipe="minillm"))
-    with pytest.raises(DistillSpecError, match="divergence='l2'"):
-        resolve_recipe(DistillConfig(divergence="l2"))
-    with pytest.raises(DistillSpecError, match="lambda1"):
-        resolve_recipe(DistillConfig(lambda1=1.5))
+    for data, key in [({"recipe": "minillm"}, "recipe='minillm'"), ({"divergence": "l2"}, "divergence='l2'")]:
+        with pytest.raises(DistillSpecError, match=key):
+            build(DistillConfig, data)
+    with pytest.raises(DistillSpecError, match="lambda1=1.5: input should be less than or equal to 1"):
+        build(DistillConfig, {"lambda1": 1.5})
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from distillspec.config import DistillConfig
-from distillspec.distill import resolve_recipe
+from distillspec.config import DATA_SOURCES, DistillConfig, cell_config, resolve_recipe
 from distillspec.errors import DistillSpecError
-from distillspec.study import DATA_SOURCES, cell_config, race, run_cell, spread, time_to_alpha
+from distillspec.study import race, run_cell, spread, time_to_alpha
 
 
 @pytest.mark.parametrize("source", sorted(DATA_SOURCES))
@@ -22,7 +21,7 @@ def test_cell_config_sets_the_data_source_of_algorithm_a2(source):
 
 
 @pytest.mark.parametrize(
-    ("source", "divergence", "message"), [("web", "tvd", "data source 'web'"), ("draft", "kl", "'kl'")]
+    ("source", "divergence", "message"), [("web", "tvd", "data source='web'"), ("draft", "kl", "'kl'")]
 )
 def test_cell_config_refuses_unknown_names(source, divergence, message):
     with pytest.raises(DistillSpecError, match=message):
@@ -63,7 +62,7 @@ def test_our_decoders_and_transformers_assisted_generation_agree_on_greedy_text(
     text_pair, tokenizer, task, temperature
 ):
     """The peer suite times like with like: at T = 0 all three decoders print the target's greedy output."""
-    from jobs.suites.peers import _timed, decoder
+    from benchmarks.suites.peers import _timed, decoder
 
     target, draft = text_pair
     draft.generation_config.num_assistant_tokens = 3
@@ -92,7 +91,7 @@ def _cell(source: str, divergence: str, t0: float, t1: float) -> dict:
 
 
 def test_results_page_names_commands_and_says_where_on_policy_loses(tmp_path):
-    from jobs.suites.page import write_page
+    from benchmarks.suites.page import write_page
 
     runs, docs = tmp_path / "runs", tmp_path / "docs"
     runs.mkdir()
@@ -100,10 +99,10 @@ def test_results_page_names_commands_and_says_where_on_policy_loses(tmp_path):
     sweep = {"steps": 40, "gamma": 5, "cells": cells, "best": {"source": "draft", "divergence": "tvd"}}
     common = {"scale": "quick", "seconds": 120.0, "machine": "x86_64"}
     (runs / "recipes.json").write_text(
-        json.dumps({**common, "command": "python jobs/benchmark.py recipes", "tasks": {"arith": sweep}})
+        json.dumps({**common, "command": "python benchmarks/benchmark.py recipes", "tasks": {"arith": sweep}})
     )
     page = write_page(runs, docs).read_text()
-    assert "Made by `python jobs/benchmark.py recipes`" in page
+    assert "Made by `python benchmarks/benchmark.py recipes`" in page
     assert "| draft | TVD | +20.0% | +15.0% | 0.100 |" in page
     assert "T=0: on-policy data beats fixed data on arith" in page
     assert "T=1: on-policy data does NOT beat fixed data on arith" in page
@@ -111,14 +110,14 @@ def test_results_page_names_commands_and_says_where_on_policy_loses(tmp_path):
 
 
 def test_results_page_without_results_is_a_clear_error(tmp_path):
-    from jobs.suites.page import write_page
+    from benchmarks.suites.page import write_page
 
     with pytest.raises(DistillSpecError, match="no suite results"):
         write_page(tmp_path, tmp_path / "docs")
 
 
 def test_results_page_pools_the_seeds_of_several_runs(tmp_path):
-    from jobs.suites.page import write_page
+    from benchmarks.suites.page import write_page
 
     def run(folder, seed: int, gain: float) -> None:
         folder.mkdir()
@@ -148,7 +147,7 @@ def test_results_page_pools_the_seeds_of_several_runs(tmp_path):
 
 
 def test_results_page_credits_only_the_runs_it_shows():
-    from jobs.suites.page import merge
+    from benchmarks.suites.page import merge
 
     def run(command: str, tasks: list[str]) -> dict:
         return {"command": command, "scale": "full", "seconds": 60.0, "tasks": {t: {"x": command} for t in tasks}}
@@ -160,7 +159,7 @@ def test_results_page_credits_only_the_runs_it_shows():
 
 
 def test_saved_drafts_report_the_steps_they_were_distilled_for(tmp_path):
-    from jobs.suites.common import draft_steps
+    from benchmarks.suites.common import draft_steps
 
     own = tmp_path / "drafts" / "arith" / "draft-tvd-s0"
     own.mkdir(parents=True)

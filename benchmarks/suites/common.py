@@ -112,8 +112,9 @@ def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", dive
 
     Reuses the recipe suite's draft when it exists (``out/recipes/<task>/drafts``), else distils one.
     """
+    from distillspec.config import cell_config  # noqa: PLC0415
     from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import cell_config, run_cell  # noqa: PLC0415
+    from distillspec.study import run_cell  # noqa: PLC0415
 
     name = f"{source}-{divergence}-s0"
     for folder in (out / "recipes" / task.name / "drafts" / name, out / "drafts" / task.name / name):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from jobs.suites.common import Scale, available, task_config, with_garden
+from benchmarks.suites.common import Scale, available, task_config, with_garden
 
 
 def _load(cfg):
@@ -187,7 +187,7 @@ class _Clock:
 
 def _ours_curve(target, draft, tok, task, cfg, dcfg, steps: int, every: int, start_alpha: float) -> list[dict]:
     """Our synchronous loop (Algorithm A.2) on a copy of ``draft``: alpha every ``every`` steps against seconds."""
-    from distillspec.distill import Distiller  # noqa: PLC0415
+    from distillspec.learner import Distiller  # noqa: PLC0415
 
     model = copy.deepcopy(draft)
     distiller = Distiller(target, model, tok, task.train, replace_steps(dcfg, steps), seed=cfg.seed)
@@ -215,8 +215,9 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
     from datasets import Dataset  # noqa: PLC0415
     from trl import DistillationConfig, DistillationTrainer  # noqa: PLC0415
 
+    from distillspec.config import cell_config  # noqa: PLC0415
     from distillspec.report import plot_peer_curves  # noqa: PLC0415
-    from distillspec.study import cell_config, race  # noqa: PLC0415
+    from distillspec.study import race  # noqa: PLC0415
 
     results = {}
     for name in available(scale.tasks[:1]):

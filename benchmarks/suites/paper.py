@@ -15,8 +15,8 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from jobs.suites.common import TASKS, Scale, available, distilled_draft, draft_steps, task_config, with_garden
-from jobs.suites.page import pearson
+from benchmarks.suites.common import TASKS, Scale, available, distilled_draft, draft_steps, task_config, with_garden
+from benchmarks.suites.page import pearson
 
 
 def _pair(cfg):
@@ -182,11 +182,14 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 6: quality vs latency of raw, distilled, speculative and DistillSpec models over three sizes."""
-    from distillspec.config import ModelSize  # noqa: PLC0415
+    from distillspec.config import (
+        ModelSize,  # noqa: PLC0415
+        cell_config,  # noqa: PLC0415
+    )
     from distillspec.garden import build_garden  # noqa: PLC0415
     from distillspec.models import load_model  # noqa: PLC0415
     from distillspec.report import plot_garden  # noqa: PLC0415
-    from distillspec.study import cell_config, draft_score, latency_per_token, run_cell  # noqa: PLC0415
+    from distillspec.study import draft_score, latency_per_token, run_cell  # noqa: PLC0415
 
     results = {}
     for name in available(scale.garden_tasks):
@@ -247,11 +250,12 @@ def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task."""
+    from distillspec.config import cell_config  # noqa: PLC0415
     from distillspec.data import Task, load_task  # noqa: PLC0415
     from distillspec.errors import DistillSpecError  # noqa: PLC0415
     from distillspec.garden import build_garden  # noqa: PLC0415
     from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import cell_config, measure_pair, run_cell  # noqa: PLC0415
+    from distillspec.study import measure_pair, run_cell  # noqa: PLC0415
 
     names = [n for n in available(scale.tasks) if n != "arith"]
     if len(names) < 2:

@@ -1,0 +1,213 @@
+"""The one training step of the project: the :class:`Learner` owns the draft, its optimizer and schedule, and the
+recipe; ``step(batch)`` computes the loss, steps the optimizer and returns the log record.
+
+The single-process loop (:class:`distillspec.distill.Distiller`, ``ray.mode=sync``), the Ray Train worker
+(``actors/learner.py``) and the garden trainer (:func:`distillspec.garden.train_lm`) all step through it, and all
+save and resume through :func:`save_checkpoint` / :func:`load_checkpoint` (one checkpoint format).
+
+Every log record has the keys of :data:`LOG_KEYS`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from distillspec.config import DistillConfig, resolve_recipe
+from distillspec.data import Example
+from distillspec.distill import Batch, Sampler, kd_loss
+from distillspec.divergences import TopKLogprobs
+from distillspec.models import load_model
+
+#: The keys of a learner's log record: the step, the batch (its source, tokens, the draft version that sampled it
+#: and its lag behind the learner), the loss and learning rate, when (seconds since the start), and the time spent
+#: getting the batch (sampling it, or waiting for it) and updating on it.
+LOG_KEYS = ("step", "source", "loss", "tokens", "lr", "version", "lag", "time", "wait_s", "compute_s")
+
+#: A training objective: the loss of ``model`` on ``batch`` (the target's logits, when given, come with the batch).
+Objective = Callable[[torch.nn.Module, Batch, "Tensor | TopKLogprobs | None"], Tensor]
+
+
+def make_optimizer(
+    model: torch.nn.Module, lr: float, steps: int, warmup_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW with linear warm-up and cosine decay to 0 at ``steps``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
+
+
+class Learner:
+    """The draft being trained, its optimizer and schedule, and its objective (default: the recipe's divergence
+    to ``target``, Eq. 2).
+
+    ``model`` is what the forward pass runs through when it is not the draft itself (a DDP wrapper of it in Ray
+    Train); ``objective`` replaces the distillation loss (the garden trains its models from data with it);
+    ``bf16`` runs the forward pass under bfloat16 autocast (the weights stay float32).
+    """
+
+    def __init__(
+        self,
+        draft: PreTrainedModel,
+        target: PreTrainedModel | None,
+        cfg: DistillConfig,
+        *,
+        model: torch.nn.Module | None = None,
+        objective: Objective | None = None,
+        bf16: bool = False,
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        self.draft, self.target, self.cfg = draft, target, cfg
+        self.model = draft if model is None else model
+        self.recipe = resolve_recipe(cfg)
+        self.objective = objective or self.kd_objective
+        self.bf16, self.max_grad_norm = bf16, max_grad_norm
+        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
+        self.step_count = 0
+        if target is not None:
+            target.eval()
+            for p in target.parameters():
+                p.requires_grad_(False)
+
+    def kd_objective(self, model: torch.nn.Module, batch: Batch, target_logits: Tensor | TopKLogprobs | None) -> Tensor:
+        """D(p || q_theta) of the recipe's divergence over the continuation (the target scores the batch here
+        unless its logits came with it)."""
+        return kd_loss(
+            model,
+            self.target,
+            batch,
+            self.recipe,
+            temperature=self.cfg.temperature,
+            beta=self.cfg.beta,
+            target_logits=target_logits,
+        )
+
+    def step(
+        self,
+        batch: Batch,
+        *,
+        target_logits: Tensor | TopKLogprobs | None = None,
+        source: str = "fixed",
+        version: int | None = None,
+        wait_s: float = 0.0,
+        start: float | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step on ``batch``: loss, backward, clip, optimizer and scheduler step. Returns the record
+        (:data:`LOG_KEYS`); ``version`` is the draft version that sampled the batch (default: the current one),
+        ``start`` the ``time.perf_counter()`` the record's ``time`` counts from."""
+        t0 = time.perf_counter()
+        self.model.train()
+        with torch.autocast(self.draft.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.objective(self.model, batch, target_logits)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        version = self.step_count if version is None else version
+        self.step_count += 1
+        now = time.perf_counter()
+        return {
+            "step": self.step_count,
+            "source": source,
+            "loss": loss.item(),
+            "tokens": batch.tokens,
+            "lr": self.scheduler.get_last_lr()[0],
+            "version": version,
+            "lag": self.step_count - 1 - version,
+            "time": now - (t0 if start is None else start),
+            "wait_s": wait_s,
+            "compute_s": now - t0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler and step (the draft's weights are saved apart, in ``save_pretrained`` format)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step_count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = state["step"]
+
+
+def save_checkpoint(
+    folder: str | Path,
+    learner: Learner,
+    tokenizer: PreTrainedTokenizerBase,
+    log: list[dict],
+    *,
+    seconds: float,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """The checkpoint format: ``draft/`` (``save_pretrained``, with the tokenizer), ``state.pt`` (the learner's
+    state and the seconds trained), ``train_log.json``, ``step.json``, and one JSON file per ``extra`` entry."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    learner.draft.save_pretrained(folder / "draft")
+    tokenizer.save_pretrained(folder / "draft")
+    torch.save({**learner.state_dict(), "seconds": seconds}, folder / "state.pt")
+    (folder / "train_log.json").write_text(json.dumps(log))
+    (folder / "step.json").write_text(json.dumps({"step": learner.step_count}))
+    for name, value in (extra or {}).items():
+        (folder / f"{name}.json").write_text(json.dumps(value))
+    return folder
+
+
+def load_checkpoint(folder: str | Path, learner: Learner) -> tuple[list[dict], float]:
+    """Restore ``learner`` (draft weights, optimizer, scheduler, step) from :func:`save_checkpoint`'s folder;
+    returns the log so far and the seconds trained."""
+    folder = Path(folder)
+    saved, _ = load_model(str(folder / "draft"), device=str(learner.draft.device))
+    learner.draft.load_state_dict(saved.state_dict())
+    state = torch.load(folder / "state.pt", weights_only=False)
+    learner.load_state_dict(state)
+    return json.loads((folder / "train_log.json").read_text()), state["seconds"]
+
+
+class Distiller:
+    """Algorithm A.2 in one process: each ``step()`` samples a batch (:class:`~distillspec.distill.Sampler`), then
+    the :class:`Learner` updates the draft on it."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        train: list[Example],
+        cfg: DistillConfig,
+        **kw: Any,
+    ) -> None:
+        """The arguments of :class:`~distillspec.distill.Sampler` (``train``: the prompts)."""
+        self.sampler = Sampler(target, draft, tokenizer, train, cfg, **kw)
+        self.learner = Learner(draft, target, cfg)
+        self.target, self.draft, self.cfg, self.recipe = target, draft, cfg, self.learner.recipe
+        self.start = time.perf_counter()
+
+    @property
+    def step_count(self) -> int:
+        return self.learner.step_count
+
+    def step(self) -> dict[str, Any]:
+        """Sample a batch, update on it; returns the learner's record (``wait_s``: the sampling)."""
+        t0 = time.perf_counter()
+        source, batch = self.sampler()
+        return self.learner.step(batch, source=source, wait_s=time.perf_counter() - t0, start=self.start)
+
+    def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:
+        records = []
+        for _ in range(self.cfg.steps if steps is None else steps):
+            records.append(self.step())
+            if callback is not None:
+                callback(records[-1])
+        return records
