@@ -111,7 +111,7 @@ def learner_loop(config: dict) -> None:
             start=start,
         )
         if rank == 0 and learner.step_count % cfg.ray.publish_every == 0:
-            publish(store, draft, learner.step_count)
+            publish(store, draft, learner.step_count, record)
         log_records.append(record)
         gauge("distillspec_learner_loss", record["loss"], run=run)
         for name, value in rate.add(len(arrays["input_ids"]), record["tokens"]).items():

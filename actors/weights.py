@@ -21,13 +21,14 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
             tensor.copy_(torch.from_numpy(np.array(arrays[name])))
 
 
-def publish(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int) -> None:
-    """Put the weights into the object store and make them the latest version.
+def publish(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, record: dict | None = None) -> None:
+    """Put the weights into the object store and make them the latest version; ``record`` is the learner's log
+    record of the step that made it (the driver's console shows it).
 
     The publisher owns the object; if it dies, pullers keep their weights until its successor publishes again.
     """
     ref = ray.put(state_arrays(model))
-    ray.get(store.publish.remote(version, [ref]))
+    ray.get(store.publish.remote(version, [ref], record))
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -38,15 +39,21 @@ class WeightStore:
         self.run = run
         self.current: tuple[int, list[ray.ObjectRef]] | None = None
         self.published = 0
+        self.record: dict | None = None
 
-    def publish(self, version: int, refs: list[ray.ObjectRef]) -> None:
+    def publish(self, version: int, refs: list[ray.ObjectRef], record: dict | None = None) -> None:
         self.current = (version, refs)
         self.published += 1
+        self.record = record or self.record
         gauge("distillspec_weight_version", version, run=self.run)
 
     def version(self) -> int:
         """The latest version, or -1 before the first publish."""
         return -1 if self.current is None else self.current[0]
+
+    def status(self) -> tuple[int, dict | None]:
+        """The latest version and the learner's record of the step that made it."""
+        return self.version(), self.record
 
     def latest(self) -> tuple[int, list[ray.ObjectRef]] | None:
         return self.current

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
@@ -172,6 +173,8 @@ class Pipeline:
         feeder = threading.Thread(target=self._feed_guarded, name="rollout-feeder", daemon=True)
         feeder.start()
         eval_run = self.evaluator.run.remote() if self.evaluator else None
+        console = threading.Thread(target=self._console, name="console", daemon=True)
+        console.start()
         try:
             result = make_trainer(self.cfg, self.out).fit()
         except Exception as exc:
@@ -181,6 +184,7 @@ class Pipeline:
         finally:
             self.stopping.set()
             feeder.join()
+            console.join()
             ledger = ray.get(self.buffer.close.remote())
             if self.evaluator is not None:
                 ray.get(self.evaluator.stop.remote())
@@ -209,6 +213,46 @@ class Pipeline:
             resumed_from=self.resumed_from,
             seconds=time.perf_counter() - start,
         )
+
+    def _console(self, every_s: float = 1.0) -> None:
+        """The live console: one progress bar for the learner (step of total, loss, latest alpha and tau, draft
+        version, policy lag, buffer fill, samples/s), and each periodic evaluation as it arrives."""
+        total, shown, start = self.cfg.distill.steps, 0, time.perf_counter()
+        bar = tqdm(total=total, desc="distill", unit="step", dynamic_ncols=True)
+        latest: dict = {}
+        while not self.stopping.wait(every_s):
+            try:
+                version, record = ray.get(self.store.status.remote(), timeout=10)
+                ledger = ray.get(self.buffer.ledger.remote(), timeout=10)
+                history = ray.get(self.evaluator.report.remote(), timeout=10)["history"] if self.evaluator else []
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+            for evaluation in history[shown:]:
+                bar.write(
+                    f"evaluation at version {evaluation['version']}: alpha {evaluation['alpha']:.3f}, "
+                    f"tau {evaluation['tau']:.2f}"
+                )
+                latest = evaluation
+            shown = len(history)
+            bar.n = max(0, min(version, total))
+            record = record or {}
+            batch = self.cfg.distill.batch_size
+            bar.set_postfix_str(
+                ", ".join(
+                    part
+                    for part in (
+                        f"loss {record['loss']:.4f}" if "loss" in record else "",
+                        f"alpha {latest['alpha']:.3f} tau {latest['tau']:.2f}" if latest else "",
+                        f"v{version} lag {record.get('lag', 0)}",
+                        f"buffer {ledger['held']}/{self.cfg.ray.buffer_capacity}",
+                        f"{bar.n * batch / max(1e-9, time.perf_counter() - start):.0f} samples/s",
+                    )
+                    if part
+                ),
+                refresh=False,
+            )
+            bar.refresh()
+        bar.close()
 
     def _feed_guarded(self) -> None:
         try:

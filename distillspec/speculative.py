@@ -130,16 +130,14 @@ BlockCallback = Callable[[Tensor, Tensor], bool | None]
 class _Emitter:
     """Collects emitted tokens per original row and retires rows at EOS or their token budget."""
 
-    def __init__(
-        self, batch: int, max_new_tokens: int | Sequence[int], eos_token_id: int | None, pad: int, device
-    ) -> None:
+    def __init__(self, batch: int, max_new_tokens: int | Sequence[int], eos: list[int], pad: int, device) -> None:
         limits = [max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != batch:
             raise DistillSpecError(f"{len(limits)} max_new_tokens values for a batch of {batch} prompts")
         self.limit = torch.tensor(limits, dtype=torch.long, device=device)
         self.out = torch.full((batch, max(limits)), pad, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
-        self.eos = eos_token_id
+        self.eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
 
     def emit(self, rows: Tensor, tokens: Tensor, n: Tensor) -> Tensor:
         """Append the first ``n[i]`` of ``tokens[i]`` to original row ``rows[i]``; return a done mask."""
@@ -147,7 +145,7 @@ class _Emitter:
         offs = torch.arange(k, device=tokens.device)
         take = offs[None, :] < n[:, None]
         if self.eos is not None:  # cut after the first EOS
-            is_eos = (tokens == self.eos) & take
+            is_eos = torch.isin(tokens, self.eos) & take
             first = torch.where(is_eos.any(1), is_eos.float().argmax(1), k)
             take &= offs[None, :] <= first[:, None]
         start = self.count[rows]
@@ -158,7 +156,7 @@ class _Emitter:
         self.count[rows] = start + take.sum(1)
         done = self.count[rows] >= self.limit[rows]
         if self.eos is not None:
-            done |= ((tokens == self.eos) & take).any(1)
+            done |= (torch.isin(tokens, self.eos) & take).any(1)
         return done
 
     def sequences(self, input_ids: Tensor) -> Tensor:
@@ -188,8 +186,18 @@ def cached_lm(
     return CachedLM(model, compile=True, capacity=bucketed_capacity(input_ids.shape[1] + limit + gamma + 1))
 
 
-def _pad_value(pad_token_id: int | None, eos_token_id: int | None) -> int:
-    return pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+def generation_defaults(
+    model: PreTrainedModel, eos_token_id: int | list[int] | None, pad_token_id: int | None
+) -> tuple[list[int], int]:
+    """EOS ids and the padding id, from the arguments or, where None, from the model's ``generation_config`` (as
+    ``generate`` does). Returns the EOS ids (empty: decode to the budget) and the padding value."""
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None and config is not None:
+        eos_token_id = config.eos_token_id
+    if pad_token_id is None and config is not None:
+        pad_token_id = config.pad_token_id
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return eos, pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
 
 
 @torch.inference_mode()
@@ -199,7 +207,7 @@ def autoregressive_generate(
     *,
     max_new_tokens: int | Sequence[int],
     temperature: float = 1.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
@@ -212,9 +220,8 @@ def autoregressive_generate(
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
-    emitter = _Emitter(
-        len(input_ids), max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), input_ids.device
-    )
+    eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
+    emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device)
     rows = torch.arange(len(input_ids), device=input_ids.device)
     logits = lm.prefill(input_ids, mask)
     while True:
@@ -241,7 +248,7 @@ def speculative_generate(
     temperature: float = 1.0,
     lenience: str | None = None,
     epsilon: float = 1.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     attention_mask: Tensor | None = None,
     generator: torch.Generator | None = None,
     pad_token_id: int | None = None,
@@ -267,7 +274,8 @@ def speculative_generate(
     greedy = temperature == 0  # lenience has no effect on greedy decoding: p is one-hot
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
-    emitter = _Emitter(batch, max_new_tokens, eos_token_id, _pad_value(pad_token_id, eos_token_id), dev)
+    eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
+    emitter = _Emitter(batch, max_new_tokens, eos, pad, dev)
     blocks = torch.zeros(batch, dtype=torch.long, device=dev)
     accepted = torch.zeros(batch, gamma, dtype=torch.long, device=dev)
     rejected = torch.zeros(batch, dtype=torch.long, device=dev)

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -224,3 +226,27 @@ def test_per_row_budgets_and_streaming_callback(close_pair, speculative):
     assert (seen[-1] <= out.num_new_tokens).all()
     stopped = run(on_block=lambda tokens, counts: bool(counts[3] >= 4))
     assert 4 <= int(stopped.num_new_tokens[3]) < 17
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_eos_and_padding_default_from_the_generation_config(close_pair, speculative):
+    """As ``generate`` does: with no ``eos_token_id``/``pad_token_id`` the decoders take the target's
+    ``generation_config`` (one EOS id or a list of them)."""
+    target, draft = copy.deepcopy(close_pair[0]), close_pair[1]
+    ids, mask = left_padded_prompts()
+
+    def decode(**kw):
+        if speculative:
+            return speculative_generate(target, draft, ids, gamma=3, max_new_tokens=20, temperature=0, **kw)
+        return autoregressive_generate(target, ids, max_new_tokens=20, temperature=0, **kw)
+
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = None, None
+    free = decode(attention_mask=mask)
+    assert (free.num_new_tokens == 20).all()
+    eos = int(free.sequences[1, 7 + 4])
+    explicit = decode(attention_mask=mask, eos_token_id=[eos, 99], pad_token_id=63)
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = [eos, 99], 63
+    default = decode(attention_mask=mask)
+    assert int(default.num_new_tokens[1]) <= 5
+    assert torch.equal(default.sequences, explicit.sequences)
+    assert torch.equal(default.num_new_tokens, explicit.num_new_tokens)
