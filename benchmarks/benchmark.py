@@ -58,7 +58,7 @@ from distillspec.errors import DistillSpecError
 
 
 def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
-    from jobs.distill import main  # noqa: PLC0415
+    from jobs.distill import main
 
     rows = {}
     for mode in ("sync", "async"):
@@ -124,14 +124,14 @@ def step_costs(cfg, steps: int = 20) -> dict:
     sampling: (sample + update) / update. On this machine's cores it must also fit sampling and the update's CPU
     work (about its one-thread time) into the cores: (sample + update) / max(update, (sample + update_1) / cores).
     """
-    import statistics  # noqa: PLC0415
-    from dataclasses import replace  # noqa: PLC0415
+    import statistics
+    from dataclasses import replace
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.learner import Distiller  # noqa: PLC0415
-    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.data import load_task
+    from distillspec.learner import Distiller
+    from distillspec.models import load_pair
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     threads, cores = torch.get_num_threads(), os.cpu_count() or torch.get_num_threads()
@@ -164,10 +164,10 @@ def _send(
     """Completion requests from ``concurrency`` threads while ``more(i)`` holds for the i-th request (prompts in
     turn); ``during(ok_so_far)`` runs after each. Returns the responses (time since start, latency, completion
     tokens and SD statistics), the errors, and the wall-clock seconds."""
-    import itertools  # noqa: PLC0415
-    import threading  # noqa: PLC0415
+    import itertools
+    import threading
 
-    import requests  # noqa: PLC0415
+    import requests
 
     lock, rows, errors, issued = threading.Lock(), [], [], itertools.count()
     start = time.perf_counter()
@@ -188,7 +188,7 @@ def _send(
                 row = {"time": now - start, "latency": now - t0, "tokens": data["usage"]["completion_tokens"]}
                 with lock:  # vLLM's own server sends no SD statistics
                     rows.append({**row, "sd": data.get("distillspec", {"drafted": 0, "draft_version": None})})
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+            except Exception as exc:
                 with lock:
                     errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
             if during is not None:
@@ -204,11 +204,11 @@ def _send(
 
 def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, during=None) -> dict:
     """``n`` completion requests from ``concurrency`` threads, summarised."""
-    from distillspec.serving import merge_stats  # noqa: PLC0415
+    from distillspec.serving import merge_stats
 
     rows, errors, seconds = _send(url, prompts, body, concurrency, lambda i: i < n, during)
     latencies = sorted(r["latency"] for r in rows)
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")  # noqa: E731
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
     drafted = [r["sd"] for r in rows if r["sd"]["drafted"]]
     sd = merge_stats(drafted) if drafted else {"alpha": None, "tau": None}
     return {
@@ -228,16 +228,16 @@ def _load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, du
 
 def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """The endpoint under load: SD vs speculation off, before and after distillation, and a swap under load."""
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import ray
+    from ray import serve
 
-    from actors import WeightStore  # noqa: PLC0415
-    from actors.common import NAMESPACE, weights_name  # noqa: PLC0415
-    from actors.weights import publish  # noqa: PLC0415
-    from cluster.connect import connect  # noqa: PLC0415
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.models import load_model  # noqa: PLC0415
-    from jobs.serve import start  # noqa: PLC0415
+    from actors import WeightStore
+    from actors.common import NAMESPACE, weights_name
+    from actors.weights import publish
+    from cluster.connect import connect
+    from distillspec.data import load_task
+    from distillspec.models import load_model
+    from jobs.serve import start
 
     del budget
     cfg = load_config(None, ["ray.run_name=serve-bench", "serve.sync_every_s=0.5", *overrides])
@@ -287,12 +287,12 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
 
 def _vllm_server(cfg, port: int, speculative: bool):
     """vLLM's own OpenAI server on the pair (a subprocess); returns it once it answers."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
-    import requests  # noqa: PLC0415
+    import requests
 
-    from distillspec.vllm_backend import engine_args, prepare_environment  # noqa: PLC0415
+    from distillspec.vllm_backend import engine_args, prepare_environment
 
     prepare_environment(cfg.vllm)
     args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft if speculative else None, gamma=cfg.serve.gamma)
@@ -320,17 +320,17 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
     """One garden pair and prompt set, three endpoints: (a) this project's decoder on Serve, (b) the vLLM-backed Serve
     endpoint, (c) vLLM's own OpenAI server with the same draft; speculation on and off; concurrency 1 and 8. Then
     400 requests at concurrency 8 on (b) while a new draft version (``--distilled``, else the draft) is published."""
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import ray
+    from ray import serve
 
-    from actors import WeightStore  # noqa: PLC0415
-    from actors.common import NAMESPACE, weights_name  # noqa: PLC0415
-    from actors.weights import publish  # noqa: PLC0415
-    from cluster.connect import connect  # noqa: PLC0415
-    from cluster.serve import resolve_models  # noqa: PLC0415
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.models import load_model  # noqa: PLC0415
-    from jobs.serve import start  # noqa: PLC0415
+    from actors import WeightStore
+    from actors.common import NAMESPACE, weights_name
+    from actors.weights import publish
+    from cluster.connect import connect
+    from cluster.serve import resolve_models
+    from distillspec.data import load_task
+    from distillspec.models import load_model
+    from jobs.serve import start
 
     del budget
     cfg = resolve_models(load_config(None, ["ray.run_name=vllm-bench", "serve.sync_every_s=0", *overrides]))
@@ -406,21 +406,21 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
 def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
     job (``ray.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
-    import os  # noqa: PLC0415
-    import shutil  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
+    import os
+    import shutil
+    import subprocess
 
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import matplotlib.pyplot as plt
+    import ray
+    from ray import serve
 
-    from cluster.connect import connect  # noqa: PLC0415
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.serving import merge_stats  # noqa: PLC0415
-    from jobs.serve import start  # noqa: PLC0415
+    from cluster.connect import connect
+    from distillspec.data import load_task
+    from distillspec.serving import merge_stats
+    from jobs.serve import start
 
     del distilled
     run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", *overrides]
@@ -484,12 +484,12 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
     """float32 against half precision on this machine, with the garden target's shape (random weights, no garden
     needed): a garden training step under bfloat16 autocast, and a target forward pass in each dtype. Tells
     whether ``garden.bf16`` and ``target_dtype=bfloat16`` pay off here (they do only with bfloat16 hardware)."""
-    import statistics  # noqa: PLC0415
+    import statistics
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from distillspec.garden import make_model, train_tokenizer  # noqa: PLC0415
-    from distillspec.models import native_bf16, native_half  # noqa: PLC0415
+    from distillspec.garden import make_model, train_tokenizer
+    from distillspec.models import native_bf16, native_half
 
     cfg = load_config(None, overrides)
     tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
@@ -555,14 +555,14 @@ GROUPS = {
 
 def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, tasks: list[str] | None = None) -> dict:
     """One suite of the results page (benchmarks/suites), timed, with the command and scale that made it."""
-    import platform  # noqa: PLC0415
-    from dataclasses import replace  # noqa: PLC0415
+    import platform
+    from dataclasses import replace
 
-    import torch  # noqa: PLC0415
+    import torch
 
-    from benchmarks.suites.common import SCALES, TASKS, command  # noqa: PLC0415
-    from benchmarks.suites.paper import SUITES as PAPER  # noqa: PLC0415
-    from benchmarks.suites.peers import SUITES as PEERS  # noqa: PLC0415
+    from benchmarks.suites.common import SCALES, TASKS, command
+    from benchmarks.suites.paper import SUITES as PAPER
+    from benchmarks.suites.peers import SUITES as PEERS
 
     sizes = SCALES[scale]
     if tasks:
@@ -583,8 +583,8 @@ def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, task
 
 
 def main() -> None:
-    from benchmarks.suites.paper import SUITES as PAPER  # noqa: PLC0415
-    from benchmarks.suites.peers import SUITES as PEERS  # noqa: PLC0415
+    from benchmarks.suites.paper import SUITES as PAPER
+    from benchmarks.suites.peers import SUITES as PEERS
 
     names = sorted([*SUITES, *PAPER, *PEERS, *GROUPS, "report"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -612,7 +612,7 @@ def main() -> None:
     start = time.perf_counter()
     for name in suites:
         if name == "report":
-            from benchmarks.suites.page import write_page  # noqa: PLC0415
+            from benchmarks.suites.page import write_page
 
             runs = [Path(r).resolve() for r in args.runs] if args.runs else [out]
             print(f"wrote {write_page(runs, Path(args.docs))}")

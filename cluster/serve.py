@@ -401,14 +401,14 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 def resolve_models(cfg: JobConfig) -> JobConfig:
     """Fill in the garden pair when no --target/--draft is given (built or taken from its cache); local model paths
     become absolute (replicas may run in another working directory)."""
-    from dataclasses import replace  # noqa: PLC0415
+    from dataclasses import replace
 
-    from distillspec.models import absolute  # noqa: PLC0415
+    from distillspec.models import absolute
 
     if cfg.target is not None:
         return replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.data import load_task
+    from distillspec.garden import build_garden
 
     garden = build_garden(load_task(cfg.dataset, seed=cfg.seed), cfg.garden, seed=cfg.seed)
     return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))

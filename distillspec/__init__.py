@@ -38,7 +38,7 @@ _EXPORTS = {
     ],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = list(_WHERE)  # noqa: PLE0605 (built from _EXPORTS)
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str) -> Any:

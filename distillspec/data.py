@@ -58,11 +58,11 @@ def score(metric: str | None, predictions: list[str], references: list[str]) -> 
         ]
         return {"accuracy": sum(hits) / len(hits)}
     if metric == "bleu":
-        import sacrebleu  # noqa: PLC0415
+        import sacrebleu
 
         return {"bleu": sacrebleu.corpus_bleu(predictions, [references]).score}
     if metric == "rouge":
-        from rouge_score import rouge_scorer  # noqa: PLC0415
+        from rouge_score import rouge_scorer
 
         scorer = rouge_scorer.RougeScorer(["rouge2", "rougeL"], use_stemmer=True)
         scores = [scorer.score(r, p) for p, r in zip(predictions, references)]
@@ -209,7 +209,7 @@ def _split_lm(name: str, text: str) -> Task:
 
 def load_hub(name: str) -> Task:
     """Load a task through ``datasets`` (needs the Hugging Face hub or its local cache)."""
-    import datasets  # noqa: PLC0415
+    import datasets
 
     try:
         if name == "gsm8k":
@@ -223,7 +223,7 @@ def load_hub(name: str) -> Task:
             conv, metric, test = (lambda r: summary_example(r["article"], r["highlights"])), "rouge", "test"
         elif name == "wmt14":
             ds = datasets.load_dataset("wmt14", "de-en")
-            conv = lambda r: translation_example(r["translation"]["en"], r["translation"]["de"])  # noqa: E731
+            conv = lambda r: translation_example(r["translation"]["en"], r["translation"]["de"])
             metric, test = "bleu", "test"
         else:  # lm1b
             ds = datasets.load_dataset("lm1b")

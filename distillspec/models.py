@@ -106,7 +106,7 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False) -> Non
     """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
     share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs.
     For a driver that leaves the models to its workers, before anything long starts."""
-    from distillspec.kvcache import LEAN_MODEL_TYPES  # noqa: PLC0415
+    from distillspec.kvcache import LEAN_MODEL_TYPES
 
     tokenizers, vocab = [], []
     for name in (target, draft):
@@ -134,7 +134,7 @@ def load_pair(
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The target (in ``target_dtype``: it is frozen, so bfloat16 halves its memory and time) and the draft (float32,
     to be trained), checked to share a tokenizer."""
-    from distillspec.speculative import check_pair  # noqa: PLC0415
+    from distillspec.speculative import check_pair
 
     dtype = getattr(torch, target_dtype) if isinstance(target_dtype, str) else target_dtype
     if torch.device(device).type == "cpu" and not native_half(dtype):

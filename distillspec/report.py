@@ -44,10 +44,10 @@ def format_table(records: list[dict]) -> str:
 
 def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     """Grouped bars of tau before / after per (gamma, temperature), with the gamma + 1 ceiling."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     pairs = _pairs(records)
     labels = [f"γ={b['gamma']}\nT={b['temperature']:g}" for b, _ in pairs]
@@ -70,10 +70,10 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
 
 def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Path, title: str = "") -> None:
     """Loss per learner step and, when the evaluation actor ran, alpha and tau per draft version."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     panels = 2 if evaluations else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
@@ -99,10 +99,10 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
 
 
 def _plt():
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt
 

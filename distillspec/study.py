@@ -70,7 +70,7 @@ def measure_pair(
 ) -> list[dict]:
     """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts
     (``desc``: show a progress bar with this label)."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
+    from tqdm.auto import tqdm
 
     test = task.test[:num_prompts]
     prompts, refs = [e.prompt for e in test], [e.reference for e in test]
@@ -182,7 +182,7 @@ def latency_per_token(
     max_new_tokens: int,
 ) -> float:
     """Seconds per generated token at batch 1, greedy: ``target`` alone (``draft`` None) or with SD."""
-    from distillspec.speculative import speculative_generate  # noqa: PLC0415
+    from distillspec.speculative import speculative_generate
 
     seconds, tokens = 0.0, 0
     for prompt in prompts:

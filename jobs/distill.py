@@ -26,7 +26,7 @@ from distillspec.config import JobConfig
 
 def main(cfg: JobConfig) -> list[dict]:
     """Run the job on a validated config; returns the measurement records."""
-    from cluster.distill_job import run  # noqa: PLC0415 (torch and Ray load after parsing: --help stays fast)
+    from cluster.distill_job import run  # torch and Ray load after parsing: --help stays fast
 
     return run(cfg)
 

@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 def main(cfg: JobConfig) -> Garden:
     """Build (or find in the cache) the garden of ``cfg.dataset``; print its folders and cost ratio."""
     # torch and transformers load after parsing: --help stays fast
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.garden import build_garden  # noqa: PLC0415
-    from distillspec.metrics import measure_cost_ratio  # noqa: PLC0415
-    from distillspec.models import encode_prompts, load_pair  # noqa: PLC0415
+    from distillspec.data import load_task
+    from distillspec.garden import build_garden
+    from distillspec.metrics import measure_cost_ratio
+    from distillspec.models import encode_prompts, load_pair
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     garden = build_garden(task, cfg.garden, seed=cfg.seed)

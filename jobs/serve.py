@@ -22,9 +22,9 @@ from distillspec.config import JobConfig
 
 def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
     """Deploy the endpoint on the connected Ray cluster; returns its base URL."""
-    from ray import serve  # noqa: PLC0415
+    from ray import serve
 
-    from cluster.serve import bind, resolve_models  # noqa: PLC0415
+    from cluster.serve import bind, resolve_models
 
     cfg = resolve_models(cfg)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
@@ -33,10 +33,10 @@ def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
 
 
 def main(cfg: JobConfig) -> None:
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import ray
+    from ray import serve
 
-    from cluster.connect import connect  # noqa: PLC0415
+    from cluster.connect import connect
 
     how = connect(cfg.ray)
     print(f"ray: {how}")

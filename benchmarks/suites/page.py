@@ -82,7 +82,7 @@ def _table(page: Page, data: dict) -> None:
 
 
 def _recipes(page: Page, data: dict) -> None:
-    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
+    from distillspec.report import plot_recipe_grid
 
     page.header("Figure 4 analogue: the recipe grid (data source x divergence)", data)
     page.add(
@@ -275,7 +275,7 @@ def _trl(page: Page, data: dict) -> None:
         "| time to the same alpha, ours / TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     )
-    from distillspec.study import race  # noqa: PLC0415
+    from distillspec.study import race
 
     for task, r in data["tasks"].items():
         reached = race(r["curves"]["ours"], r["curves"]["trl"])
@@ -359,7 +359,7 @@ def _pools(sweep: dict, task: str, i: int, runs: list[dict]) -> bool:
 
 def pool_seeds(sweeps: list[dict]) -> dict:
     """One recipe grid from runs of the same task and pair with different seeds (a later run wins a seed)."""
-    from jobs.sweep import summarise  # noqa: PLC0415
+    from jobs.sweep import summarise
 
     same = {(s.get("target"), s.get("draft"), s["steps"]) for s in sweeps}
     if len(sweeps) == 1 or len(same) > 1:  # different pairs or budgets do not pool: the latest run wins
@@ -383,7 +383,7 @@ def pearson(x: list[float], y: list[float]) -> float:
 def write_page(runs: Path | list[Path], docs: Path) -> Path:
     """Write ``docs/RESULTS.md`` (and copy the plots to ``docs/results/``) from the suites' JSON files under
     ``runs`` (one folder, or several whose tasks are merged: the latest folder wins a task they share)."""
-    from distillspec.errors import DistillSpecError  # noqa: PLC0415
+    from distillspec.errors import DistillSpecError
 
     runs = [runs] if isinstance(runs, Path) else runs
     found = {}

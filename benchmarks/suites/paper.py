@@ -20,15 +20,15 @@ from benchmarks.suites.page import pearson
 
 
 def _pair(cfg):
-    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.models import load_pair
 
     return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
 
 
 def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 4 on each task: the sweep (Ray Tune trials), its table and its heat map."""
-    from distillspec.report import plot_recipe_grid  # noqa: PLC0415
-    from jobs.sweep import format_sweep, run_sweep  # noqa: PLC0415
+    from distillspec.report import plot_recipe_grid
+    from jobs.sweep import format_sweep, run_sweep
 
     results = {}
     for name in available(scale.tasks):
@@ -48,10 +48,10 @@ def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 3c from the recipe suite's trials (no new runs): predicted vs measured tau."""
-    import json  # noqa: PLC0415
+    import json
 
-    from distillspec.errors import DistillSpecError  # noqa: PLC0415
-    from distillspec.report import plot_theory  # noqa: PLC0415
+    from distillspec.errors import DistillSpecError
+    from distillspec.report import plot_theory
 
     del overrides
     points = []
@@ -102,9 +102,9 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Table C.1: per task, tau and measured speedup (batch 1) before / after DistillSpec."""
-    from distillspec.models import load_model  # noqa: PLC0415
-    from distillspec.report import format_table, plot_tau  # noqa: PLC0415
-    from distillspec.study import measure_phase  # noqa: PLC0415
+    from distillspec.models import load_model
+    from distillspec.report import format_table, plot_tau
+    from distillspec.study import measure_phase
 
     results = {}
     for name in available(scale.tasks):
@@ -137,10 +137,10 @@ LENIENCE_GRID = {
 
 def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 5b: task score vs predicted latency of lossy SD, raw vs distilled draft (T = 1, gamma 5)."""
-    from distillspec.metrics import measure_cost_ratio  # noqa: PLC0415
-    from distillspec.models import encode_prompts, load_model  # noqa: PLC0415
-    from distillspec.report import plot_lenience  # noqa: PLC0415
-    from distillspec.study import measure_pair  # noqa: PLC0415
+    from distillspec.metrics import measure_cost_ratio
+    from distillspec.models import encode_prompts, load_model
+    from distillspec.report import plot_lenience
+    from distillspec.study import measure_pair
 
     results = {}
     for name in available(scale.tasks):
@@ -183,13 +183,13 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
 def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 6: quality vs latency of raw, distilled, speculative and DistillSpec models over three sizes."""
     from distillspec.config import (
-        ModelSize,  # noqa: PLC0415
-        cell_config,  # noqa: PLC0415
+        ModelSize,
+        cell_config,
     )
-    from distillspec.garden import build_garden  # noqa: PLC0415
-    from distillspec.models import load_model  # noqa: PLC0415
-    from distillspec.report import plot_garden  # noqa: PLC0415
-    from distillspec.study import draft_score, latency_per_token, run_cell  # noqa: PLC0415
+    from distillspec.garden import build_garden
+    from distillspec.models import load_model
+    from distillspec.report import plot_garden
+    from distillspec.study import draft_score, latency_per_token, run_cell
 
     results = {}
     for name in available(scale.garden_tasks):
@@ -250,12 +250,12 @@ def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task."""
-    from distillspec.config import cell_config  # noqa: PLC0415
-    from distillspec.data import Task, load_task  # noqa: PLC0415
-    from distillspec.errors import DistillSpecError  # noqa: PLC0415
-    from distillspec.garden import build_garden  # noqa: PLC0415
-    from distillspec.models import load_pair  # noqa: PLC0415
-    from distillspec.study import measure_pair, run_cell  # noqa: PLC0415
+    from distillspec.config import cell_config
+    from distillspec.data import Task, load_task
+    from distillspec.errors import DistillSpecError
+    from distillspec.garden import build_garden
+    from distillspec.models import load_pair
+    from distillspec.study import measure_pair, run_cell
 
     names = [n for n in available(scale.tasks) if n != "arith"]
     if len(names) < 2:

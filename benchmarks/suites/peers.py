@@ -21,7 +21,7 @@ from benchmarks.suites.common import Scale, available, task_config, with_garden
 
 
 def _load(cfg):
-    from distillspec.models import load_pair  # noqa: PLC0415
+    from distillspec.models import load_pair
 
     return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
 
@@ -29,7 +29,7 @@ def _load(cfg):
 @torch.inference_mode()
 def _timed(fn, prompts: list[str], tokenizer, batch: int) -> tuple[float, list[list[int]]]:
     """Tokens/s of ``fn(ids, mask) -> (sequences, prompt_width, num_new)`` over ``prompts`` in batches."""
-    from distillspec.models import encode_prompts  # noqa: PLC0415
+    from distillspec.models import encode_prompts
 
     seconds, tokens, outputs = 0.0, 0, []
     for i in range(0, len(prompts), batch):
@@ -46,7 +46,7 @@ def _timed(fn, prompts: list[str], tokenizer, batch: int) -> tuple[float, list[l
 def decoder(kind: str, target, draft, tok, *, gamma: int, max_new_tokens: int, temperature: float, seed: int = 0):
     """``fn(ids, mask) -> (sequences, num_new)`` for ``kind``: hf, hf_assisted (transformers), ours, ours_sd,
     ours_sd_compiled (both models' decoding steps through ``torch.compile``)."""
-    from distillspec.speculative import autoregressive_generate, speculative_generate  # noqa: PLC0415
+    from distillspec.speculative import autoregressive_generate, speculative_generate
 
     eos, pad = tok.eos_token_id, tok.pad_token_id
 
@@ -152,7 +152,7 @@ def suite_assisted(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 
 def _alpha(target, draft, tok, task, cfg) -> float:
-    from distillspec.study import measure_pair  # noqa: PLC0415
+    from distillspec.study import measure_pair
 
     draft.eval()
     (r,) = measure_pair(
@@ -187,7 +187,7 @@ class _Clock:
 
 def _ours_curve(target, draft, tok, task, cfg, dcfg, steps: int, every: int, start_alpha: float) -> list[dict]:
     """Our synchronous loop (Algorithm A.2) on a copy of ``draft``: alpha every ``every`` steps against seconds."""
-    from distillspec.learner import Distiller  # noqa: PLC0415
+    from distillspec.learner import Distiller
 
     model = copy.deepcopy(draft)
     distiller = Distiller(target, model, tok, task.train, replace_steps(dcfg, steps), seed=cfg.seed)
@@ -212,12 +212,12 @@ BEST_RECIPES = {
 
 def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
     """alpha vs training time: ours (sync loop, recipe gkd) vs TRL's DistillationTrainer, same settings."""
-    from datasets import Dataset  # noqa: PLC0415
-    from trl import DistillationConfig, DistillationTrainer  # noqa: PLC0415
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
 
-    from distillspec.config import cell_config  # noqa: PLC0415
-    from distillspec.report import plot_peer_curves  # noqa: PLC0415
-    from distillspec.study import race  # noqa: PLC0415
+    from distillspec.config import cell_config
+    from distillspec.report import plot_peer_curves
+    from distillspec.study import race
 
     results = {}
     for name in available(scale.tasks[:1]):
@@ -311,7 +311,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def probe(clock: _Clock, curve: list[dict], every: int, measure, student):
     """A TRL (transformers) callback that appends ``{step, seconds, alpha}`` to ``curve`` every ``every`` steps."""
-    from transformers import TrainerCallback  # noqa: PLC0415
+    from transformers import TrainerCallback
 
     class Probe(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -327,7 +327,7 @@ def probe(clock: _Clock, curve: list[dict], every: int, measure, student):
 
 
 def replace_steps(d, steps: int):
-    from dataclasses import replace  # noqa: PLC0415
+    from dataclasses import replace
 
     return replace(d, steps=steps, time_budget_s=0.0)
 
