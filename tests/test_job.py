@@ -130,10 +130,11 @@ def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
     [
         (["--dataset", "./missing/data"], "dataset path './missing/data' does not exist"),
         (["--target", "./nope", "--draft", "./nope2"], "model path './nope' does not exist"),
-        (["eval.gammas=[0]"], "gamma=0"),
+        (["eval.gammas=[0]"], "eval.gammas[0]=0: input should be greater than or equal to 1"),
+        (["distill.stepz=3"], "unknown config key 'distill.stepz' (did you mean 'steps'?)"),
         (["--draft", "./x"], "give both --target and --draft"),
-        (["ray.mode=fast"], "ray.mode='fast': choose one of ['async', 'sync']"),
-        (["ray.num_rollout_workers=0"], "ray.num_rollout_workers=0: must be an integer >= 1"),
+        (["ray.mode=fast"], "ray.mode='fast': choose one of ['async', 'sync'] (did you mean 'async'?)"),
+        (["ray.num_rollout_workers=0"], "ray.num_rollout_workers=0: input should be greater than or equal to 1"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path):
