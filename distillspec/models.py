@@ -18,11 +18,26 @@ def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
 
 
-def _check_path(name: str) -> None:
-    if _looks_local(name) and not Path(name).expanduser().exists():
+#: What a model folder made by ``save_pretrained`` (with its tokenizer) holds, besides the weights.
+MODEL_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _check_path(name: str, weights: bool = True) -> None:
+    """A local model path exists and holds what loading it needs (the tokenizer only, unless ``weights``)."""
+    path = Path(name).expanduser()
+    if _looks_local(name) and not path.exists():
         raise DistillSpecError(
             f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
         )
+    if path.is_dir():
+        missing = [f for f in MODEL_FILES if (weights or f.startswith("tokenizer")) and not (path / f).exists()]
+        if weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            missing.append("weights (*.safetensors)")
+        if missing:
+            raise DistillSpecError(
+                f"model folder {name!r} lacks {', '.join(missing)}: save the model and its tokenizer there with "
+                "save_pretrained"
+            )
 
 
 def absolute(name: str | None) -> str | None:
@@ -65,7 +80,7 @@ def native_half(dtype: torch.dtype) -> bool:
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of a hub id or a local ``save_pretrained`` directory, with a pad token (EOS if it has none)."""
-    _check_path(name)
+    _check_path(name, weights=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as exc:

@@ -132,3 +132,14 @@ def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
     assert set(result["train_step_s"]) == {"float32", "bfloat16 autocast"}
     assert set(result["forward_s"]) == {"float32", "bfloat16", "float16"}
     assert all(s > 0 for s in [*result["train_step_s"].values(), *result["forward_s"].values()])
+
+
+def test_an_empty_or_partial_model_folder_says_what_is_missing(tmp_path):
+    from distillspec.models import check_pair_sources
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DistillSpecError, match="lacks config.json, tokenizer_config.json, weights"):
+        check_pair_sources(str(tmp_path / "empty"), str(tmp_path / "empty"))
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(DistillSpecError, match=r"lacks tokenizer_config.json, weights \(\*.safetensors\)"):
+        check_pair_sources(str(tmp_path / "empty"), str(tmp_path / "empty"))
