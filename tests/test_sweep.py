@@ -61,8 +61,8 @@ def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sweep.sources=[web]"], "sweep.sources has 'web'"),
-        (["sweep.divergences=[]"], "sweep.divergences is empty"),
+        (["sweep.sources=[web]"], "sweep.sources[0]='web': choose one of ['fixed', 'draft', 'target', 'mixed']"),
+        (["sweep.divergences=[]"], "sweep.divergences=[]: list should have at least 1 item"),
         (["sweep.rank_temperature=0.5"], "sweep.rank_temperature=0.5 is not among eval.temperatures"),
     ],
 )
