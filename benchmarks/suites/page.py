@@ -216,8 +216,8 @@ def _assisted(page: Page, data: dict) -> None:
     compiled = all("ours_sd_compiled" in t[temp] for t in data["tasks"].values() for temp in ("T0", "T1"))
     page.add(
         "Same garden pair, same gamma, batch 1, one prompt at a time: `target.generate(assistant_model=draft)` with a "
-        "constant `num_assistant_tokens` = gamma, against our `speculative_generate`; and ours at batch 8, which "
-        "assisted generation does not support. Goal: ours >= 1.3x assisted generation at batch 1."
+        "constant `num_assistant_tokens` = gamma, against this project's `speculative_generate`; and the same at "
+        "batch 8, which assisted generation does not support."
         + (
             " *Compiled*: `speculative_generate(..., compile=True)`, both models' decoding steps through "
             "`torch.compile` at static shapes; compiling (with one pass over the prompts) is left out of the timed "
@@ -226,9 +226,9 @@ def _assisted(page: Page, data: dict) -> None:
             else ""
         ),
         "",
-        "| task | T | HF generate | HF assisted | ours, target only | ours SD | ours SD batch 8 "
-        "| ours SD / HF assisted | "
-        + ("ours SD compiled | compiled / HF assisted | compile s | " if compiled else "")
+        "| task | T | HF generate | HF assisted | DistillSpec, target only | DistillSpec SD | DistillSpec SD batch 8 "
+        "| DistillSpec SD / HF assisted | "
+        + ("DistillSpec SD compiled | compiled / HF assisted | compile s | " if compiled else "")
         + "greedy outputs equal |",
         "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if compiled else "") + "---|",
     )
@@ -264,15 +264,14 @@ def _assisted(page: Page, data: dict) -> None:
 def _trl(page: Page, data: dict) -> None:
     page.header("Peer: TRL's on-policy distillation trainer", data)
     page.add(
-        "TRL's `DistillationTrainer` (on-policy generalised JSD, the GKD trainer's successor) against our loop with "
-        "the "
-        "matching recipe (`gkd`: draft-generated data, JSD with the same beta), same pair, prompts, batch, learning "
+        "TRL's `DistillationTrainer` (on-policy generalised JSD, the GKD trainer's successor) against this project's "
+        "loop with the matching recipe (`gkd`: draft-generated data, JSD with the same beta), same pair, prompts, batch, learning "
         "rate, schedule and steps. alpha (gamma = 5, T = 1, held-out prompts) against training seconds; evaluations "
-        "are left out of the clock. The common alpha is the lower of the two best; goal: ours reaches it in <= 0.5x "
-        "TRL's time.",
+        "are left out of the clock. The common alpha is the lower of the two best; the table gives the time each loop "
+        "needs to reach it.",
         "",
-        "| task | steps | batch | alpha start | alpha ours | alpha TRL | seconds ours | seconds TRL "
-        "| time to the same alpha, ours / TRL |",
+        "| task | steps | batch | alpha start | alpha DistillSpec | alpha TRL | seconds DistillSpec | seconds TRL "
+        "| time to the same alpha, DistillSpec / TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     )
     from distillspec.study import race
@@ -293,7 +292,7 @@ def _trl(page: Page, data: dict) -> None:
         if "time_ratio_best_over_trl" in r:
             b, src = r["time_ratio_best_over_trl"], r["best_recipe"]
             page.add(
-                f"| {task}, ours with the task's best recipe ({src['source']} data, {src['divergence']}) | "
+                f"| {task}, DistillSpec with the task's best recipe ({src['source']} data, {src['divergence']}) | "
                 f"{r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | "
                 f"{r['curves']['ours_best'][-1]['alpha']:.3f} | {r['alpha_final']['trl']:.3f} | "
                 f"{r['curves']['ours_best'][-1]['seconds']:.0f} | {r['train_seconds']['trl']:.0f} | "
