@@ -264,11 +264,11 @@ def _assisted(page: Page, data: dict) -> None:
 def _trl(page: Page, data: dict) -> None:
     page.header("Peer: TRL's on-policy distillation trainer", data)
     page.add(
-        "TRL's `DistillationTrainer` (on-policy generalised JSD, the GKD trainer's successor) against this project's "
-        "loop with the matching recipe (`gkd`: draft-generated data, JSD with the same beta), same pair, prompts, batch, learning "
-        "rate, schedule and steps. alpha (gamma = 5, T = 1, held-out prompts) against training seconds; evaluations "
-        "are left out of the clock. The common alpha is the lower of the two best; the table gives the time each loop "
-        "needs to reach it.",
+        "TRL's `DistillationTrainer` (on-policy generalised JSD, the GKD trainer's successor) against this "
+        "project's loop with the matching recipe (`gkd`: draft-generated data, JSD with the same beta), same "
+        "pair, prompts, batch, learning rate, schedule and steps. alpha (gamma = 5, T = 1, held-out prompts) "
+        "against training seconds; evaluations are left out of the clock. The common alpha is the lower of "
+        "the two best; the table gives the time each loop needs to reach it.",
         "",
         "| task | steps | batch | alpha start | alpha DistillSpec | alpha TRL | seconds DistillSpec | seconds TRL "
         "| time to the same alpha, DistillSpec / TRL |",
