@@ -1,9 +1,8 @@
 """Ray actors of the asynchronous pipeline: thin shells that hold state, move data and call ``distillspec``."""
 
-from actors.buffer import BufferActor
 from actors.evaluator import EvalActor
 from actors.prompts import PromptLog
 from actors.rollout import RolloutActor, ScorerActor
-from actors.weights import WeightStore
+from actors.stores import BufferActor, WeightStore
 
 __all__ = ["BufferActor", "EvalActor", "PromptLog", "RolloutActor", "ScorerActor", "WeightStore"]

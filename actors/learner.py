@@ -22,33 +22,29 @@ from ray.train.torch import TorchTrainer
 
 from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.weights import publish
+from actors.stores import publish
 from distillspec.config import JobConfig
-from distillspec.distill import batch_from_arrays, target_from_arrays, train_temperature
+from distillspec.distill import train_temperature
 from distillspec.errors import DistillSpecError
 from distillspec.learner import Learner, load_checkpoint, save_checkpoint
 from distillspec.models import load_model
+from distillspec.rollout import RolloutBatch
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  #: Ray Train's record of the registered checkpoints, in RUN_DIR
 
 
-def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> tuple[int, str, dict]:
-    """Block until the buffer hands over a batch; raise when none comes for ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        items = ray.get(buffer.take.remote(1, version))
-        if items is None:
-            raise DistillSpecError("the buffer was closed before training ended: rollouts stopped (see the driver)")
-        if items:
-            sampled, source, refs = items[0]
-            return sampled, source, ray.get(refs[0])
-        if time.monotonic() > deadline:
-            raise DistillSpecError(
-                f"the learner got no batch for {timeout_s:.0f} s: are the rollout actors alive? "
-                "(see the Ray dashboard's actor logs; ray.take_timeout_s sets this limit)"
-            )
-        time.sleep(0.01)
+def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> RolloutBatch:
+    """The next batch for the learner at ``version``: waits for one, raises when none comes for ``timeout_s``."""
+    refs = ray.get(buffer.take.remote(1, version, timeout_s))
+    if refs is None:
+        raise DistillSpecError("the buffer was closed before training ended: rollouts stopped (see the driver)")
+    if not refs:
+        raise DistillSpecError(
+            f"the learner got no batch for {timeout_s:.0f} s: are the rollout actors alive? "
+            "(see the Ray dashboard's actor logs; ray.take_timeout_s sets this limit)"
+        )
+    return ray.get(refs[0])
 
 
 def _agree(flag: bool) -> bool:
@@ -101,12 +97,12 @@ def learner_loop(config: dict) -> None:
     steps = cfg.distill.steps
     while learner.step_count < steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
         t_take = time.perf_counter()
-        version, source, arrays = take_batch(buffer, learner.step_count, cfg.ray.take_timeout_s)
+        batch = take_batch(buffer, learner.step_count, cfg.ray.take_timeout_s)
         record = learner.step(
-            batch_from_arrays(arrays, device),
-            target_logits=target_from_arrays(arrays, temperature, device),
-            source=source,
-            version=version,
+            batch.batch(device),
+            target_logits=batch.target(temperature, device),
+            source=batch.source,
+            version=batch.version,
             wait_s=time.perf_counter() - t_take,
             start=start,
         )
@@ -114,7 +110,7 @@ def learner_loop(config: dict) -> None:
             publish(store, draft, learner.step_count, record)
         log_records.append(record)
         gauge("distillspec_learner_loss", record["loss"], run=run)
-        for name, value in rate.add(len(arrays["input_ids"]), record["tokens"]).items():
+        for name, value in rate.add(batch.rows, record["tokens"]).items():
             gauge(f"distillspec_learner_{name}_per_s", value, run=run)
         every = cfg.distill.checkpoint_every
         if every and learner.step_count % every == 0 and learner.step_count < steps:

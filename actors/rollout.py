@@ -9,22 +9,14 @@ import time
 import ray
 import torch
 
-from actors.common import log, prompts_name, setup_worker, weights_name
+from actors.common import buffer_name, log, prompts_name, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.weights import fetch, load_arrays
-from distillspec.config import JobConfig
+from actors.stores import fetch, load_arrays
+from distillspec.config import JobConfig, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import (
-    Sampler,
-    batch_from_arrays,
-    batch_to_arrays,
-    forward_logits,
-    needs_target_samples,
-    resolve_recipe,
-    target_to_arrays,
-    train_temperature,
-)
+from distillspec.distill import forward_logits, train_temperature
 from distillspec.models import load_model, load_tokenizer
+from distillspec.rollout import RolloutBatch, Sampler, needs_target_samples
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
@@ -61,33 +53,41 @@ class RolloutActor:
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
         self.prompts = ray.get_actor(prompts_name(cfg.ray.run_name)) if cfg.ray.online else None
-        self.version = -1
+        self.version = -1  #: the draft version this actor samples with
         self.made = 0
+        self.sampled: list[dict] = []  #: version, source and the buffer's answer of each batch made
         log.info("rollout %d up (pid %d%s)", rank, os.getpid(), ", restarted" if restarted else "")
 
     def pid(self) -> int:
         return os.getpid()
 
-    @ray.method(num_returns=2)
-    def sample(self) -> tuple[dict, dict]:
-        """One batch from the latest draft: ``(meta, arrays)``. Two returns, so the driver reads the small meta
-        and passes the arrays on as a reference; both are owned by the caller and outlive this actor."""
+    def run(self) -> int:
+        """Sample into the buffer until it closes; returns the number of batches made. Each batch is sampled only
+        once the buffer holds a slot for it."""
+        buffer = ray.get_actor(buffer_name(self.cfg.ray.run_name))
+        while ray.get(buffer.reserve.remote(self.rank, timeout_s=5.0)):
+            batch, seconds = self.sample()
+            status = ray.get(buffer.put.remote([ray.put(batch)], self.rank))
+            self.sampled.append({"version": batch.version, "source": batch.source, "status": status})
+            rows, run, name = batch.rows, self.cfg.ray.run_name, str(self.rank)
+            gauge("distillspec_rollout_samples_per_s", rows / seconds, run=run, actor=name)
+            gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
+            if status == "closed":
+                break
+        return self.made
+
+    def sample(self) -> tuple[RolloutBatch, float]:
+        """One batch from the latest draft, and the seconds it took."""
         self.sync()
         if self.prompts is not None:
             self.sampler.train = self.served_prompts()
         start = time.perf_counter()
-        source, batch = self.sampler()
-        arrays = batch_to_arrays(batch)
+        source, tokens = self.sampler()
+        batch = RolloutBatch.from_batch(tokens, version=self.version, source=source)
         if self.scorers:
-            scorer = self.scorers[self.made % len(self.scorers)]
-            arrays.update(ray.get(scorer.score.remote(arrays)))
-        seconds = time.perf_counter() - start
+            batch = ray.get(self.scorers[self.made % len(self.scorers)].score.remote(batch))
         self.made += 1
-        rows, run, name = batch.input_ids.shape[0], self.cfg.ray.run_name, str(self.rank)
-        gauge("distillspec_rollout_samples_per_s", rows / seconds, run=run, actor=name)
-        gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
-        meta = {"version": self.version, "source": source, "rows": rows, "tokens": batch.tokens, "seconds": seconds}
-        return meta, arrays
+        return batch, time.perf_counter() - start
 
     def served_prompts(self) -> list[Example]:
         """Online distillation: the latest prompts the endpoint served (waits until there are enough)."""
@@ -109,7 +109,13 @@ class RolloutActor:
     def stats(self) -> dict:
         """The version this actor samples with and, with vLLM, its in-place weight loads."""
         loads = self.engine.loads if self.draft is None else None
-        return {"version": self.version, "made": self.made, "weight_loads": loads, "pid": os.getpid()}
+        return {
+            "version": self.version,
+            "made": self.made,
+            "sampled": self.sampled,
+            "weight_loads": loads,
+            "pid": os.getpid(),
+        }
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1)
@@ -129,11 +135,12 @@ class ScorerActor:
             self.target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
 
     @torch.inference_mode()
-    def score(self, arrays: dict) -> dict:
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """``batch`` with the target's distribution attached."""
         if self.engine is not None:
             from distillspec.vllm_backend import prompt_topk  # loaded by __init__ already
 
-            top = prompt_topk(self.engine, batch_from_arrays(arrays), self.topk)
-            return {"target_topk_logprobs": top.logprobs.numpy(), "target_topk_indices": top.indices.numpy()}
-        batch = batch_from_arrays(arrays, self.target.device)
-        return target_to_arrays(forward_logits(self.target, batch), self.topk, self.temperature)
+            batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))
+            return batch
+        batch.set_target(forward_logits(self.target, batch.batch(self.target.device)), self.topk, self.temperature)
+        return batch

@@ -233,7 +233,7 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
 
     from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.weights import publish
+    from actors.stores import publish
     from cluster.connect import connect
     from distillspec.data import load_task
     from distillspec.models import load_model
@@ -325,7 +325,7 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
 
     from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.weights import publish
+    from actors.stores import publish
     from cluster.connect import connect
     from cluster.serve import resolve_models
     from distillspec.data import load_task

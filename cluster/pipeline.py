@@ -1,10 +1,10 @@
 """The driver of the asynchronous pipeline: it starts the actors, runs the Ray Train learner, and gathers
 what they produced.
 
-    rollout actors --ray.put--> buffer (refs) --take--> learner (TorchTrainer) --publish--> weight store
-          ^                                                                                     |
-          +---------------------------------- pull latest version -----------------------------+
-                                          evaluation actor --pull--+
+    rollout actors --put--> buffer (refs) --take--> learner (TorchTrainer) --publish--> weight store
+          ^                                                                                  |
+          +------------------------------- fetch latest version ----------------------------+
+                                       evaluation actor, Serve replicas --fetch--+
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import AutoConfig
 from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
 from actors.common import buffer_name, prompts_name, weights_name
 from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
-from actors.weights import publish
+from actors.stores import publish
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
@@ -123,13 +123,14 @@ class Pipeline:
             max_batch_tokens=r.max_batch_tokens,
             vocab_size=vocab,
             run=r.run_name,
+            store=self.store,
         )
         self.prompt_log = None
         if r.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
             wait_for_names([prompts_name(r.run_name)])
             self.prompt_log = PromptLog.options(name=prompts_name(r.run_name)).remote(r.run_name, r.online_window)
             ray.get(self.prompt_log.stats.remote())
-        ray.get([self.store.version.remote(), self.buffer.free_slots.remote()])  # up, and the names are free
+        ray.get([self.store.version.remote(), self.buffer.ledger.remote()])  # up, and the names are free
         self.scorers = []
         if r.target_logits == "scorer":
             self.scorers = [ScorerActor.options(num_cpus=r.scorer_cpus).remote(cfg) for _ in range(r.num_scorers)]
@@ -145,33 +146,28 @@ class Pipeline:
             EvalActor.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(cfg, prompts) if r.eval_every else None
         )
 
-    def feed(self) -> None:
-        """The driver's rollout loop (a thread beside the learner): keep each rollout actor busy while the
-        buffer has room, and hand each finished batch's reference to the buffer."""
-        inflight: dict[ray.ObjectRef, tuple[int, ray.ObjectRef]] = {}
-        while not self.stopping.is_set():
-            room = ray.get(self.buffer.free_slots.remote()) - len(inflight)
-            busy = {i for i, _ in inflight.values()}
-            for i, actor in enumerate(self.rollouts):
-                if room > 0 and i not in busy:
-                    meta, arrays = actor.sample.remote()
-                    inflight[meta] = (i, arrays)
-                    room -= 1
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.1) if inflight else ([], [])
-            if not inflight:
-                time.sleep(0.02)
-            for meta_ref in ready:
-                _, arrays = inflight.pop(meta_ref)
-                meta = ray.get(meta_ref)
-                while (status := ray.get(self.buffer.put.remote([arrays], meta["version"], meta["source"]))) == "full":
-                    time.sleep(0.02)
-                self.sampled.append({**meta, "status": status})
+    def watch(self) -> None:
+        """Beside the learner: a rollout actor's failure (one Ray cannot cure by restarting it) closes the buffer,
+        so the learner stops at once, and is kept for :meth:`run` to report."""
+        pending = list(self.runs)
+        while pending and not self.stopping.is_set():
+            ready, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # a RayTaskError carries the actor's own exception as its cause
+                    cause = getattr(exc, "cause", None) or exc
+                    self.feed_error = f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
+                    self.stopping.set()
+                    ray.get(self.buffer.close.remote())
+                    return
 
     def run(self) -> PipelineResult:
         start = time.perf_counter()
         self.stopping, self.sampled, self.feed_error = threading.Event(), [], None
-        feeder = threading.Thread(target=self._feed_guarded, name="rollout-feeder", daemon=True)
-        feeder.start()
+        self.runs = [actor.run.remote() for actor in self.rollouts]
+        watcher = threading.Thread(target=self.watch, name="rollout-watcher", daemon=True)
+        watcher.start()
         eval_run = self.evaluator.run.remote() if self.evaluator else None
         console = threading.Thread(target=self._console, name="console", daemon=True)
         console.start()
@@ -179,18 +175,20 @@ class Pipeline:
             result = make_trainer(self.cfg, self.out).fit()
         except Exception as exc:
             if self.feed_error is not None:
-                raise DistillSpecError(f"the rollout feeder failed: {self.feed_error}") from exc
+                raise DistillSpecError(f"a rollout actor failed: {self.feed_error}") from exc
             raise DistillSpecError(f"the learner failed: {str(exc).splitlines()[0][:300]}") from exc
         finally:
             self.stopping.set()
-            feeder.join()
+            watcher.join()
             console.join()
             ledger = ray.get(self.buffer.close.remote())
+            stats = ray.get([actor.stats.remote() for actor in self.rollouts], timeout=60)
+            self.sampled = [s for actor in stats for s in actor["sampled"]]
             if self.evaluator is not None:
                 ray.get(self.evaluator.stop.remote())
                 ray.get(eval_run)
         if self.feed_error is not None:
-            raise DistillSpecError(f"the rollout feeder failed: {self.feed_error}")
+            raise DistillSpecError(f"a rollout actor failed: {self.feed_error}")
         draft_dir = self.out / "draft"
         with result.checkpoint.as_directory() as d:
             shutil.rmtree(draft_dir, ignore_errors=True)
@@ -253,14 +251,6 @@ class Pipeline:
             )
             bar.refresh()
         bar.close()
-
-    def _feed_guarded(self) -> None:
-        try:
-            self.feed()
-        except Exception as exc:  # surfaced by run(); closing the buffer stops the learner
-            self.feed_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            self.stopping.set()
-            ray.get(self.buffer.close.remote())
 
     def shutdown(self) -> None:
         extra = [a for a in (self.evaluator, self.prompt_log) if a is not None]

@@ -32,7 +32,7 @@ from ray import serve
 from ray.serve import metrics
 
 from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.weights import fetch, pull
+from actors.stores import fetch, pull
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_pair, load_tokenizer

@@ -22,6 +22,7 @@ _EXPORTS = {
     ],
     "distillspec.errors": ["DistillSpecError"],
     "distillspec.learner": ["Learner"],
+    "distillspec.rollout": ["RolloutBatch", "SampleBuffer", "Sampler"],
     "distillspec.metrics": [
         "AcceptanceCounts",
         "alpha_from_tvd",

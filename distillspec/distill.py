@@ -1,35 +1,23 @@
-"""Distillation of the draft toward the target (DistillSpec Algorithm A.2, Table 1 recipes).
+"""Distillation of the draft toward the target (DistillSpec Algorithm A.2, Table 1 recipes): the batch, how its
+continuations are generated, and the loss.
 
-Each step draws its data source: with probability ``lambda1`` the fixed data set; otherwise, with
-probability ``lambda2``, continuations sampled from the draft (on-policy); else from the target (made
-with speculative decoding, which samples the target's distribution exactly). The draft is then moved
-toward the target by the sequence-level divergence of Eq. 2 over the continuation tokens.
+The draft is moved toward the target by the sequence-level divergence of Eq. 2 over the continuation tokens
+(:func:`kd_loss`); where each batch comes from is :mod:`distillspec.rollout`.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import Recipe, resolve_recipe
+from distillspec.config import Recipe
 from distillspec.data import Example
-from distillspec.divergences import TopKLogprobs, compress_topk, divergence
-from distillspec.errors import DistillSpecError
+from distillspec.divergences import TopKLogprobs, divergence
 from distillspec.models import encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
-
-
-def draw_source(rng: random.Random, recipe: Recipe) -> str:
-    """``"fixed"``, ``"draft"`` or ``"target"``, as in Algorithm A.2."""
-    if rng.random() < recipe.lambda1:
-        return "fixed"
-    return "draft" if rng.random() < recipe.lambda2 else "target"
 
 
 @dataclass
@@ -60,39 +48,6 @@ class Batch:
     def window_mask(self) -> Tensor:
         """``loss_mask`` from :attr:`window` on, aligned with :func:`forward_logits`."""
         return self.loss_mask[:, self.window :]
-
-
-def batch_to_arrays(batch: Batch) -> dict[str, np.ndarray]:
-    """The batch as numpy arrays: what travels through Ray's object store (read zero-copy)."""
-    return {k: getattr(batch, k).cpu().numpy() for k in ("input_ids", "attention_mask", "loss_mask")}
-
-
-def batch_from_arrays(arrays: dict[str, np.ndarray], device: str | torch.device = "cpu") -> Batch:
-    keys = ("input_ids", "attention_mask", "loss_mask")
-    return Batch(*(torch.as_tensor(np.array(arrays[k]), device=device) for k in keys))
-
-
-def target_to_arrays(target_logits: Tensor, topk: int, temperature: float) -> dict[str, np.ndarray]:
-    """The target's distribution for shipping: full logits (``topk=0``) or top-k log-probs (see compress_topk)."""
-    if topk == 0:
-        return {"target_logits": target_logits.float().cpu().numpy()}
-    top = compress_topk(target_logits, min(topk, target_logits.shape[-1]), temperature)
-    return {"target_topk_logprobs": top.logprobs.cpu().numpy(), "target_topk_indices": top.indices.cpu().numpy()}
-
-
-def target_from_arrays(
-    arrays: dict[str, np.ndarray], temperature: float, device: str | torch.device = "cpu"
-) -> Tensor | TopKLogprobs | None:
-    """The shipped target distribution of a batch, or None when the learner is to compute it."""
-    if "target_logits" in arrays:
-        return torch.as_tensor(np.array(arrays["target_logits"]), device=device)
-    if "target_topk_logprobs" in arrays:
-        return TopKLogprobs(
-            torch.as_tensor(np.array(arrays["target_topk_logprobs"]), device=device),
-            torch.as_tensor(np.array(arrays["target_topk_indices"]), device=device),
-            temperature,
-        )
-    return None
 
 
 def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, lengths: Tensor) -> Batch:
@@ -203,86 +158,3 @@ def kd_loss(
 def train_temperature(temperature: float) -> float:
     """The divergence temperature: the sampling temperature, or 1 for greedy (T = 0) samples."""
     return temperature if temperature > 0 else 1.0
-
-
-def needs_target_samples(recipe: Recipe) -> bool:
-    """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
-    return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
-
-
-#: A sampler backend: the continuations of a batch of ``examples`` from ``source`` ("draft" or "target").
-Generate = Callable[[str, list[Example]], Batch]
-
-
-class HFGenerator:
-    """The transformers/torch backend of :class:`Sampler`: the draft samples on-policy continuations, and
-    speculative decoding with the draft samples the target's (``distillspec.vllm_backend.VLLMGenerator`` is the
-    vLLM one)."""
-
-    def __init__(
-        self,
-        target: PreTrainedModel | None,
-        draft: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int = 0,
-    ) -> None:
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
-        self.generator = torch.Generator(device=draft.device).manual_seed(seed)
-
-    def __call__(self, source: str, examples: list[Example]) -> Batch:
-        self.draft.eval()
-        return generate_batch(
-            source,
-            self.target,
-            self.draft,
-            self.tokenizer,
-            examples,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            generator=self.generator,
-        )
-
-
-class Sampler:
-    """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
-
-    Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline. Continuations come
-    from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``). ``target`` may be None when
-    the recipe never asks for target-generated data, and both may be None when ``generate`` is given.
-    """
-
-    def __init__(
-        self,
-        target: PreTrainedModel | None,
-        draft: PreTrainedModel | None,
-        tokenizer: PreTrainedTokenizerBase,
-        train: list[Example],
-        cfg,
-        *,
-        seed: int = 0,
-        max_len: int = 256,
-        generate: Generate | None = None,
-    ) -> None:
-        if not train:
-            raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
-        self.recipe = resolve_recipe(cfg)
-        if generate is None:
-            if target is None and needs_target_samples(self.recipe):
-                raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
-            generate = HFGenerator(
-                target, draft, tokenizer, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed
-            )
-        self.generate, self.tokenizer, self.train, self.cfg = generate, tokenizer, train, cfg
-        self.max_len = max_len
-        self.rng = random.Random(seed)
-
-    def __call__(self) -> tuple[str, Batch]:
-        source = draw_source(self.rng, self.recipe)
-        examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
-        if source == "fixed":
-            return source, encode_examples(self.tokenizer, examples, self.max_len)
-        return source, self.generate(source, examples)

@@ -22,9 +22,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import Batch, Sampler, kd_loss
+from distillspec.distill import Batch, kd_loss
 from distillspec.divergences import TopKLogprobs
 from distillspec.models import load_model
+from distillspec.rollout import Sampler
 
 #: The keys of a learner's log record: the step, the batch (its source, tokens, the draft version that sampled it
 #: and its lag behind the learner), the loss and learning rate, when (seconds since the start), and the time spent
@@ -176,7 +177,7 @@ def load_checkpoint(folder: str | Path, learner: Learner) -> tuple[list[dict], f
 
 
 class Distiller:
-    """Algorithm A.2 in one process: each ``step()`` samples a batch (:class:`~distillspec.distill.Sampler`), then
+    """Algorithm A.2 in one process: each ``step()`` samples a batch (:class:`~distillspec.rollout.Sampler`), then
     the :class:`Learner` updates the draft on it."""
 
     def __init__(
@@ -188,7 +189,7 @@ class Distiller:
         cfg: DistillConfig,
         **kw: Any,
     ) -> None:
-        """The arguments of :class:`~distillspec.distill.Sampler` (``train``: the prompts)."""
+        """The arguments of :class:`~distillspec.rollout.Sampler` (``train``: the prompts)."""
         self.sampler = Sampler(target, draft, tokenizer, train, cfg, **kw)
         self.learner = Learner(draft, target, cfg)
         self.target, self.draft, self.cfg, self.recipe = target, draft, cfg, self.learner.recipe

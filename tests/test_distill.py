@@ -7,14 +7,10 @@ from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
 from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
-from distillspec.distill import (
-    draw_source,
-    encode_examples,
-    forward_logits,
-    kd_loss,
-)
+from distillspec.distill import encode_examples, forward_logits, kd_loss
 from distillspec.divergences import divergence
 from distillspec.learner import Distiller, make_optimizer
+from distillspec.rollout import draw_source
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])

@@ -21,11 +21,12 @@ import yaml
 from actors import BufferActor, EvalActor, WeightStore
 from actors.common import weights_name
 from actors.learner import checkpoint_steps, latest_step
-from actors.weights import publish
+from actors.stores import publish
 from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
 from distillspec.config import JobConfig, load_config
 from distillspec.models import load_model
+from distillspec.rollout import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_TINY = [
@@ -107,24 +108,67 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
 
 
 def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):
+    store = WeightStore.remote("refusals")
     buffer = BufferActor.options(name="refusals-buffer").remote(
-        capacity=4, max_policy_lag=1, max_batch_tokens=64, vocab_size=100, run="refusals"
+        capacity=4, max_policy_lag=1, max_batch_tokens=64, vocab_size=100, run="refusals", store=store
     )
-    good = {k: np.ones((2, 8), dtype=np.int64) for k in ("input_ids", "attention_mask", "loss_mask")}
+    ones = np.ones((2, 8), dtype=np.int64)
+
+    def batch(**change) -> RolloutBatch:
+        return RolloutBatch(
+            **{"input_ids": ones, "attention_mask": ones, "loss_mask": ones, **change}, version=0, source="draft"
+        )
+
     cases = [
-        ({k: np.ones((16, 8), dtype=np.int64) for k in good}, "128 tokens > max_tokens 64"),
-        ({"input_ids": good["input_ids"]}, "missing"),
-        ({**good, "input_ids": np.full((2, 8), 100)}, "token ids outside [0, 100)"),
-        ({**good, "loss_mask": np.zeros((2, 8), dtype=np.int64)}, "no position to learn from"),
+        (
+            batch(
+                input_ids=np.ones((16, 8), dtype=np.int64), attention_mask=np.ones((16, 8)), loss_mask=np.ones((16, 8))
+            ),
+            "128 tokens > max_tokens 64",
+        ),
+        ({"input_ids": ones}, "a batch must be a RolloutBatch, got dict"),
+        (batch(input_ids=np.full((2, 8), 100)), "token ids outside [0, 100)"),
+        (batch(loss_mask=np.zeros((2, 8), dtype=np.int64)), "no position to learn from"),
     ]
-    for batch, reason in cases:
-        assert reason in ray.get(buffer.put.remote([ray.put(batch)], 0, "draft"))
-    assert ray.get(buffer.put.remote([ray.put(good)], 0, "draft")) == "ok"
-    ray.get(buffer.take.remote(0, 5))  # the learner moves on: version 0 is now stale
-    assert "behind" in ray.get(buffer.put.remote([ray.put(good)], 0, "draft"))
+    for bad, reason in cases:
+        assert reason in ray.get(buffer.put.remote([ray.put(bad)]))
+    assert ray.get(buffer.put.remote([ray.put(batch())])) == "ok"
+    assert ray.get(buffer.take.remote(1, 5, 0.1)) == []  # the learner moves on: version 0 is now stale
+    ray.get(store.publish.remote(5, [ray.put({})]))  # and the store holds version 5
+    assert "behind" in ray.get(buffer.put.remote([ray.put(batch())]))
     ledger = ray.get(buffer.ledger.remote())
     assert ledger["refused"] == 5 and ledger["dropped"] == 1 and ledger["balanced"]
     assert [r for r in ledger["refusals"] if "max_tokens" in r]
+    ray.kill(buffer)
+
+
+def test_buffer_put_waits_while_full_and_take_while_empty(ray_cluster):
+    store = WeightStore.remote("waits")
+    buffer = BufferActor.remote(
+        capacity=1, max_policy_lag=4, max_batch_tokens=64, vocab_size=100, run="waits", store=store
+    )
+    ones = np.ones((2, 4), dtype=np.int64)
+    batch = RolloutBatch(ones, ones, ones, version=0, source="draft")
+    start = time.monotonic()
+    assert ray.get(buffer.take.remote(1, 0, 0.5)) == []  # nothing came: it waited its time-out
+    assert time.monotonic() - start >= 0.5
+    waiting_take = buffer.take.remote(1, 0, 30.0)
+    time.sleep(0.3)
+    assert ray.get(buffer.put.remote([ray.put(batch)])) == "ok"
+    assert len(ray.get(waiting_take)) == 1  # woken by the put
+    assert ray.get(buffer.put.remote([ray.put(batch)])) == "ok"
+    waiting_put = buffer.put.remote([ray.put(batch)])  # full: it waits for room
+    ready, _ = ray.wait([waiting_put], timeout=0.5)
+    assert not ready
+    assert len(ray.get(buffer.take.remote(1, 0, 1.0))) == 1
+    assert ray.get(waiting_put) == "ok"  # woken by the take
+    assert len(ray.get(buffer.take.remote(1, 0, 1.0))) == 1
+    closing_take = buffer.take.remote(1, 0, 30.0)
+    time.sleep(0.3)
+    ray.get(buffer.close.remote())
+    assert ray.get(closing_take) is None
+    ledger = ray.get(buffer.ledger.remote())
+    assert ledger["consumed"] == 3 and ledger["balanced"], ledger
     ray.kill(buffer)
 
 

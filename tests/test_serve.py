@@ -144,7 +144,7 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
 
     from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.weights import publish
+    from actors.stores import publish
 
     expected = {p: target_greedy(tiny_garden, p, 16) for p in PROMPTS}
     store = WeightStore.options(name=weights_name(RUN), namespace=NAMESPACE).remote(RUN)

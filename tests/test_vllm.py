@@ -312,7 +312,7 @@ def test_vllm_endpoint_openai_client_streams_refuses_and_swaps(vllm_endpoint, mo
     import requests
     from openai import OpenAI
 
-    from actors.weights import WeightStore, publish
+    from actors.stores import WeightStore, publish
 
     target, draft, tokenizer = models
     client = OpenAI(base_url=f"{vllm_endpoint}/v1", api_key="-", max_retries=0)
