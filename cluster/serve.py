@@ -126,8 +126,8 @@ def _param_of(message: str) -> str | None:
     return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
 
 
-def _pull_into(store: ray.actor.ActorHandle, have: int, model: torch.nn.Module) -> int:
-    return pull(store, model, have)
+def _pull_into(store: ray.actor.ActorHandle, version: int, model: torch.nn.Module) -> int:
+    return pull(store, model, version)
 
 
 def _usage(done: list[Completion]) -> dict:

@@ -49,24 +49,15 @@ def final_number(text: str) -> str | None:
 
 
 def score(metric: str | None, predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Task score with the standard libraries: answer accuracy, sacrebleu BLEU, rouge-score ROUGE-2/L."""
+    """Task score through the shipped ``evaluate`` modules (:mod:`distillspec.scores`): GSM8K answer accuracy,
+    sacrebleu BLEU, rouge-score ROUGE-2/L."""
     if metric is None or not predictions:
         return {}
-    if metric == "accuracy":
-        hits = [
-            final_number(p) is not None and final_number(p) == final_number(r) for p, r in zip(predictions, references)
-        ]
-        return {"accuracy": sum(hits) / len(hits)}
-    if metric == "bleu":
-        import sacrebleu
+    module = {"accuracy": "gsm8k_accuracy", "bleu": "bleu", "rouge": "rouge"}.get(metric)
+    if module is not None:
+        from distillspec import scores  # evaluate imports datasets: loaded when a score is asked for
 
-        return {"bleu": sacrebleu.corpus_bleu(predictions, [references]).score}
-    if metric == "rouge":
-        from rouge_score import rouge_scorer
-
-        scorer = rouge_scorer.RougeScorer(["rouge2", "rougeL"], use_stemmer=True)
-        scores = [scorer.score(r, p) for p, r in zip(predictions, references)]
-        return {k: sum(s[k].fmeasure for s in scores) / len(scores) for k in ("rouge2", "rougeL")}
+        return scores.load(module).compute(predictions=predictions, references=references)
     raise DistillSpecError(f"metric={metric!r}: choose accuracy, bleu, rouge or None")
 
 

@@ -98,7 +98,7 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
     plt.close(fig)
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,7 +109,7 @@ def _plt():
 
 def plot_recipe_grid(sweep: dict, path: str | Path) -> None:
     """Figure 4 analogue: tau gain (%) per data source x divergence, one panel per temperature."""
-    plt = _plt()
+    plt = pyplot()
     cells = {(c["source"], c["divergence"]): c for c in sweep["cells"]}
     sources = [s for s in ("fixed", "draft", "target", "mixed") if any(k[0] == s for k in cells)]
     divergences = [d for d in ("fkl", "jsd", "rkl", "tvd") if any(k[1] == d for k in cells)]
@@ -139,116 +139,6 @@ def plot_recipe_grid(sweep: dict, path: str | Path) -> None:
         ax.set_title(f"tau gain, gamma={sweep['gamma']}, {t.replace('T', 'T=')}", fontsize=9)
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.suptitle(f"{sweep['task']}: recipe grid, {sweep['steps']} steps a cell", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_theory(points: list[dict], path: str | Path) -> None:
-    """Figure 3c analogue: tau predicted from alpha = 1 - E[TVD] vs tau measured, one point per model."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(4.8, 4.4))
-    markers = {"T0": "o", "T1": "^"}
-    tasks = sorted({p["task"] for p in points})
-    for i, task in enumerate(tasks):
-        for temp, marker in markers.items():
-            sel = [p for p in points if p["task"] == task and p["temperature"] == temp]
-            if sel:
-                ax.scatter(
-                    [p["tau_theory"] for p in sel],
-                    [p["tau"] for p in sel],
-                    marker=marker,
-                    s=18,
-                    color=f"C{i}",
-                    label=f"{task}, {temp.replace('T', 'T=')}",
-                )
-    lo = min(min(p["tau"], p["tau_theory"]) for p in points)
-    hi = max(max(p["tau"], p["tau_theory"]) for p in points)
-    ax.plot([lo, hi], [lo, hi], color="grey", ls=":", lw=1, label="y = x")
-    ax.set_xlabel("tau from TVD: (1 - alpha^(gamma+1)) / (1 - alpha)")
-    ax.set_ylabel("tau measured")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_lenience(points: list[dict], metric: str, path: str | Path, title: str = "") -> None:
-    """Figure 5b analogue: task score vs latency relative to the target alone, per draft and lenience."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    styles = {"raw": "--", "distilled": "-"}
-    colors = {"lin": "C0", "sq": "C1", "exp": "C2"}
-    for draft, ls in styles.items():
-        lossless = next(p for p in points if p["draft"] == draft and p["lenience"] is None)
-        ax.scatter(
-            [lossless["relative_latency"]],
-            [lossless[metric]],
-            marker="*",
-            s=90,
-            color="k" if draft == "distilled" else "grey",
-            zorder=3,
-            label=f"{draft} draft, lossless",
-        )
-        for f, color in colors.items():
-            sel = sorted((p for p in points if p["draft"] == draft and p["lenience"] == f), key=lambda p: -p["epsilon"])
-            ax.plot(
-                [lossless["relative_latency"]] + [p["relative_latency"] for p in sel],
-                [lossless[metric]] + [p[metric] for p in sel],
-                ls=ls,
-                marker=".",
-                color=color,
-                label=f"{draft} draft, {f}",
-            )
-    ax.set_xlabel("latency / target-only latency  ((c*gamma + v) / tau)")
-    ax.set_ylabel(metric)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_garden(points: list[dict], metric: str, path: str | Path, title: str = "") -> None:
-    """Figure 6 analogue: task score vs milliseconds per token for each kind of model over the sizes."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for i, kind in enumerate(("raw", "distilled", "speculative", "DistillSpec")):
-        sel = sorted((p for p in points if p["kind"] == kind), key=lambda p: p["seconds_per_token"])
-        ax.plot(
-            [1e3 * p["seconds_per_token"] for p in sel],
-            [p["score"] for p in sel],
-            marker="o",
-            color=f"C{i}",
-            label=kind,
-        )
-        for p in sel:
-            ax.annotate(
-                p["label"],
-                (1e3 * p["seconds_per_token"], p["score"]),
-                fontsize=6,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
-    ax.set_xlabel("ms per token (batch 1, greedy)")
-    ax.set_ylabel(metric)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_peer_curves(curves: dict[str, list[dict]], path: str | Path, title: str = "") -> None:
-    """alpha against training seconds (evaluations left out), one line per system."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, curve in curves.items():
-        ax.plot([p["seconds"] for p in curve], [p["alpha"] for p in curve], marker="o", label=name)
-    ax.set_xlabel("training seconds")
-    ax.set_ylabel("acceptance rate alpha")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

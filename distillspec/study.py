@@ -152,53 +152,6 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def time_to_alpha(curve: list[dict], alpha: float) -> float | None:
-    """The first ``seconds`` of a training curve (``{"seconds", "alpha"}`` points) where alpha >= ``alpha``."""
-    return next((p["seconds"] for p in curve if p["alpha"] >= alpha), None)
-
-
-def race(ours: list[dict], theirs: list[dict]) -> dict:
-    """Time for each of two training curves (their first point: the common start) to reach the same alpha.
-
-    The goal is the lower of the two best alphas after the start, so both reach it; ``ratio`` is our time over
-    theirs (None when neither raised alpha above the start).
-    """
-    start = ours[0]["alpha"]
-    goal = min(max(p["alpha"] for p in ours[1:]), max(p["alpha"] for p in theirs[1:]))
-    if goal <= start:
-        return {"goal_alpha": goal, "seconds_ours": None, "seconds_theirs": None, "ratio": None}
-    t_ours, t_theirs = time_to_alpha(ours[1:], goal), time_to_alpha(theirs[1:], goal)
-    return {"goal_alpha": goal, "seconds_ours": t_ours, "seconds_theirs": t_theirs, "ratio": t_ours / t_theirs}
-
-
-@torch.inference_mode()
-def latency_per_token(
-    target: PreTrainedModel,
-    draft: PreTrainedModel | None,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    *,
-    gamma: int,
-    max_new_tokens: int,
-) -> float:
-    """Seconds per generated token at batch 1, greedy: ``target`` alone (``draft`` None) or with SD."""
-    from distillspec.speculative import speculative_generate
-
-    seconds, tokens = 0.0, 0
-    for prompt in prompts:
-        ids, _ = encode_prompts(tokenizer, [prompt])
-        ids = ids.to(target.device)
-        kw = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "temperature": 0.0}
-        start = time.perf_counter()
-        if draft is None:
-            out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, **kw)
-        else:
-            out = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=max_new_tokens, **kw)
-        seconds += time.perf_counter() - start
-        tokens += int(out.num_new_tokens.sum())
-    return seconds / max(1, tokens)
-
-
 def measure_phase(
     phase: str,
     cfg,

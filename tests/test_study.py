@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from benchmarks.suites.analysis import race, time_to_alpha
 from distillspec.config import DATA_SOURCES, DistillConfig, cell_config, resolve_recipe
 from distillspec.errors import DistillSpecError
-from distillspec.study import race, run_cell, spread, time_to_alpha
+from distillspec.study import run_cell, spread
 
 
 @pytest.mark.parametrize("source", sorted(DATA_SOURCES))

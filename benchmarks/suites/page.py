@@ -274,7 +274,7 @@ def _trl(page: Page, data: dict) -> None:
         "| time to the same alpha, DistillSpec / TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     )
-    from distillspec.study import race
+    from benchmarks.suites.analysis import race
 
     for task, r in data["tasks"].items():
         reached = race(r["curves"]["ours"], r["curves"]["trl"])

@@ -50,8 +50,8 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 3c from the recipe suite's trials (no new runs): predicted vs measured tau."""
     import json
 
+    from benchmarks.suites.analysis import plot_theory
     from distillspec.errors import DistillSpecError
-    from distillspec.report import plot_theory
 
     del overrides
     points = []
@@ -137,9 +137,9 @@ LENIENCE_GRID = {
 
 def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 5b: task score vs predicted latency of lossy SD, raw vs distilled draft (T = 1, gamma 5)."""
+    from benchmarks.suites.analysis import plot_lenience
     from distillspec.metrics import measure_cost_ratio
     from distillspec.models import encode_prompts, load_model
-    from distillspec.report import plot_lenience
     from distillspec.study import measure_pair
 
     results = {}
@@ -182,14 +182,14 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 6: quality vs latency of raw, distilled, speculative and DistillSpec models over three sizes."""
+    from benchmarks.suites.analysis import latency_per_token, plot_garden
     from distillspec.config import (
         ModelSize,
         cell_config,
     )
     from distillspec.garden import build_garden
     from distillspec.models import load_model
-    from distillspec.report import plot_garden
-    from distillspec.study import draft_score, latency_per_token, run_cell
+    from distillspec.study import draft_score, run_cell
 
     results = {}
     for name in available(scale.garden_tasks):

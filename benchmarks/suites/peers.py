@@ -215,9 +215,8 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
     from datasets import Dataset
     from trl import DistillationConfig, DistillationTrainer
 
+    from benchmarks.suites.analysis import plot_peer_curves, race
     from distillspec.config import cell_config
-    from distillspec.report import plot_peer_curves
-    from distillspec.study import race
 
     results = {}
     for name in available(scale.tasks[:1]):

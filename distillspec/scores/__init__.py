@@ -1,0 +1,36 @@
+"""The project's scores as Hugging Face ``evaluate`` modules, shipped in the package and loaded offline by path.
+
+    >>> from distillspec import scores
+    >>> scores.load("bleu").compute(predictions=["ein Hund läuft im Park"], references=["ein Hund läuft im Park"])
+    {'bleu': 100.00000000000004}
+
+Task scores: ``gsm8k_accuracy`` (the final number of each answer), ``bleu`` (sacrebleu), ``rouge`` (rouge-score
+ROUGE-2 and ROUGE-L). Speculative-decoding measures, from per-request counts (``blocks``, ``accepted``,
+``rejected``: see :class:`distillspec.metrics.AcceptanceCounts`): ``acceptance_rate`` (alpha) and
+``block_efficiency`` (tau).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NAMES = ("gsm8k_accuracy", "bleu", "rouge", "acceptance_rate", "block_efficiency")
+
+
+def path(name: str) -> str:
+    """The folder of the module ``name`` (what ``evaluate.load`` takes)."""
+    if name not in NAMES:
+        from distillspec.config import check_choice
+
+        check_choice("score", name, NAMES)
+    return str(HERE / name)
+
+
+@lru_cache
+def load(name: str):  # -> evaluate.EvaluationModule
+    """``evaluate.load`` of the shipped module ``name``, offline (loaded once per process)."""
+    import evaluate  # imports datasets: loaded when a score is asked for, not with the package
+
+    return evaluate.load(path(name))
