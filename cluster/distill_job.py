@@ -107,6 +107,7 @@ def check_rerun(cfg: JobConfig, out: Path) -> None:
 def run(cfg: JobConfig) -> list[dict]:
     """The main job: measure, distill, measure again, write results (see ``jobs/distill.py``)."""
     start = time.perf_counter()
+    cfg.check_pair()
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir).resolve()
     check_rerun(cfg, out)

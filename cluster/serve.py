@@ -20,16 +20,20 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
 import torch
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve import metrics
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.common import NAMESPACE, prompts_name, weights_name
 from actors.stores import fetch, pull
@@ -52,13 +56,12 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's completion request, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
+class DecodingRequest(BaseModel):
+    """The decoding fields of OpenAI's requests, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | list[str]
     max_tokens: int = Field(16, ge=1, strict=True)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
@@ -73,6 +76,19 @@ class CompletionRequest(BaseModel):
     epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
     speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop strings")
+        return v
+
+
+class CompletionRequest(DecodingRequest):
+    """OpenAI's completion request."""
+
+    prompt: str | list[str]
+
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v: str | list[str]) -> str | list[str]:
@@ -81,12 +97,27 @@ class CompletionRequest(BaseModel):
             raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop strings")
-        return v
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: accepted, not used
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The content; of a list of parts, its text parts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        if any(part.get("type") != "text" for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class ChatRequest(DecodingRequest):
+    """OpenAI's chat completion request (text messages)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True, description="the newer name of max_tokens")
 
 
 class HTTPError(Exception):
@@ -113,6 +144,22 @@ async def _invalid(_request: Request, exc: RequestValidationError) -> JSONRespon
     if first.get("type") == "extra_forbidden":
         message = f"{param}: unknown or unsupported field"
     return JSONResponse(status_code=400, content=error_body(message, param))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404), wrong methods (405), ...: OpenAI's error shape, as on every route."""
+    message = {
+        404: f"no route {request.method} {request.url.path}: this server serves /v1/completions, "
+        "/v1/chat/completions, /v1/models and /v1/stats",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(
+        status_code=exc.status_code,
+        content=error_body(message.get(exc.status_code, str(exc.detail)), None, kind),
+        headers=getattr(exc, "headers", None),
+    )
 
 
 @app.exception_handler(HTTPError)
@@ -174,6 +221,7 @@ class Completions:
                 cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
             )
             self.completer = Completer(target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed)
+        self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
         self._batched.set_max_batch_size(s.max_batch_size)
         self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
@@ -256,16 +304,41 @@ class Completions:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest, request: Request) -> dict | StreamingResponse:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        return await self._serve(body, request, lambda: prompts, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, body: ChatRequest, request: Request) -> dict | StreamingResponse:
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await self._serve(body, request, lambda: [self._chat_prompt(body.messages)], chat=True)
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> str:
+        """The conversation as the model's prompt, through its tokenizer's chat template."""
+        if not self.tokenizer.chat_template:
+            raise HTTPError(
+                400,
+                f"model {self.s.model_name!r} has no chat template (its tokenizer defines none): use /v1/completions "
+                "with a prompt in the model's own format",
+                "messages",
+            )
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
+            raise HTTPError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+
+    async def _serve(self, body: DecodingRequest, request: Request, prompts, *, chat: bool) -> dict | StreamingResponse:
         start = time.perf_counter()
         try:
             self._authorize(request)
-            jobs = self._jobs(body)
+            jobs = self._jobs(body, prompts())
             if body.stream:
                 if len(jobs) != 1:
                     raise HTTPError(400, "prompt: streaming takes one prompt", "prompt")
                 self._count("ok")
                 self._record([jobs[0].prompt])
-                return StreamingResponse(self._stream(jobs[0], start), media_type="text/event-stream")
+                return StreamingResponse(self._stream(jobs[0], start, chat), media_type="text/event-stream")
             if self.vllm:  # the engine batches concurrent requests itself
                 done = await asyncio.gather(*[self.completer.complete(job) for job in jobs])
                 self._observe(done)
@@ -280,12 +353,12 @@ class Completions:
         self._count("ok")
         self._record([j.prompt for j in jobs])
         self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-        return self._response(body, done)
+        return self._response(done, chat)
 
     def _count(self, status: str) -> None:
         self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
 
-    def _jobs(self, body: CompletionRequest) -> list[CompletionJob]:
+    def _jobs(self, body: DecodingRequest, prompts: list[str]) -> list[CompletionJob]:
         if body.model not in (None, self.s.model_name):
             raise HTTPError(
                 404, f"model: {body.model!r} is not served here (this serves {self.s.model_name!r})", "model"
@@ -301,7 +374,6 @@ class Completions:
             epsilon=body.epsilon,
         )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         jobs = [CompletionJob(p, body.max_tokens, args, stop, body.seed) for p in prompts]
         for job in jobs:
             try:
@@ -326,15 +398,22 @@ class Completions:
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
 
-    async def _stream(self, job: CompletionJob, start: float):
+    async def _stream(self, job: CompletionJob, start: float, chat: bool):
         """Server-sent events: text deltas as tokens are accepted, then a final chunk with usage and SD stats."""
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str, finish: str | None = None, **extra: Any) -> str:
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-            data = {"id": rid, "object": "text_completion", "created": created, "model": self.s.model_name}
+        def chunk(text: str | None, finish: str | None = None, **extra: Any) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+            data = {"id": rid, "object": kind, "created": created, "model": self.s.model_name}
             return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
 
+        if chat:
+            yield chunk(None)  # the role comes first, as OpenAI sends it
         source = self.completer.stream(job) if self.vllm else self._hf_stream(job)
         async for item in source:
             if isinstance(item, str):
@@ -373,16 +452,28 @@ class Completions:
         finally:
             state["cancel"] = True  # the client left: stop decoding at the next block
 
-    def _response(self, body: CompletionRequest, done: list[Completion]) -> dict:
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.s.model_name,
-            "choices": [
+    def _response(self, done: list[Completion], chat: bool) -> dict:
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(done)
+            ]
+        else:
+            choices = [
                 {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
                 for i, c in enumerate(done)
-            ],
+            ]
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.s.model_name,
+            "choices": choices,
             "usage": _usage(done),
             "distillspec": _sd(done),
         }
@@ -399,12 +490,25 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
 
 def resolve_models(cfg: JobConfig) -> JobConfig:
-    """Fill in the garden pair when no --target/--draft is given (built or taken from its cache); local model paths
-    become absolute (replicas may run in another working directory)."""
-    from dataclasses import replace
+    """The pair to serve, with local paths made absolute (replicas may run in another working directory):
 
+    - ``serve.run`` (``--run``): that jobs/distill.py output folder's ``draft/`` with the target it was distilled for
+      (its ``config.yaml``);
+    - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
+    - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
+    """
     from distillspec.models import absolute
 
+    run = Path(cfg.serve.run) if cfg.serve.run else None
+    if run is None and cfg.draft is not None and cfg.target is None:
+        run = Path(cfg.draft).parent
+        if not (run / RUN_CONFIG).exists():
+            raise DistillSpecError(
+                f"--draft {cfg.draft}: give its --target too (only a jobs/distill.py run's draft/ folder, next to its "
+                f"{RUN_CONFIG}, knows its target)"
+            )
+    if run is not None:
+        return replace(cfg, **run_models(run))
     if cfg.target is not None:
         return replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
     from distillspec.data import load_task
@@ -412,6 +516,26 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
 
     garden = build_garden(load_task(cfg.dataset, seed=cfg.seed), cfg.garden, seed=cfg.seed)
     return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+
+
+RUN_CONFIG = "config.yaml"  #: what jobs/distill.py writes into its output folder: the resolved config of the run
+
+
+def run_models(run: Path) -> dict[str, str]:
+    """The ``target``, distilled ``draft`` and ``dataset`` of a jobs/distill.py output folder."""
+    config, draft = run / RUN_CONFIG, run / "draft"
+    if not config.exists():
+        raise DistillSpecError(f"--run {run}: no {RUN_CONFIG} there: not an output folder of jobs/distill.py")
+    if not (draft / "config.json").exists():
+        raise DistillSpecError(
+            f"--run {run}: no distilled draft yet ({draft}): the run has not finished. While it runs, serve its "
+            "latest version with serve.follow_run=<its ray.run_name>"
+        )
+    recorded = yaml.safe_load(config.read_text()) or {}
+    target = recorded.get("target")
+    if not target:
+        raise DistillSpecError(f"--run {run}: {config} names no target")
+    return {"target": target, "draft": str(draft.resolve()), "dataset": recorded.get("dataset", "arith")}
 
 
 def bind(cfg: JobConfig) -> serve.Application:

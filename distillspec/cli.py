@@ -19,7 +19,10 @@ FLAGS = {
     "draft": "draft model: hub id or local directory (default: the garden's)",
     "dataset": "arith (default), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path",
     "output_dir": "where results, plots and the distilled draft go",
+    "run": "an output folder of jobs/distill.py: serve its distilled draft with its target (serve.run)",
 }
+#: Flags that set a key inside a section.
+FLAG_KEYS = {"run": "serve.run"}
 #: The config sections each job reads (its --help lists their keys).
 SECTIONS = {
     "distill": ("garden", "distill", "eval", "ray", "vllm"),
@@ -49,7 +52,7 @@ def keys_help(sections: tuple[str, ...]) -> str:
 def parse_job_args(
     doc: str | None,
     argv: list[str] | None = None,
-    flags: tuple[str, ...] = tuple(FLAGS),
+    flags: tuple[str, ...] = ("target", "draft", "dataset", "output_dir"),
     defaults: tuple[str, ...] = (),
     job: str = "distill",
 ) -> JobConfig:
@@ -66,7 +69,11 @@ def parse_job_args(
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. distill.steps=100 eval.gammas=[3,5]")
     args = parser.parse_args(argv)
     overrides = [*defaults, *args.overrides]
-    overrides += [f"{flag}={json.dumps(getattr(args, flag))}" for flag in flags if getattr(args, flag) is not None]
+    overrides += [
+        f"{FLAG_KEYS.get(flag, flag)}={json.dumps(getattr(args, flag))}"
+        for flag in flags
+        if getattr(args, flag) is not None
+    ]
     return load_config(args.config, overrides)
 
 

@@ -231,6 +231,9 @@ class ServeConfig:
     replica_cpus: NonNegFloat = knob(1.0, "CPUs per replica")
     replica_gpus: NonNegFloat = knob(0.0, "GPUs per replica")
     threads: NonNegInt = knob(0, "torch threads per replica (0 = replica_cpus, at least 1)")
+    run: str | None = knob(
+        None, "serve what this jobs/distill.py output folder distilled: its draft/ with the target it was distilled for"
+    )
     follow_run: str | None = knob(None, "take new draft versions from this run's weight store (unset = ray.run_name)")
     sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
@@ -308,9 +311,14 @@ class JobConfig:
                 f"ray.online=true trains on served prompts, which have no reference answers: recipe "
                 f"{self.distill.recipe!r} uses fixed data; choose an on-policy recipe (distillspec, gkd) or lambda1=0"
             )
-        if (self.target is None) != (self.draft is None):
+        if self.target is not None and self.draft is None:
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
         return self
+
+    def check_pair(self) -> None:
+        """For the jobs that train: a draft needs its target (only the endpoint finds a run's target itself)."""
+        if self.draft is not None and self.target is None:
+            raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
 
 
 def resolve_recipe(cfg: DistillConfig) -> Recipe:

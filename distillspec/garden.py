@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -124,6 +125,27 @@ class Garden:
     draft: Path
 
 
+#: The garden's chat template: each user turn in the task's prompt format ("<Label>: <content>\n<Label>:"), each
+#: assistant turn as the reference follows it; system turns are dropped (the garden never saw one).
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ PREFIX + (m['content'] | trim) + SUFFIX }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ ' ' + (m['content'] | trim) + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def chat_template(task: Task) -> str | None:
+    """A chat template in ``task``'s prompt format when its prompts read ``"<Label>: <content>\n<Label>:"`` (QA,
+    translation, summaries), else None (a chat request then gets a 400)."""
+    prompt = task.train[0].prompt if task.train else ""
+    m = re.fullmatch(r"(\w+: ).*(\n\w+:)", prompt, flags=re.DOTALL)
+    if m is None:
+        return None
+    return CHAT_TEMPLATE.replace("PREFIX", json.dumps(m.group(1))).replace("SUFFIX", json.dumps(m.group(2)))
+
+
 def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> Garden:
     """Build (or reuse) the garden for ``task``: each of tokenizer, target and draft is cached on its own.
 
@@ -138,6 +160,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
     else:
         log(f"garden: training a {cfg.vocab_size}-token tokenizer on {len(train)} {task.name} examples")
         tokenizer = train_tokenizer([e.prompt + e.reference for e in train], cfg.vocab_size)
+        tokenizer.chat_template = chat_template(task)
         tokenizer.save_pretrained(root / "tokenizer")
     bf16 = garden_bf16(cfg)
     folders = {role: root / f"{role}-{keys[role]}" for role in ("target", "draft")}
@@ -151,9 +174,11 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         folder = paths[role] = folders[role]
         if (folder / "garden.json").exists():
             log(f"garden: reusing the {role} {folder}")
+            add_chat_template(folder, chat_template(task))
             continue
         start = time.perf_counter()
         torch.manual_seed(seed + (0 if role == "target" else 1))
+        tokenizer.chat_template = tokenizer.chat_template or chat_template(task)
         model = make_model(size, tokenizer)
         n_params = sum(p.numel() for p in model.parameters())
         log(
@@ -189,3 +214,11 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
         (folder / "garden.json").write_text(json.dumps(meta, indent=2))
         log(f"garden: built the {role} in {meta['seconds']:.0f}s (final loss {meta['final_loss']:.3f})")
     return Garden(target=paths["target"], draft=paths["draft"])
+
+
+def add_chat_template(folder: Path, template: str | None) -> None:
+    """Give a garden model built before gardens had a chat template its template (the tokenizer files only)."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    if template is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(folder)

@@ -1,11 +1,14 @@
 """Serve the target with its draft behind an OpenAI-compatible API (speculative decoding on Ray Serve).
 
-    python jobs/serve.py                                   # the garden pair, on http://127.0.0.1:8000
+    python jobs/serve.py --run outputs/distill             # what that jobs/distill.py run distilled, with its target
+    python jobs/serve.py --draft outputs/distill/draft     # the same (a run's draft/ knows its target)
+    python jobs/serve.py                                   # the undistilled garden pair, on http://127.0.0.1:8000
     python jobs/serve.py --target T --draft D serve.port=8001 serve.api_key=secret
     python jobs/serve.py serve.record_prompts=true         # online distillation: feed served prompts to a job
 
 Then, e.g. with the ``openai`` client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
-.completions.create(model="distillspec", prompt="...", max_tokens=32, extra_body={"gamma": 5})``.
+.chat.completions.create(model="distillspec", messages=[{"role": "user", "content": "..."}], max_tokens=32)``, or
+``.completions.create(model="distillspec", prompt="...", max_tokens=32, extra_body={"gamma": 5})``.
 
 The replicas follow the weight store of the distillation run ``serve.follow_run`` (default ``ray.run_name``):
 start ``jobs/distill.py`` on the same Ray cluster and the endpoint serves each new draft version as it is
@@ -37,12 +40,16 @@ def main(cfg: JobConfig) -> None:
     from ray import serve
 
     from cluster.connect import connect
+    from cluster.serve import resolve_models
 
+    cfg = resolve_models(cfg)  # a wrong --run or --draft fails here, before Ray starts
     how = connect(cfg.ray)
     print(f"ray: {how}")
     url = start(cfg)
     key = "set (serve.api_key)" if cfg.serve.api_key else "none"
-    print(f"serving {cfg.serve.model_name!r} at {url} (completions, models; API key: {key}); Ctrl-C stops")
+    print(f"target {cfg.target}\ndraft  {cfg.draft}")
+    routes = "chat/completions, completions, models"
+    print(f"serving {cfg.serve.model_name!r} at {url} ({routes}; API key: {key}); Ctrl-C stops")
     print(f"the draft follows the weight store of run {cfg.serve.follow_run or cfg.ray.run_name!r}")
     try:
         while True:
@@ -56,7 +63,7 @@ def main(cfg: JobConfig) -> None:
 
 def cli(argv: list[str] | None = None) -> None:
     """The console script: a user's mistake is one line and exit status 2."""
-    run_main(lambda: main(parse_job_args(__doc__, argv, job="serve")))
+    run_main(lambda: main(parse_job_args(__doc__, argv, ("target", "draft", "dataset", "run"), job="serve")))
 
 
 if __name__ == "__main__":

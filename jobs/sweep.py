@@ -130,6 +130,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         )
     start = time.perf_counter()
     task = load_task(cfg.dataset, seed=cfg.seed)
+    cfg.check_pair()
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
         cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))

@@ -3,6 +3,7 @@ client and raw HTTP. Greedy output must equal the target's own; bad requests get
 the draft swaps to each version the run's weight store publishes while requests keep succeeding."""
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 import requests
 import torch
+import yaml
 
 from distillspec.config import load_config
 from distillspec.models import load_pair
@@ -27,7 +29,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_cluster, tiny_garden):
+def endpoint(ray_cluster, tiny_garden, tmp_path_factory):
     from ray import serve
 
     from cluster.serve import bind
@@ -37,7 +39,7 @@ def endpoint(ray_cluster, tiny_garden):
         f"target={tiny_garden.target}",
         f"draft={tiny_garden.draft}",
         f"ray.run_name={RUN}",
-        "serve.max_prompt_tokens=32",
+        "serve.max_prompt_tokens=64",
         "serve.max_tokens=48",
         "serve.max_batch_size=4",
         "serve.replica_cpus=0.25",
@@ -48,6 +50,14 @@ def endpoint(ray_cluster, tiny_garden):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(bind(load_config(None, common)), name="sd", route_prefix="/")
     serve.run(bind(load_config(None, [*common, "serve.api_key=sesame"])), name="keyed", route_prefix="/keyed")
+    plain = tmp_path_factory.mktemp("no-chat-template")
+    for role in ("target", "draft"):  # the same pair, its tokenizer without a chat template
+        shutil.copytree(getattr(tiny_garden, role), plain / role)
+        (plain / role / "chat_template.jinja").unlink(missing_ok=True)
+        config = plain / role / "tokenizer_config.json"
+        config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    no_chat = [*common, f"target={plain / 'target'}", f"draft={plain / 'draft'}", "serve.sync_every_s=0"]
+    serve.run(bind(load_config(None, no_chat)), name="plain", route_prefix="/plain")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -87,6 +97,50 @@ def test_streaming_matches_the_whole_response(client):
         assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         assert chunks[-1].model_extra["distillspec"]["gamma"] == 2
+
+
+def test_chat_completions_through_the_models_chat_template(client, tiny_garden):
+    question = "Mia has 3 pens. How many?"
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": question}]
+    prompt = f"Question: {question}\nAnswer:"  # the garden's template: its own prompt format
+    expected = target_greedy(tiny_garden, prompt, 16)
+    whole = client.chat.completions.create(model="distillspec", messages=messages, max_tokens=16, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected
+    assert whole.usage.completion_tokens >= 1 and whole.model_extra["distillspec"]["drafted"] > 0
+    chunks = list(
+        client.chat.completions.create(
+            model="distillspec", messages=messages, max_completion_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_every_route_answers_errors_in_openais_shape(endpoint):
+    chat = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 4}
+    r = requests.post(f"{endpoint}/plain/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "no chat template" in r.json()["error"]["message"]
+    ok = requests.post(f"{endpoint}/plain/v1/completions", json={"prompt": "1+1=", "max_tokens": 4}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    for method, path, status in [
+        ("get", "/v1/nothing", 404),
+        ("post", "/v2/completions", 404),
+        ("get", "/v1/completions", 405),
+        ("get", "/v1/chat/completions", 405),
+    ]:
+        r = getattr(requests, method)(f"{endpoint}{path}", timeout=30)
+        assert r.status_code == status, (path, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+    bad = requests.post(f"{endpoint}/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    role = requests.post(
+        f"{endpoint}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]}, timeout=30
+    )
+    assert role.status_code == 400 and role.json()["error"]["param"] == "messages"
 
 
 def test_sampling_lossy_and_no_speculation_fields(client):
@@ -198,3 +252,22 @@ def test_served_prompts_reach_the_prompt_log(client):
         time.sleep(0.1)
     assert sorted(ray.get(log.sample.remote(8))) == ["7+7=", "8+8="]
     ray.kill(log)
+
+
+def test_serve_finds_a_runs_draft_and_its_target(tmp_path, tiny_garden):
+    from cluster.serve import resolve_models
+    from distillspec import DistillSpecError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"target": str(tiny_garden.target), "dataset": "arith"}))
+    with pytest.raises(DistillSpecError, match="no distilled draft yet"):
+        resolve_models(load_config(None, [f"serve.run={run}"]))
+    shutil.copytree(tiny_garden.draft, run / "draft")
+    for overrides in ([f"serve.run={run}"], [f"draft={run / 'draft'}"]):
+        cfg = resolve_models(load_config(None, overrides))
+        assert (cfg.target, cfg.draft) == (str(tiny_garden.target), str((run / "draft").resolve()))
+    with pytest.raises(DistillSpecError, match="not an output folder of jobs/distill.py"):
+        resolve_models(load_config(None, [f"serve.run={tmp_path}"]))
+    with pytest.raises(DistillSpecError, match="give its --target too"):
+        resolve_models(load_config(None, [f"draft={tiny_garden.draft}"]))
