@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from pathlib import Path
 
 import ray
 
@@ -10,6 +12,7 @@ from actors.common import NAMESPACE
 from distillspec.config import RayConfig
 
 _DASHBOARD: list[str] = []  #: the dashboard address ray.init reported
+_SESSION: list[str] = []  #: the session folder ray.init reported (its logs/ holds every process's log)
 
 
 def connect(cfg: RayConfig) -> str:
@@ -18,7 +21,9 @@ def connect(cfg: RayConfig) -> str:
         return "already connected"
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        context = ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+        context = ray.init(
+            address=address, namespace=NAMESPACE, log_to_driver=cfg.log_to_driver, logging_level=logging.WARNING
+        )
         how = f"joined {address}"
     else:  # address="local": never join a stale cluster recorded in Ray's temp folder.
         context = ray.init(
@@ -27,10 +32,18 @@ def connect(cfg: RayConfig) -> str:
             num_cpus=cfg.num_cpus,
             object_store_memory=cfg.object_store_memory,
             _metrics_export_port=cfg.metrics_export_port,
+            log_to_driver=cfg.log_to_driver,
+            logging_level=logging.WARNING,
         )
         how = "started a local cluster"
     _DASHBOARD[:] = [context.dashboard_url] if context.dashboard_url else []
+    _SESSION[:] = [context.address_info.get("session_dir", "")]
     return how
+
+
+def logs_dir() -> str | None:
+    """Where this Ray session writes the logs of its processes (on the head node)."""
+    return str(Path(_SESSION[0]) / "logs") if _SESSION and _SESSION[0] else None
 
 
 def metrics_url() -> str | None:

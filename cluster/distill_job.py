@@ -13,7 +13,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from actors.evaluator import measure_on_cluster
-from cluster.connect import connect, dashboard_url, metrics_url
+from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
 from distillspec.data import load_task
@@ -64,7 +64,9 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     on the head node, which may have no GPU. Returns the measurements and the training summary."""
     check_devices(cfg)
     how = connect(cfg.ray)
-    print(f"ray: {how}; metrics (Prometheus): {metrics_url()}; dashboard: {dashboard_url() or '-'}")
+    print(f"ray: {how}; dashboard: {dashboard_url() or '-'}; metrics (Prometheus): {metrics_url()}")
+    if not cfg.ray.log_to_driver:
+        print(f"ray: the actors' logs are in {logs_dir()} (ray.log_to_driver=true shows them here)")
     threads = torch.get_num_threads()  # the measurements run alone, before and after the pipeline
     records = measure_on_cluster("before", cfg, cfg.draft, task, threads=threads)
     pipeline = Pipeline(cfg, task, out, fixed_cluster=how.startswith("started"))

@@ -160,6 +160,9 @@ class RayConfig:
         1_000_000_000, "bytes of object store for a new local cluster (at least 75 MiB)"
     )
     metrics_export_port: PosInt | None = knob(None, "Prometheus port of a new local cluster (unset = Ray's choice)")
+    log_to_driver: bool = knob(
+        False, "stream the actors' and workers' logs to this console (they are always on disk, in the session's logs)"
+    )
     run_name: str = knob("distill", "names the run's buffer and weight-store actors (namespace distillspec)")
     num_rollout_workers: PosInt = knob(2, "rollout actors sampling continuations")
     rollout_cpus: NonNegFloat = knob(0.25, "CPUs reserved per rollout actor (fractional on small machines)")

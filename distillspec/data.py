@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from distillspec import hub
 from distillspec.errors import DistillSpecError
 
 HUB_TASKS = ("gsm8k", "xsum", "cnn_dailymail", "wmt14", "lm1b")
@@ -202,6 +203,7 @@ def load_hub(name: str) -> Task:
     """Load a task through ``datasets`` (needs the Hugging Face hub or its local cache)."""
     import datasets
 
+    hub.require(name, "dataset")  # fail at once when it cannot be had (no retries)
     try:
         if name == "gsm8k":
             ds = datasets.load_dataset("gsm8k", "main")

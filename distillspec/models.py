@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec import hub
 from distillspec.errors import DistillSpecError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ def _check_path(name: str, weights: bool = True) -> None:
         raise DistillSpecError(
             f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
         )
+    if not path.exists():
+        hub.require(name, "model")  # a hub id: fail at once when it cannot be had
     if path.is_dir():
         missing = [f for f in MODEL_FILES if (weights or f.startswith("tokenizer")) and not (path / f).exists()]
         if weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
