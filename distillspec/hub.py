@@ -43,7 +43,8 @@ def cached_model(repo_id: str) -> bool:
 
 def cached_dataset(name: str) -> bool:
     """Whether the ``datasets`` cache holds anything built from ``name``."""
-    root = Path(os.environ.get("HF_DATASETS_CACHE", Path.home() / ".cache" / "huggingface" / "datasets"))
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    root = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets"))
     return root.is_dir() and any(root.glob(f"*{name.replace('/', '___')}*"))
 
 

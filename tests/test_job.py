@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,14 +39,14 @@ TINY = [
 ]
 
 
-def run_job(*args: str, job: str = "distill.py") -> subprocess.CompletedProcess:
+def run_job(*args: str, job: str = "distill.py", env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "jobs" / job), *args],
         check=False,
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "TQDM_DISABLE": "1"},
+        env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
         cwd=ROOT,
     )
 
@@ -141,3 +142,18 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     proc = run_job("--output-dir", str(tmp_path), *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "org/big", "--draft", "org/small"], "model 'org/big' is not a local path"),
+        (["--dataset", "gsm8k"], "dataset 'gsm8k' is not a local path"),
+    ],
+)
+def test_hub_names_fail_at_once_without_the_hub(args, message, tmp_path):
+    start = time.monotonic()
+    proc = run_job("--output-dir", str(tmp_path), *args, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert proc.returncode == 2 and message in proc.stderr and "HF_HUB_OFFLINE is set" in proc.stderr, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert time.monotonic() - start < 30  # no retries (they took 29-52 s)
