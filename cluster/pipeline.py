@@ -30,6 +30,8 @@ from distillspec.data import Task
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_model
 
+EVALUATIONS = "evaluations.json"  #: the periodic evaluations so far, in output_dir (a resumed run keeps them)
+
 
 @dataclass
 class PipelineResult:
@@ -107,6 +109,13 @@ class Pipeline:
         self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
         r = cfg.ray
         self.resumed_from = latest_step(self.out)
+        # The evaluations of the run so far: a resumed run's curves keep them (the console adds each new one).
+        self.evaluations_file = self.out / EVALUATIONS
+        self.earlier: list[dict] = []
+        if self.resumed_from is not None and self.evaluations_file.exists():
+            self.earlier = [
+                e for e in json.loads(self.evaluations_file.read_text()) if e["version"] <= self.resumed_from
+            ]
         saved = checkpoint_steps(self.out)
         if saved and not r.resume:
             raise DistillSpecError(
@@ -206,7 +215,7 @@ class Pipeline:
             draft_dir=draft_dir,
             train_log=train_log,
             ledger=ledger,
-            evaluations=report["history"],
+            evaluations=self.earlier + report["history"],
             alarms=report["alarms"],
             resumed_from=self.resumed_from,
             seconds=time.perf_counter() - start,
@@ -225,6 +234,8 @@ class Pipeline:
                 history = ray.get(self.evaluator.report.remote(), timeout=10)["history"] if self.evaluator else []
             except (ray.exceptions.RayError, TimeoutError):
                 continue
+            if len(history) > shown:
+                self.evaluations_file.write_text(json.dumps(self.earlier + history))
             for evaluation in history[shown:]:
                 bar.write(
                     f"evaluation at version {evaluation['version']}: alpha {evaluation['alpha']:.3f}, "

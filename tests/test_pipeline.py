@@ -230,7 +230,7 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
         f"ray.address={ray_cluster}", *PIPELINE_TINY, "distill.steps=60", "distill.checkpoint_every=3",
         "ray.eval_every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
-        "eval.speedup_prompts=0", "ray.run_name=resume",
+        "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
     ]  # fmt: skip
     first = run_job(*args)
     deadline = time.time() + 300
