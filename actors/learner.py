@@ -18,7 +18,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.metrics import gauge
@@ -61,7 +61,8 @@ def learner_loop(config: dict) -> None:
     cfg: JobConfig = config["cfg"]
     setup_worker(cfg.ray.learner_threads or max(1, round(cfg.ray.learner_cpus)))
     rank = ray.train.get_context().get_world_rank()
-    device = ray.train.torch.get_device()
+    # A dry run holds GPU shares but computes on CPU.
+    device = torch.device("cpu") if cfg.ray.gpu_dry_run else ray.train.torch.get_device()
     run = cfg.ray.run_name
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
@@ -75,7 +76,7 @@ def learner_loop(config: dict) -> None:
             log_records, seconds_before = load_checkpoint(d, learner)
         log.info("learner rank %d: resumed from the checkpoint at step %d", rank, learner.step_count)
 
-    learner.model = ray.train.torch.prepare_model(draft)
+    learner.model = ray.train.torch.prepare_model(draft, move_to_device=device)
     if rank == 0:
         publish(store, draft, learner.step_count)
     start = time.perf_counter() - seconds_before
@@ -139,6 +140,7 @@ def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
     return TorchTrainer(
         learner_loop,
         train_loop_config={"cfg": cfg},
+        torch_config=TorchConfig(backend="gloo" if cfg.ray.gpu_dry_run or not cfg.ray.use_gpu else "nccl"),
         scaling_config=ScalingConfig(
             num_workers=cfg.ray.num_learner_workers,
             use_gpu=cfg.ray.use_gpu,

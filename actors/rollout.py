@@ -24,8 +24,10 @@ class RolloutActor:
     """Samples training batches from the latest published draft. Ray restarts it when it dies, and retries
     the call it was serving."""
 
-    def __init__(self, cfg: JobConfig, train: list[Example], rank: int, scorers: list | None = None) -> None:
+    def __init__(self, cfg: JobConfig, rank: int, scorers: list | None = None) -> None:
         setup_worker()
+        buffer = ray.get_actor(buffer_name(cfg.ray.run_name))
+        train: list[Example] = ray.get(ray.get(buffer.examples.remote())[0])  # the training examples
         self.cfg, self.rank, self.scorers = cfg, rank, scorers or []
         d = cfg.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed

@@ -107,8 +107,12 @@ class BufferActor:
         vocab_size: int,
         run: str,
         store: ray.actor.ActorHandle,
+        examples: list[ray.ObjectRef] | None = None,
     ) -> None:
+        """``examples``: ``[a reference to the training examples]`` the rollout actors sample prompts from (a
+        restarted rollout actor reads them here again)."""
         setup_worker()
+        self.examples_ref = examples or []
         self.buffer = SampleBuffer(capacity, max_policy_lag)
         self.max_batch_tokens, self.vocab_size, self.run, self.store = max_batch_tokens, vocab_size, run, store
         self.changed = threading.Condition()
@@ -123,6 +127,9 @@ class BufferActor:
             if self._room(producer) > 0 and not self.closed:
                 self.reserved.add(producer)
             return not self.closed
+
+    def examples(self) -> list[ray.ObjectRef]:
+        return self.examples_ref
 
     def _room(self, producer: int) -> int:
         return self.buffer.capacity - len(self.buffer) - len(self.reserved - {producer})

@@ -133,6 +133,7 @@ class Pipeline:
             vocab_size=vocab,
             run=r.run_name,
             store=self.store,
+            examples=[ray.put(task.train)],  # the rollout actors read them there (a restarted one again)
         )
         self.prompt_log = None
         if r.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
@@ -143,11 +144,9 @@ class Pipeline:
         self.scorers = []
         if r.target_logits == "scorer":
             self.scorers = [ScorerActor.options(num_cpus=r.scorer_cpus).remote(cfg) for _ in range(r.num_scorers)]
-        self.train = ray.put(task.train)  # held by the driver for the run: restarted rollout actors read it again
+
         self.rollouts = [
-            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(
-                cfg, self.train, i, self.scorers
-            )
+            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(cfg, i, self.scorers)
             for i in range(r.num_rollout_workers)
         ]
         prompts = [e.prompt for e in task.test[: r.eval_prompts]]

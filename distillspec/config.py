@@ -172,6 +172,11 @@ class RayConfig:
     learner_cpus: PosFloat = knob(1.0, "CPUs reserved per learner worker")
     learner_threads: NonNegInt = knob(0, "torch threads per learner worker (0 = learner_cpus, at least 1)")
     use_gpu: bool = knob(False, "learner on GPUs (NCCL); else gloo on CPU")
+    gpu_dry_run: bool = knob(
+        False,
+        "ask Ray for the GPU shares set here and in serve.replica_gpus, but compute on CPU (device=cpu, gloo): "
+        "placement and autoscaling on GPU nodes, exercised without GPUs",
+    )
     target_logits: Literal["learner", "scorer"] = knob(
         "learner", "where the target's logits are computed: learner (a frozen copy) | scorer (actors)"
     )
@@ -316,7 +321,28 @@ class JobConfig:
             )
         if self.target is not None and self.draft is None:
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
+        self.check_gpu_shares()
         return self
+
+    def check_gpu_shares(self) -> None:
+        """GPU shares on a CPU device only in the dry run; the dry run only on a CPU device and with GPU shares."""
+        r = self.ray
+        asked = r.use_gpu or r.rollout_gpus > 0 or r.eval_gpus > 0 or self.serve.replica_gpus > 0
+        if r.gpu_dry_run and self.device != "cpu":
+            raise DistillSpecError(
+                f"ray.gpu_dry_run=true computes on CPU but device={self.device!r}: set device=cpu for a dry run, or "
+                "ray.gpu_dry_run=false to compute on the GPUs"
+            )
+        if r.gpu_dry_run and not asked:
+            raise DistillSpecError(
+                "ray.gpu_dry_run=true but no GPU share is asked for: set ray.use_gpu=true, ray.rollout_gpus, "
+                "ray.eval_gpus or serve.replica_gpus (the shares a GPU cluster job asks for)"
+            )
+        if r.use_gpu and self.device == "cpu" and not r.gpu_dry_run:
+            raise DistillSpecError(
+                "ray.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
+                "for the GPUs while computing on CPU"
+            )
 
     def check_pair(self) -> None:
         """For the jobs that train: a draft needs its target (only the endpoint finds a run's target itself)."""

@@ -1,0 +1,132 @@
+"""The cluster job on Ray's own autoscaler: ``ray_cluster.yaml``'s node types on Ray's fake multi-node provider (each
+worker "node" a local raylet declaring its GPUs as logical resources), the job submitted as users submit it, in the
+GPU dry run (GPU shares asked for, computation on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.autoscaling import HEAD_TYPE, LocalAutoscalingCluster, local_config
+from distillspec import DistillSpecError
+from distillspec.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_SETTINGS = ["device=cpu", "ray.gpu_dry_run=true", "ray.use_gpu=true", "ray.rollout_gpus=1", "ray.eval_gpus=0.5"]
+
+
+def test_the_local_cluster_keeps_the_cluster_yamls_node_types():
+    spec = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    config = local_config(ROOT / "ray_cluster.yaml", gcs_address="127.0.0.1:1")
+    workers = {k: v for k, v in spec["available_node_types"].items() if k != spec["head_node_type"]}
+    local = config["available_node_types"]
+    assert set(local) == {*workers, HEAD_TYPE}
+    for name, node in workers.items():
+        assert local[name]["resources"]["GPU"] == node["resources"]["GPU"] > 0
+        assert (local[name]["min_workers"], local[name]["max_workers"]) == (node["min_workers"], node["max_workers"])
+        assert local[name]["min_workers"] == 0  # no GPU worker at the start
+    assert "GPU" not in local[HEAD_TYPE]["resources"] and config["provider"]["type"] == "fake_multinode"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["device=cuda", "ray.gpu_dry_run=true", "ray.use_gpu=true"], "computes on CPU but device='cuda'"),
+        (["ray.gpu_dry_run=true"], "no GPU share is asked for"),
+        (["ray.use_gpu=true"], "set device=cuda, or ray.gpu_dry_run=true"),
+    ],
+)
+def test_the_gpu_dry_run_is_refused_where_it_makes_no_sense(overrides, message):
+    with pytest.raises(DistillSpecError, match=message):
+        load_config(None, overrides)
+    assert load_config(None, GPU_SETTINGS).ray.gpu_dry_run
+
+
+@pytest.fixture(scope="module")
+def autoscaling():
+    cluster = LocalAutoscalingCluster(ROOT / "ray_cluster.yaml", head_cpus=1, worker_cpus=1, idle_timeout_minutes=0.2)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+class NodeWatch:
+    """Alive worker nodes by type, polled every second from the cluster's state API: a timeline of changes."""
+
+    def __init__(self, dashboard: str) -> None:
+        self.dashboard, self.timeline, self.types = dashboard, [], {}
+        self.stopping, self.start = threading.Event(), time.monotonic()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def counts(self) -> dict[str, int]:
+        from ray.util.state import list_nodes
+
+        counts: dict[str, int] = {}
+        for node in list_nodes(address=self.dashboard, detail=True):
+            kind = node.labels.get("ray.io/node-group") or ("head" if node.is_head_node else "?")
+            if node.state == "ALIVE":
+                counts[kind] = counts.get(kind, 0) + 1
+            self.types[node.node_id] = "head" if node.is_head_node else kind
+        return counts
+
+    def run(self) -> None:
+        while not self.stopping.wait(1.0):
+            try:
+                now = self.counts()
+            except Exception:
+                continue
+            if not self.timeline or self.timeline[-1][1] != now:
+                self.timeline.append((round(time.monotonic() - self.start, 1), now))
+
+    def wait_for(self, condition, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.timeline and condition(self.timeline[-1][1]):
+                return True
+            time.sleep(1.0)
+        return False
+
+
+def test_the_cluster_job_scales_gpu_nodes_from_zero_and_back(autoscaling, tiny_garden, tmp_path):
+    from ray.util.state import list_actors
+
+    watch = NodeWatch(autoscaling.dashboard)
+    assert watch.wait_for(lambda c: c.get("head") == 1, 60), watch.timeline
+    assert sum(n for kind, n in watch.timeline[-1][1].items() if kind != "head") == 0  # no GPU worker yet
+    out = tmp_path / "run"
+    job = [
+        "ray", "job", "submit", "--address", autoscaling.dashboard, "--working-dir", str(ROOT), "--",
+        "python", "jobs/distill.py", "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft),
+        "--output-dir", str(out), *GPU_SETTINGS, "ray.learner_cpus=0.5", "ray.rollout_cpus=0.25",
+        "ray.eval_cpus=0.25", "distill.steps=16", "ray.eval_every=8", "distill.batch_size=4",
+        "distill.max_new_tokens=8", "eval.max_new_tokens=8", "eval.batch_size=4", "eval.num_prompts=4",
+        "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0", "ray.eval_prompts=4",
+        "ray.take_timeout_s=300",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "TQDM_DISABLE": "1"}
+    done = subprocess.run(job, capture_output=True, text=True, timeout=900, env=env, check=False)
+    assert done.returncode == 0 and "SUCCEEDED" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+    assert (out / "results.json").exists() and (out / "draft" / "config.json").exists()
+    peak = max(sum(n for kind, n in c.items() if kind != "head") for _, c in watch.timeline)
+    assert peak >= 2, watch.timeline  # learner, rollouts and evaluation asked for more GPUs than one node has
+
+    placed: dict[str, set[str]] = {}
+    for actor in list_actors(address=autoscaling.dashboard, detail=True, limit=1000):
+        placed.setdefault(actor.class_name, set()).add(watch.types.get(actor.node_id, "?"))
+    for name in ("RolloutActor", "EvalActor", "RayTrainWorker"):
+        assert placed.get(name) and "head" not in placed[name] and "?" not in placed[name], placed
+
+    idle = watch.wait_for(lambda c: sum(n for kind, n in c.items() if kind != "head") == 0, 180)
+    watch.stopping.set()
+    print("\nnodes by type over time (seconds since the watch began):")
+    for t, counts in watch.timeline:
+        print(f"  {t:7.1f} s  {counts}")
+    print(f"actors by node type: { {k: sorted(v) for k, v in placed.items()} }")
+    assert idle, watch.timeline  # the idle GPU nodes were removed
