@@ -125,6 +125,9 @@ class LocalAutoscalingCluster:
             f"--autoscaling-config={config_file}", f"--num-cpus={self.head_cpus}", "--num-gpus=0",
             "--object-store-memory=150000000", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}", "--disable-usage-stats",
+            # Ports of its own, beside another Ray cluster on this machine (e.g. a test session's).
+            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+            f"--ray-client-server-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
         ]  # fmt: skip
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -148,6 +151,24 @@ class LocalAutoscalingCluster:
         psutil.wait_procs(mine, timeout=10)
         return len(mine)
 
+    def events(self) -> list[str]:
+        """The autoscaler's launches and terminations so far, with their timestamps (from its monitor log)."""
+        log = self.temp_dir / "session_latest" / "logs" / "monitor.log"
+        if not log.exists():
+            return []
+        lines = log.read_text(errors="replace").splitlines()
+        return [line for line in lines if ":event_summary:Adding" in line or ":event_summary:Removing" in line]
+
+    def node_type(self, resources: dict[str, float], head: bool) -> str:
+        """The node type of a node of this cluster, from its resources (the types differ in their GPU counts)."""
+        if head:
+            return HEAD_TYPE
+        by_gpus = {
+            node["resources"].get("GPU", 0): name
+            for name, node in local_config(self.cluster_yaml, gcs_address=self.address)["available_node_types"].items()
+        }
+        return by_gpus.get(resources.get("GPU", 0), "?")
+
     def to_dict(self) -> dict:
         return {"cluster_yaml": str(self.cluster_yaml), "port": self.port, "dashboard_port": self.dashboard_port}
 
@@ -159,16 +180,18 @@ class LocalAutoscalingCluster:
         return cluster
 
 
-def nodes_by_type(address: str) -> dict[str, int]:
-    """Alive nodes of the cluster at ``address`` by node type (the head as ``ray.head.default``)."""
+def nodes_by_type(cluster: LocalAutoscalingCluster) -> tuple[dict[str, int], dict[str, str]]:
+    """The cluster's alive nodes counted by type, and the type of every node seen (dead ones too) by node id.
+    The state API needs Ray's auth token: ``RAY_AUTH_MODE=token``."""
     from ray.util.state import list_nodes
 
     counts: dict[str, int] = {}
-    for node in list_nodes(address=address):
+    types: dict[str, str] = {}
+    for node in list_nodes(address=cluster.dashboard, detail=True):
+        kind = types[node.node_id] = cluster.node_type(node.resources_total, node.is_head_node)
         if node.state == "ALIVE":
-            kind = (node.labels or {}).get("ray.io/node-group") or node.node_name or "?"
             counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    return counts, types
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,7 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: no local autoscaling cluster is up")
     cluster = LocalAutoscalingCluster.from_dict(json.loads(STATE.read_text()))
     if args.command == "status":
-        print(json.dumps(nodes_by_type(cluster.address)))
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        print(json.dumps(nodes_by_type(cluster)[0]))
+        print("\n".join(cluster.events()))
     else:
         print(f"stopped {cluster.stop()} processes")
         STATE.unlink()
