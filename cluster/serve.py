@@ -234,38 +234,44 @@ class Completions:
         }
         self.metrics["distillspec_serve_draft_version"].set(self.completer.version)
         self.swaps: list[dict] = []
+        self.store, self.warned = None, False
+        self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
         if s.sync_every_s:
+            self._sync()  # a replica that starts late serves the run's current version from its first request
             threading.Thread(target=self._follow, name="draft-sync", daemon=True).start()
 
     # -- the weight store ------------------------------------------------------------------------------------
     def _follow(self) -> None:
         """Swap in each new draft version the run's learner publishes (a daemon thread)."""
-        store, warned = None, False
         while True:
             time.sleep(self.s.sync_every_s)
-            try:
-                store = store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
-                latest = ray.get(store.version.remote(), timeout=10)
-                if latest >= 0 and latest != self.completer.version:
-                    before = self.completer.version
-                    if self.vllm:  # into the running engine, in place
-                        version, arrays = fetch(store, before)
-                        if arrays is not None:
-                            version = self.completer.load_draft(arrays, version)
-                    else:  # into a copy of the draft: calls already running keep theirs
-                        version = self.completer.swap_draft(functools.partial(_pull_into, store, before))
-                    if version != before:
-                        self.swaps.append({"from": before, "to": version, "time": time.time()})
-                        self.metrics["distillspec_serve_draft_version"].set(version)
-                        log.info("draft version %d -> %d", before, version)
-            except ValueError:
-                store = None  # no such run (yet): keep serving the draft we have
-            except (RuntimeError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
-                if not warned:
-                    log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
-                    warned = True
-            except (ray.exceptions.RayError, TimeoutError):
-                store = None  # the store died with its job; look it up again
+            self._sync()
+
+    def _sync(self) -> None:
+        """Take the run's latest draft version when it is newer than the one served."""
+        try:
+            self.store = self.store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
+            latest = ray.get(self.store.version.remote(), timeout=10)
+            if latest >= 0 and latest != self.completer.version:
+                before = self.completer.version
+                if self.vllm:  # into the running engine, in place
+                    version, arrays = fetch(self.store, before)
+                    if arrays is not None:
+                        version = self.completer.load_draft(arrays, version)
+                else:  # into a copy of the draft: calls already running keep theirs
+                    version = self.completer.swap_draft(functools.partial(_pull_into, self.store, before))
+                if version != before:
+                    self.swaps.append({"from": before, "to": version, "time": time.time()})
+                    self.metrics["distillspec_serve_draft_version"].set(version)
+                    log.info("draft version %d -> %d", before, version)
+        except ValueError:
+            self.store = None  # no such run (yet): keep serving the draft we have
+        except (RuntimeError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
+            if not self.warned:
+                log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
+                self.warned = True
+        except (ray.exceptions.RayError, TimeoutError):
+            self.store = None  # the store died with its job; look it up again
 
     def _record(self, prompts: list[str]) -> None:
         if not self.s.record_prompts:
@@ -421,7 +427,9 @@ class Completions:
                 continue
             self._observe([item])
             self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-            yield chunk("", item.finish_reason, usage=_usage([item]), distillspec=_sd([item]))
+            yield chunk(
+                "", item.finish_reason, usage=_usage([item]), distillspec={**_sd([item]), "replica": self.replica}
+            )
             yield "data: [DONE]\n\n"
 
     async def _hf_stream(self, job: CompletionJob):
@@ -475,7 +483,7 @@ class Completions:
             "model": self.s.model_name,
             "choices": choices,
             "usage": _usage(done),
-            "distillspec": _sd(done),
+            "distillspec": {**_sd(done), "replica": self.replica},
         }
 
 
@@ -544,6 +552,8 @@ def bind(cfg: JobConfig) -> serve.Application:
         "min_replicas": s.min_replicas,
         "max_replicas": s.max_replicas,
         "target_ongoing_requests": s.target_ongoing_requests,
+        "upscale_delay_s": s.upscale_delay_s,
+        "downscale_delay_s": s.downscale_delay_s,
     }
     return Completions.options(
         autoscaling_config=autoscaling,

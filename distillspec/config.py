@@ -236,6 +236,12 @@ class ServeConfig:
     min_replicas: PosInt = knob(1, "autoscaling: fewest replicas")
     max_replicas: PosInt = knob(1, "autoscaling: most replicas")
     target_ongoing_requests: PosFloat = knob(8.0, "autoscaling target of ongoing requests per replica")
+    upscale_delay_s: NonNegFloat = knob(
+        30.0, "autoscaling: how long the load stays above target before a replica is added"
+    )
+    downscale_delay_s: NonNegFloat = knob(
+        600.0, "autoscaling: how long the load stays below target before a replica is removed"
+    )
     replica_cpus: NonNegFloat = knob(1.0, "CPUs per replica")
     replica_gpus: NonNegFloat = knob(0.0, "GPUs per replica")
     threads: NonNegInt = knob(0, "torch threads per replica (0 = replica_cpus, at least 1)")

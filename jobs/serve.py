@@ -17,6 +17,8 @@ published. Stop with Ctrl-C.
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 
 from distillspec.cli import parse_job_args, run_main
@@ -51,6 +53,7 @@ def main(cfg: JobConfig) -> None:
     routes = "chat/completions, completions, models"
     print(f"serving {cfg.serve.model_name!r} at {url} ({routes}; API key: {key}); Ctrl-C stops")
     print(f"the draft follows the weight store of run {cfg.serve.follow_run or cfg.ray.run_name!r}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service manager's stop: shut down as Ctrl-C does
     try:
         while True:
             time.sleep(3600)

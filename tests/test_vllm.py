@@ -26,7 +26,8 @@ if importlib.util.find_spec("vllm") is None:
 import ray
 
 from distillspec.config import load_config
-from distillspec.distill import compress_topk, forward_logits, generate_batch
+from distillspec.distill import forward_logits, generate_batch
+from distillspec.divergences import compress_topk
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.metrics import AcceptanceCounts
