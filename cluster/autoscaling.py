@@ -169,6 +169,24 @@ class LocalAutoscalingCluster:
         }
         return by_gpus.get(resources.get("GPU", 0), "?")
 
+    def kill_node(self, node_id: str) -> int:
+        """Kill a worker node of this cluster as a lost machine goes: its raylet and every process it started
+        (found by the node id the fake provider gives them); returns how many."""
+        mine = []
+        for proc in psutil.process_iter(["environ"]):
+            try:
+                if (proc.info["environ"] or {}).get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
+                    mine.append(proc)
+            except (psutil.Error, TypeError):
+                continue
+        for proc in mine:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(mine, timeout=10)
+        return len(mine)
+
     def to_dict(self) -> dict:
         return {"cluster_yaml": str(self.cluster_yaml), "port": self.port, "dashboard_port": self.dashboard_port}
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -125,8 +126,10 @@ class Pipeline:
         check_resources(cfg, strict=fixed_cluster)
         wait_for_names([weights_name(r.run_name), buffer_name(r.run_name)])
         vocab = AutoConfig.from_pretrained(cfg.draft).vocab_size  # the config alone, not the weights
-        self.store = WeightStore.options(name=weights_name(r.run_name)).remote(r.run_name)
-        self.buffer = BufferActor.options(name=buffer_name(r.run_name)).remote(
+        # The stores live beside the driver (on a cluster: the head), not on a worker node that may go away.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.store = WeightStore.options(name=weights_name(r.run_name), scheduling_strategy=here).remote(r.run_name)
+        self.buffer = BufferActor.options(name=buffer_name(r.run_name), scheduling_strategy=here).remote(
             capacity=r.buffer_capacity,
             max_policy_lag=r.max_policy_lag,
             max_batch_tokens=r.max_batch_tokens,
@@ -138,7 +141,9 @@ class Pipeline:
         self.prompt_log = None
         if r.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
             wait_for_names([prompts_name(r.run_name)])
-            self.prompt_log = PromptLog.options(name=prompts_name(r.run_name)).remote(r.run_name, r.online_window)
+            self.prompt_log = PromptLog.options(name=prompts_name(r.run_name), scheduling_strategy=here).remote(
+                r.run_name, r.online_window
+            )
             ray.get(self.prompt_log.stats.remote())
         ray.get([self.store.version.remote(), self.buffer.ledger.remote()])  # up, and the names are free
         self.scorers = []

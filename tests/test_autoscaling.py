@@ -4,7 +4,9 @@ GPU dry run (GPU shares asked for, computation on CPU)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -136,3 +138,63 @@ def test_the_cluster_job_scales_gpu_nodes_from_zero_and_back(autoscaling, tiny_g
     assert idle, watch.timeline  # the idle GPU nodes were removed
     events = autoscaling.events()
     assert any("Adding" in e for e in events) and any("Removing" in e for e in events), events
+
+
+def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscaling, tiny_garden, tmp_path, monkeypatch):
+    """A lost node is replaced by the autoscaler: rollout actors are recreated, and the learner resumes from its last
+    checkpoint; the ledger balances and the train log has every step once."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.util.state import list_actors
+
+    from actors.learner import latest_step
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    watch = NodeWatch(autoscaling)
+    client = JobSubmissionClient(autoscaling.dashboard)
+    out, steps = tmp_path / "run", 48
+    entrypoint = " ".join(
+        [
+            sys.executable, str(ROOT / "jobs" / "distill.py"), "--target", str(tiny_garden.target),
+            "--draft", str(tiny_garden.draft), "--output-dir", str(out), *GPU_SETTINGS, "ray.learner_cpus=0.5",
+            "ray.rollout_cpus=0.25", "ray.eval_cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4",
+            "ray.eval_every=0", "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8",
+            "eval.batch_size=4", "eval.num_prompts=4", "eval.gammas=[2]", "eval.temperatures=[0]",
+            "eval.speedup_prompts=0", "ray.take_timeout_s=300", "ray.log_to_driver=true",
+        ]
+    )  # fmt: skip
+    job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
+
+    def node_of(class_name: str) -> str | None:
+        alive = list_actors(address=autoscaling.dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+        return next((a.node_id for a in alive if a.class_name == class_name), None)
+
+    def wait(condition, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            status = client.get_job_status(job)
+            assert status not in (JobStatus.FAILED, JobStatus.STOPPED), client.get_job_logs(job)[-4000:]
+            assert time.monotonic() < deadline, client.get_job_logs(job)[-4000:]
+            time.sleep(1.0)
+
+    wait(lambda: (latest_step(out) or 0) >= 4)
+    rollout_node = node_of("RolloutActor")
+    learner_node = node_of("RayTrainWorker")
+    assert rollout_node and learner_node and rollout_node != learner_node
+    killed = {"rollout": (rollout_node, autoscaling.kill_node(rollout_node), latest_step(out))}
+    wait(lambda: (latest_step(out) or 0) >= killed["rollout"][2] + 8)
+    learner_node = node_of("RayTrainWorker")
+    killed["learner"] = (learner_node, autoscaling.kill_node(learner_node), latest_step(out))
+    wait(lambda: client.get_job_status(job) == JobStatus.SUCCEEDED, 600)
+    logs = client.get_job_logs(job)
+    watch.stopping.set()
+    for role, (node, processes, step) in killed.items():
+        print(f"\nkilled the {role}'s node {node[-5:]} ({processes} processes) at checkpoint step {step}")
+    ledger = re.search(r"pipeline: .*", logs)
+    resumed = re.findall(r"resumed from the checkpoint at step (\d+)", logs)
+    print(ledger[0] if ledger else "no ledger line", f"\nthe learner resumed at steps {resumed}")
+    print("the autoscaler's events:\n  " + "\n  ".join(autoscaling.events()))
+    assert ledger and "(balanced)" in ledger[0], logs[-3000:]
+    assert resumed and int(resumed[-1]) >= killed["learner"][2], resumed
+    log = json.loads((out / "train_log.json").read_text())
+    assert [r["step"] for r in log] == list(range(1, steps + 1))  # every step once
+    assert node_of("RolloutActor") is None  # the job ended; its actors are gone
