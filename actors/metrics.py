@@ -26,6 +26,7 @@ SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_buffer_size": (Gauge, "batches waiting in the buffer", ("run",)),
     "distillspec_samples": (Counter, "batches by ledger column", ("run", "column")),
     "distillspec_online_prompts": (Counter, "prompts the endpoint sent for online distillation", ("run",)),
+    "distillspec_weights_refused": (Counter, "published draft versions a consumer refused to load", ("run", "reason")),
 }
 
 _made: dict[str, Any] = {}

@@ -20,6 +20,7 @@ import torch
 
 from actors.common import log, setup_worker
 from actors.metrics import count, gauge
+from distillspec.integrity import checksums, mismatches
 from distillspec.rollout import RolloutBatch, SampleBuffer
 
 
@@ -29,15 +30,21 @@ class WeightStore:
 
     def __init__(self, run: str) -> None:
         self.run = run
-        self.current: tuple[int, list[ray.ObjectRef]] | None = None
+        self.current: tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None = None
         self.published = 0
         self.record: dict | None = None
 
-    def publish(self, version: int, refs: list[ray.ObjectRef], record: dict | None = None) -> None:
-        self.current = (version, refs)
+    def publish(
+        self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
+    ) -> None:
+        """Make ``refs[0]`` version ``version``; ``sums``: its per-tensor checksums, which consumers check."""
+        self.current = (version, refs, sums)
         self.published += 1
         self.record = record or self.record
         gauge("distillspec_weight_version", version, run=self.run)
+
+    def run_name(self) -> str:
+        return self.run
 
     def version(self) -> int:
         """The latest version, or -1 before the first publish."""
@@ -47,7 +54,7 @@ class WeightStore:
         """The latest version and the learner's record of the step that made it."""
         return self.version(), self.record
 
-    def latest(self) -> tuple[int, list[ray.ObjectRef]] | None:
+    def latest(self) -> tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None:
         return self.current
 
 
@@ -69,20 +76,26 @@ def publish(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, 
 
     The publisher owns the object; if it dies, pullers keep their weights until its successor publishes again.
     """
-    ref = ray.put(state_arrays(model))
-    ray.get(store.publish.remote(version, [ref], record))
+    arrays = state_arrays(model)
+    ray.get(store.publish.remote(version, [ray.put(arrays)], record, checksums(arrays)))
 
 
 def fetch(store: ray.actor.ActorHandle, version: int) -> tuple[int, dict[str, np.ndarray] | None]:
     """The store's latest version and its weights when newer than ``version`` (the one held), else
-    ``(version, None)``."""
+    ``(version, None)``: also when the weights fail their integrity check (they are logged and counted)."""
     if ray.get(store.version.remote()) in (version, -1):
         return version, None
-    latest, refs = ray.get(store.latest.remote())
+    latest, refs, sums = ray.get(store.latest.remote())
     try:
-        return latest, ray.get(refs[0])
+        arrays = ray.get(refs[0])
     except ray.exceptions.ObjectLostError:
         return version, None  # the publisher died; its successor publishes again
+    bad = mismatches(arrays, sums) if sums is not None else []
+    if bad:  # mangled between the publisher and here: keep the weights held
+        log.warning("refused draft version %d: checksum mismatch in %d tensors (%s)", latest, len(bad), bad[0])
+        count("distillspec_weights_refused", run=ray.get(store.run_name.remote()), reason="integrity")
+        return version, None
+    return latest, arrays
 
 
 def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int) -> int:

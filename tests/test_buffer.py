@@ -100,3 +100,15 @@ def test_a_rollout_batch_carries_tokens_and_the_target_distribution():
     topk.set_target(logits, topk=4, temperature=0.5)
     shipped, expected = topk.target(0.5), compress_topk(logits, 4, 0.5)
     assert torch.equal(shipped.indices, expected.indices) and torch.allclose(shipped.logprobs, expected.logprobs)
+
+
+def test_checksums_name_each_tensor_that_changed():
+    from distillspec.integrity import checksums, mismatches
+
+    arrays = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, dtype=np.float32)}
+    sums = checksums(arrays)
+    assert mismatches(arrays, sums) == []
+    assert mismatches({**arrays, "a": arrays["a"][::-1].copy()}, sums) == ["a"]  # scrambled
+    assert mismatches({**arrays, "a": arrays["a"].reshape(3, 2)}, sums) == ["a"]  # same bytes, another shape
+    assert mismatches({**arrays, "b": arrays["b"].astype(np.float16)}, sums) == ["b"]  # another dtype
+    assert mismatches({"a": arrays["a"]}, sums) == ["b"]  # missing

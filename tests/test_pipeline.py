@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import torch
 import yaml
 
 from actors import BufferActor, EvalActor, WeightStore
@@ -288,3 +289,23 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
         check_devices(job_config(tiny_garden, tmp_path, *ok[:-1]))
     with pytest.raises(DistillSpecError, match="target_logits=learner"):
         check_devices(job_config(tiny_garden, tmp_path, *ok, "ray.target_logits=scorer"))
+
+
+def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
+    from actors.stores import pull, state_arrays
+    from distillspec.integrity import checksums
+
+    store = WeightStore.remote("integrity")
+    draft, consumer = load_model(str(tiny_garden.draft))[0], load_model(str(tiny_garden.draft))[0]
+    publish(store, draft, 1)
+    assert pull(store, consumer, -1) == 1  # an intact transfer loads
+    held = {k: v.clone() for k, v in consumer.state_dict().items()}
+    arrays = state_arrays(draft)
+    name = next(k for k, a in arrays.items() if a.size > 1)
+    scrambled = {**arrays, name: np.random.default_rng(0).permutation(arrays[name].ravel()).reshape(arrays[name].shape)}
+    ray.get(store.publish.remote(2, [ray.put(scrambled)], None, checksums(arrays)))  # one tensor mangled in transit
+    assert pull(store, consumer, 1) == 1  # refused: the consumer keeps version 1, bit for bit
+    assert all(torch.equal(held[k], v) for k, v in consumer.state_dict().items())
+    ray.get(store.publish.remote(3, [ray.put(arrays)], None, checksums(arrays)))
+    assert pull(store, consumer, 1) == 3  # the next intact version loads
+    ray.kill(store)
