@@ -1,5 +1,6 @@
-"""The evaluation actor: measures alpha and tau of the latest draft on held-out prompts as versions arrive,
-and raises an alarm when alpha collapses after a weight sync."""
+"""The evaluation actor: measures alpha and tau of the latest draft on held-out prompts as versions arrive, raises
+an alarm when alpha collapses after a weight sync, and is the serving gate's canary: a version becomes the serving
+version only when its alpha is not more than ``ray.canary_margin`` below the serving version's."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.stores import pull
+from actors.stores import pull, state_arrays
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
+from distillspec.integrity import checksums
 from distillspec.models import load_pair
 from distillspec.study import measure_phase
 
@@ -33,6 +35,7 @@ class EvalActor:
         self.version = -1
         self.history: list[dict] = []
         self.alarms: list[str] = []
+        self.serving_alpha: float | None = None  #: alpha of the serving version on these prompts
         self.stopped = threading.Event()
 
     def evaluate(self) -> dict | None:
@@ -65,8 +68,22 @@ class EvalActor:
             log.error("ALARM: %s", alarm)
             self.alarms.append(alarm)
             count("distillspec_alpha_alarms", run=run)
+        rec["served"] = self.gate(rec)
         self.history.append(rec)
         return rec
+
+    def gate(self, rec: dict) -> bool:
+        """The canary: promote the measured version to serving, or refuse it with the reason."""
+        margin, alpha = self.cfg.ray.canary_margin, rec["alpha"]
+        if self.serving_alpha is not None and alpha < self.serving_alpha - margin:
+            reason = f"canary: alpha {alpha:.3f} < serving {self.serving_alpha:.3f} - {margin:g}"
+            log.warning("serving gate refused version %d (%s)", self.version, reason)
+            ray.get(self.store.refuse.remote(self.version, reason))
+            return False
+        arrays = state_arrays(self.draft)
+        ray.get(self.store.promote.remote(self.version, [ray.put(arrays)], checksums(arrays)))
+        self.serving_alpha = alpha
+        return True
 
     def run(self) -> int:
         """Evaluate every ``ray.eval_every`` versions until stopped; returns the number of evaluations."""

@@ -5,8 +5,9 @@
   batch outlives a producer that dies). ``put`` waits
   while the buffer is full, ``take`` while it is empty. Its bookkeeping (capacity, staleness, ledger) is
   :class:`distillspec.rollout.SampleBuffer`.
-- :class:`WeightStore`, the one holder of the current draft version: the learner publishes each new version into
-  it; rollout actors, the evaluator and Serve replicas fetch the latest one.
+- :class:`WeightStore`, the one holder of the draft's versions: the *latest* (the learner publishes each new
+  version; rollout actors and the evaluator take it) and the *serving* one (a version the evaluator's canary
+  passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where it is loaded.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ class WeightStore:
     def __init__(self, run: str) -> None:
         self.run = run
         self.current: tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None = None
+        self.serving: tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None = None
         self.published = 0
         self.record: dict | None = None
+        self.refused: list[dict] = []  #: versions the serving gate refused, with the reason
 
     def publish(
         self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
@@ -46,16 +49,30 @@ class WeightStore:
     def run_name(self) -> str:
         return self.run
 
-    def version(self) -> int:
-        """The latest version, or -1 before the first publish."""
-        return -1 if self.current is None else self.current[0]
+    def promote(self, version: int, refs: list[ray.ObjectRef], sums: dict[str, str] | None = None) -> None:
+        """Make version ``version`` (weights ``refs[0]``) the serving version: it passed the gate."""
+        self.serving = (version, refs, sums)
+        gauge("distillspec_serving_version", version, run=self.run)
+
+    def refuse(self, version: int, reason: str) -> None:
+        """The gate refused version ``version`` for serving."""
+        self.refused.append({"version": version, "reason": reason})
+        count("distillspec_versions_refused", run=self.run, reason=reason.split(":", 1)[0])
+
+    def gate(self) -> dict:
+        return {"latest": self.version(), "serving": self.version("serving"), "refused": self.refused}
+
+    def version(self, which: str = "latest") -> int:
+        """The latest (or serving) version, or -1 before there is one."""
+        held = self.current if which == "latest" else self.serving
+        return -1 if held is None else held[0]
 
     def status(self) -> tuple[int, dict | None]:
         """The latest version and the learner's record of the step that made it."""
         return self.version(), self.record
 
-    def latest(self) -> tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None:
-        return self.current
+    def latest(self, which: str = "latest") -> tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None:
+        return self.current if which == "latest" else self.serving
 
 
 def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -70,22 +87,35 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
             tensor.copy_(torch.from_numpy(np.array(arrays[name])))
 
 
-def publish(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, record: dict | None = None) -> None:
-    """Put the weights into the object store and make them the latest version; ``record`` is the learner's log
-    record of the step that made it (the driver's console shows it).
+def publish(
+    store: ray.actor.ActorHandle,
+    model: torch.nn.Module,
+    version: int,
+    record: dict | None = None,
+    *,
+    serving: bool = False,
+) -> None:
+    """Put the weights into the object store and make them the latest version (with ``serving``, the serving one
+    too, bypassing the gate: for a draft chosen by hand); ``record`` is the learner's log record of the step that
+    made it (the driver's console shows it).
 
     The publisher owns the object; if it dies, pullers keep their weights until its successor publishes again.
     """
     arrays = state_arrays(model)
-    ray.get(store.publish.remote(version, [ray.put(arrays)], record, checksums(arrays)))
+    refs, sums = [ray.put(arrays)], checksums(arrays)
+    ray.get(store.publish.remote(version, refs, record, sums))
+    if serving:
+        ray.get(store.promote.remote(version, refs, sums))
 
 
-def fetch(store: ray.actor.ActorHandle, version: int) -> tuple[int, dict[str, np.ndarray] | None]:
-    """The store's latest version and its weights when newer than ``version`` (the one held), else
-    ``(version, None)``: also when the weights fail their integrity check (they are logged and counted)."""
-    if ray.get(store.version.remote()) in (version, -1):
+def fetch(
+    store: ray.actor.ActorHandle, version: int, which: str = "latest"
+) -> tuple[int, dict[str, np.ndarray] | None]:
+    """The store's latest (or serving) version and its weights when it differs from ``version`` (the one held),
+    else ``(version, None)``: also when the weights fail their integrity check (they are logged and counted)."""
+    if ray.get(store.version.remote(which)) in (version, -1):
         return version, None
-    latest, refs, sums = ray.get(store.latest.remote())
+    latest, refs, sums = ray.get(store.latest.remote(which))
     try:
         arrays = ray.get(refs[0])
     except ray.exceptions.ObjectLostError:
@@ -98,9 +128,10 @@ def fetch(store: ray.actor.ActorHandle, version: int) -> tuple[int, dict[str, np
     return latest, arrays
 
 
-def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int) -> int:
-    """Load the store's latest weights into ``model`` when newer than ``version``; returns the version held."""
-    latest, arrays = fetch(store, version)
+def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest") -> int:
+    """Load the store's latest (or serving) weights into ``model`` when they differ from ``version``; returns the
+    version held."""
+    latest, arrays = fetch(store, version, which)
     if arrays is not None:
         load_arrays(model, arrays)
     return latest

@@ -260,7 +260,7 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
         def swap(done: int) -> None:
             if done >= n // 4 and not swapped:
                 swapped.append(time.perf_counter())
-                publish(store, new_draft, 1)
+                publish(store, new_draft, 1, serving=True)
 
         rows["sd_swap"] = _load(url, prompts, n, conc, body, during=swap)
         rows["sd_after"] = _load(url, prompts, n, conc, body)
@@ -359,7 +359,7 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
         def swap(done: int) -> None:
             if done >= 100 and not swapped:
                 swapped.append(time.perf_counter())
-                publish(store, new_draft, 1)
+                publish(store, new_draft, 1, serving=True)
 
         try:
             swap_row = _load(url, prompts, 400, 8, body, during=swap)

@@ -173,8 +173,8 @@ def _param_of(message: str) -> str | None:
     return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
 
 
-def _pull_into(store: ray.actor.ActorHandle, version: int, model: torch.nn.Module) -> int:
-    return pull(store, model, version)
+def _pull_into(store: ray.actor.ActorHandle, version: int, which: str, model: torch.nn.Module) -> int:
+    return pull(store, model, version, which)
 
 
 def _usage(done: list[Completion]) -> dict:
@@ -251,15 +251,16 @@ class Completions:
         """Take the run's latest draft version when it is newer than the one served."""
         try:
             self.store = self.store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
-            latest = ray.get(self.store.version.remote(), timeout=10)
+            which = self.s.follow_version
+            latest = ray.get(self.store.version.remote(which), timeout=10)
             if latest >= 0 and latest != self.completer.version:
                 before = self.completer.version
                 if self.vllm:  # into the running engine, in place
-                    version, arrays = fetch(self.store, before)
+                    version, arrays = fetch(self.store, before, which)
                     if arrays is not None:
                         version = self.completer.load_draft(arrays, version)
                 else:  # into a copy of the draft: calls already running keep theirs
-                    version = self.completer.swap_draft(functools.partial(_pull_into, self.store, before))
+                    version = self.completer.swap_draft(functools.partial(_pull_into, self.store, before, which))
                 if version != before:
                     self.swaps.append({"from": before, "to": version, "time": time.time()})
                     self.metrics["distillspec_serve_draft_version"].set(version)

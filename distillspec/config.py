@@ -192,6 +192,11 @@ class RayConfig:
     eval_cpus: NonNegFloat = knob(0.25, "CPUs of the evaluation actor and of the before/after measurements")
     eval_gpus: NonNegFloat = knob(0.0, "GPUs of the same (> 0 when device is a GPU; a fraction shares one)")
     alarm_drop: NonNegFloat = knob(0.15, "alarm when alpha falls by more than this between two evaluations")
+    canary_margin: NonNegFloat = knob(
+        0.02,
+        "the serving gate: an evaluated version becomes the serving version unless its alpha on the held-out prompts "
+        "is more than this below the serving version's",
+    )
     resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
     max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")
     take_timeout_s: PosFloat = knob(600.0, "the learner gives up when no batch arrives for this long")
@@ -249,6 +254,9 @@ class ServeConfig:
         None, "serve what this jobs/distill.py output folder distilled: its draft/ with the target it was distilled for"
     )
     follow_run: str | None = knob(None, "take new draft versions from this run's weight store (unset = ray.run_name)")
+    follow_version: Literal["serving", "latest"] = knob(
+        "serving", "which of the run's versions replicas take: serving (passed the gate) | latest (every one published)"
+    )
     sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
 

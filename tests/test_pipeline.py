@@ -190,10 +190,15 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
     publish(store, draft, 1)
     bad = ray.get(evaluator.evaluate.remote())
     report = ray.get(evaluator.report.remote())
+    gate = ray.get(store.gate.remote())
     ray.kill(evaluator)
     ray.kill(store)
     assert good["alpha"] > 0.9 and bad["alpha"] < good["alpha"] - 0.1
     assert len(report["alarms"]) == 1 and "collapsed" in report["alarms"][0]
+    # The canary: the good version became the serving one; the worse one was refused with its reason.
+    assert good["served"] and not bad["served"]
+    assert gate["latest"] == 1 and gate["serving"] == 0
+    assert [r["version"] for r in gate["refused"]] == [1] and gate["refused"][0]["reason"].startswith("canary: alpha")
 
 
 def run_job(*args: str, **popen) -> subprocess.Popen:

@@ -221,7 +221,7 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     for t in threads:
         t.start()
     time.sleep(2.0)
-    publish(store, draft, 7)
+    publish(store, draft, 7, serving=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not any(v == 7 for *_, v in results):
         time.sleep(0.2)

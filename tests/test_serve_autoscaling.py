@@ -39,7 +39,7 @@ def test_replicas_follow_the_load_and_late_ones_serve_the_current_draft(ray_clus
 
     store = WeightStore.options(name=weights_name(RUN), namespace=NAMESPACE).remote(RUN)
     draft = load_model(str(tiny_garden.draft))[0]
-    publish(store, draft, 7)  # the run's current version: every replica, early or late, must serve it
+    publish(store, draft, 7, serving=True)  # the run's current version: every replica, early or late, must serve it
     port = free_port()
     cfg = load_config(
         None,

@@ -347,7 +347,7 @@ def test_vllm_endpoint_openai_client_streams_refuses_and_swaps(vllm_endpoint, mo
         if i == 20:
             other = copy.deepcopy(draft)
             other.load_state_dict(random_state(draft, seed=3))
-            publish(store, other, 1)
+            publish(store, other, 1, serving=True)
             swapped.set()
         prompt = prompts[i % len(prompts)]
         r = requests.post(
