@@ -22,7 +22,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import yaml
@@ -37,6 +39,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kill_processes(attr: str, match: Callable[[Any], bool]) -> int:
+    """Kill every process whose psutil ``attr`` (``cmdline``, ``environ``) ``match`` accepts; returns how many."""
+    mine = []
+    for proc in psutil.process_iter([attr]):
+        try:
+            if match(proc.info[attr]):
+                mine.append(proc)
+        except (psutil.Error, TypeError):
+            continue
+    for proc in mine:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(mine, timeout=10)
+    return len(mine)
 
 
 def local_config(
@@ -136,20 +156,7 @@ class LocalAutoscalingCluster:
 
     def stop(self) -> int:
         """Kill this cluster's processes (found by its temp folder); returns how many."""
-        mine = []
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                if any(str(self.temp_dir) in part for part in proc.info["cmdline"] or []):
-                    mine.append(proc)
-            except (psutil.Error, TypeError):
-                continue
-        for proc in mine:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(mine, timeout=10)
-        return len(mine)
+        return kill_processes("cmdline", lambda cmdline: any(str(self.temp_dir) in part for part in cmdline or []))
 
     def events(self) -> list[str]:
         """The autoscaler's launches and terminations so far, with their timestamps (from its monitor log)."""
@@ -172,20 +179,7 @@ class LocalAutoscalingCluster:
     def kill_node(self, node_id: str) -> int:
         """Kill a worker node of this cluster as a lost machine goes: its raylet and every process it started
         (found by the node id the fake provider gives them); returns how many."""
-        mine = []
-        for proc in psutil.process_iter(["environ"]):
-            try:
-                if (proc.info["environ"] or {}).get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id:
-                    mine.append(proc)
-            except (psutil.Error, TypeError):
-                continue
-        for proc in mine:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(mine, timeout=10)
-        return len(mine)
+        return kill_processes("environ", lambda env: (env or {}).get("RAY_OVERRIDE_NODE_ID_FOR_TESTING") == node_id)
 
     def to_dict(self) -> dict:
         return {"cluster_yaml": str(self.cluster_yaml), "port": self.port, "dashboard_port": self.dashboard_port}

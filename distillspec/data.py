@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from distillspec import hub
+from distillspec import hub, scores
 from distillspec.errors import DistillSpecError
 
 HUB_TASKS = ("gsm8k", "xsum", "cnn_dailymail", "wmt14", "lm1b")
@@ -56,8 +56,6 @@ def score(metric: str | None, predictions: list[str], references: list[str]) -> 
         return {}
     module = {"accuracy": "gsm8k_accuracy", "bleu": "bleu", "rouge": "rouge"}.get(metric)
     if module is not None:
-        from distillspec import scores  # evaluate imports datasets: loaded when a score is asked for
-
         return scores.load(module).compute(predictions=predictions, references=references)
     raise DistillSpecError(f"metric={metric!r}: choose accuracy, bleu, rouge or None")
 

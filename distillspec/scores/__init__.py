@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+from distillspec.config import check_choice
 
 HERE = Path(__file__).resolve().parent
 NAMES = ("gsm8k_accuracy", "bleu", "rouge", "acceptance_rate", "block_efficiency")
@@ -22,8 +25,6 @@ NAMES = ("gsm8k_accuracy", "bleu", "rouge", "acceptance_rate", "block_efficiency
 def path(name: str) -> str:
     """The folder of the module ``name`` (what ``evaluate.load`` takes)."""
     if name not in NAMES:
-        from distillspec.config import check_choice
-
         check_choice("score", name, NAMES)
     return str(HERE / name)
 
@@ -34,3 +35,33 @@ def load(name: str):  # -> evaluate.EvaluationModule
     import evaluate  # imports datasets: loaded when a score is asked for, not with the package
 
     return evaluate.load(path(name))
+
+
+#: The inputs of the task scores and of the speculative-decoding measures (``datasets`` value types).
+TEXT_INPUTS = {"predictions": "string", "references": "string"}
+COUNT_INPUTS = {"blocks": "int64", "accepted": "int64", "rejected": "int64"}
+#: What the speculative-decoding measures are computed from, and their arguments.
+COUNTS_SOURCE = (
+    " Computed from per-request counts of speculative decoding, as both this project's decoder and vLLM's scheduler "
+    "count them (Leviathan et al., 2023; Zhou et al., 2024)."
+)
+COUNT_ARGS = """
+Args:
+    blocks: draft-and-verify blocks (target calls) of each request.
+    accepted: draft tokens the target accepted, per request.
+    rejected: blocks that ended in a rejection, per request.
+"""
+DISTILLSPEC = "Zhou et al., DistillSpec: Improving Speculative Decoding via Knowledge Distillation, ICLR 2024"
+
+
+def metric_info(description: str, inputs_description: str, citation: str, inputs: dict[str, str]) -> Any:
+    """The ``evaluate.MetricInfo`` of a shipped module whose inputs are columns of ``datasets`` value types."""
+    import datasets
+    import evaluate
+
+    return evaluate.MetricInfo(
+        description=description,
+        citation=citation,
+        inputs_description=inputs_description,
+        features=datasets.Features({name: datasets.Value(kind) for name, kind in inputs.items()}),
+    )

@@ -1,8 +1,9 @@
 """Corpus BLEU computed by sacrebleu, one reference per prediction."""
 
-import datasets
 import evaluate
 import sacrebleu
+
+from distillspec import scores
 
 _DESCRIPTION = "Corpus-level BLEU (0-100) computed by sacrebleu with its default 13a tokenizer (Post, 2018)."
 _KWARGS = """
@@ -17,13 +18,8 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Bleu(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="Post, A Call for Clarity in Reporting BLEU Scores, WMT 2018",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
+        return scores.metric_info(
+            _DESCRIPTION, _KWARGS, "Post, A Call for Clarity in Reporting BLEU Scores, WMT 2018", scores.TEXT_INPUTS
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:

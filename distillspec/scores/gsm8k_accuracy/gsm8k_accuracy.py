@@ -1,8 +1,8 @@
 """GSM8K accuracy: the share of answers whose final number equals the reference's."""
 
-import datasets
 import evaluate
 
+from distillspec import scores
 from distillspec.data import final_number
 
 _DESCRIPTION = (
@@ -21,13 +21,11 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Gsm8kAccuracy(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="Cobbe et al., Training Verifiers to Solve Math Word Problems, arXiv 2110.14168 (2021)",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
+        return scores.metric_info(
+            _DESCRIPTION,
+            _KWARGS,
+            "Cobbe et al., Training Verifiers to Solve Math Word Problems, arXiv 2110.14168 (2021)",
+            scores.TEXT_INPUTS,
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """ROUGE-2 and ROUGE-L F-measures computed by rouge-score, averaged over the predictions."""
 
-import datasets
 import evaluate
 from rouge_score import rouge_scorer
+
+from distillspec import scores
 
 _DESCRIPTION = "Mean ROUGE-2 and ROUGE-L F-measures (0-1, Porter stemming) computed by rouge-score (Lin, 2004)."
 _KWARGS = """
@@ -17,13 +18,11 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Rouge(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="Lin, ROUGE: A Package for Automatic Evaluation of Summaries, ACL workshop 2004",
-            inputs_description=_KWARGS,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("string")}
-            ),
+        return scores.metric_info(
+            _DESCRIPTION,
+            _KWARGS,
+            "Lin, ROUGE: A Package for Automatic Evaluation of Summaries, ACL workshop 2004",
+            scores.TEXT_INPUTS,
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:
