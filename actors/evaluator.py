@@ -11,13 +11,13 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.stores import pull, state_arrays
+from actors.stores import pull
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.integrity import checksums
-from distillspec.models import load_pair
+from distillspec.models import load_pair, state_arrays
 from distillspec.study import measure_phase
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation

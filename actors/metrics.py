@@ -29,6 +29,7 @@ SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_weights_refused": (Counter, "published draft versions a consumer refused to load", ("run", "reason")),
     "distillspec_serving_version": (Gauge, "draft version that passed the serving gate", ("run",)),
     "distillspec_versions_refused": (Counter, "versions the serving gate refused, by reason", ("run", "reason")),
+    "distillspec_rollbacks": (Counter, "serving versions rolled back after live alpha collapsed", ("run",)),
 }
 
 _made: dict[str, Any] = {}

@@ -11,11 +11,12 @@ import torch
 
 from actors.common import buffer_name, log, prompts_name, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.stores import fetch, load_arrays
+from actors.stores import fetch
 from distillspec.config import JobConfig, resolve_recipe
 from distillspec.data import Example
 from distillspec.distill import forward_logits, train_temperature
-from distillspec.models import load_model, load_tokenizer
+from distillspec.integrity import TransferRefused
+from distillspec.models import load_arrays, load_model, load_tokenizer
 from distillspec.rollout import RolloutBatch, Sampler, needs_target_samples
 
 
@@ -100,13 +101,16 @@ class RolloutActor:
 
     def sync(self) -> None:
         """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines."""
-        version, arrays = fetch(self.store, self.version)
-        if arrays is not None:
-            if self.draft is not None:
-                load_arrays(self.draft, arrays)
-            else:
-                self.engine.load_draft(arrays)
-        self.version = version
+        try:
+            version, arrays = fetch(self.store, self.version)
+            if arrays is not None:
+                if self.draft is not None:
+                    load_arrays(self.draft, arrays)
+                else:
+                    self.engine.load_draft(arrays)
+            self.version = version
+        except TransferRefused:
+            pass  # logged and counted where it was found; sample with the weights held
 
     def stats(self) -> dict:
         """The version this actor samples with and, with vLLM, its in-place weight loads."""

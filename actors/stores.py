@@ -8,6 +8,8 @@
 - :class:`WeightStore`, the one holder of the draft's versions: the *latest* (the learner publishes each new
   version; rollout actors and the evaluator take it) and the *serving* one (a version the evaluator's canary
   passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where it is loaded.
+  A replica that sees a serving version collapse on live traffic rolls it back here, so the whole deployment returns
+  to the serving version before it.
 """
 
 from __future__ import annotations
@@ -21,21 +23,29 @@ import torch
 
 from actors.common import log, setup_worker
 from actors.metrics import count, gauge
-from distillspec.integrity import checksums, mismatches
+from distillspec.integrity import TransferRefused, check, checksums
+from distillspec.models import load_arrays, state_arrays
 from distillspec.rollout import RolloutBatch, SampleBuffer
+
+#: a version held by the store: its number, ``[a reference to its arrays]`` and their checksums
+Held = tuple[int, list[ray.ObjectRef], dict[str, str] | None]
+KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class WeightStore:
-    """Holds one reference: the latest version. Replacing it releases the previous version's object."""
+    """Holds references to the latest version, the serving one and the serving ones before it (replacing one
+    releases what nothing holds any more)."""
 
     def __init__(self, run: str) -> None:
         self.run = run
-        self.current: tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None = None
-        self.serving: tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None = None
+        self.current: Held | None = None
+        self.serving: Held | None = None
+        self.earlier: list[Held] = []  #: earlier serving versions, newest last: where a rollback returns
         self.published = 0
         self.record: dict | None = None
-        self.refused: list[dict] = []  #: versions the serving gate refused, with the reason
+        self.refused: list[dict] = []  #: versions the serving gate refused or serving rolled back, with the reason
+        self.rolled_back: set[int] = set()
 
     def publish(
         self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
@@ -51,16 +61,52 @@ class WeightStore:
 
     def promote(self, version: int, refs: list[ray.ObjectRef], sums: dict[str, str] | None = None) -> None:
         """Make version ``version`` (weights ``refs[0]``) the serving version: it passed the gate."""
+        if self.serving is not None:
+            self.earlier = [*self.earlier, self.serving][-KEEP_EARLIER:]
         self.serving = (version, refs, sums)
         gauge("distillspec_serving_version", version, run=self.run)
 
     def refuse(self, version: int, reason: str) -> None:
-        """The gate refused version ``version`` for serving."""
-        self.refused.append({"version": version, "reason": reason})
-        count("distillspec_versions_refused", run=self.run, reason=reason.split(":", 1)[0])
+        """The gate refused version ``version`` for serving (the canary), or a consumer refused to load it (integrity):
+        it is never served (when it is the serving version, serving returns to the one before). Only the first
+        refusal of a version counts."""
+        if all(r["version"] != version for r in self.refused):
+            self.refused.append({"version": version, "reason": reason})
+            count("distillspec_versions_refused", run=self.run, reason=reason.split(":", 1)[0])
+        self._step_back()
+
+    def roll_back(self, version: int, reason: str) -> int:
+        """A Serve replica saw ``version`` collapse on live traffic: serving returns to the version before it, and
+        ``version`` is never served again. Reports of a version already rolled back change nothing. Returns the
+        serving version (-1: none, the replicas' start draft)."""
+        if version not in self.rolled_back:
+            self.rolled_back.add(version)
+            self.refused = [r for r in self.refused if r["version"] != version] + [
+                {"version": version, "reason": reason}
+            ]
+            count("distillspec_rollbacks", run=self.run)
+            log.error("ALARM: serving rolled back from draft version %d: %s", version, reason)
+        self._step_back()
+        return self.version("serving")
+
+    def _step_back(self) -> None:
+        """While the serving version was refused or rolled back, serve the one before it."""
+        refused = {r["version"] for r in self.refused}
+        while self.serving is not None and self.serving[0] in refused:
+            self.serving = self.earlier.pop() if self.earlier else None
+            gauge("distillspec_serving_version", self.version("serving"), run=self.run)
+
+    def follow(self, which: str = "serving") -> tuple[int, list[int]]:
+        """What a Serve replica checks: the latest (or serving) version, and the versions rolled back."""
+        return self.version(which), sorted(self.rolled_back)
 
     def gate(self) -> dict:
-        return {"latest": self.version(), "serving": self.version("serving"), "refused": self.refused}
+        return {
+            "latest": self.version(),
+            "serving": self.version("serving"),
+            "refused": self.refused,
+            "rolled_back": sorted(self.rolled_back),
+        }
 
     def version(self, which: str = "latest") -> int:
         """The latest (or serving) version, or -1 before there is one."""
@@ -71,20 +117,8 @@ class WeightStore:
         """The latest version and the learner's record of the step that made it."""
         return self.version(), self.record
 
-    def latest(self, which: str = "latest") -> tuple[int, list[ray.ObjectRef], dict[str, str] | None] | None:
+    def latest(self, which: str = "latest") -> Held | None:
         return self.current if which == "latest" else self.serving
-
-
-def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's weights as numpy arrays (read zero-copy by every puller on a node)."""
-    model = getattr(model, "module", model)  # DDP
-    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-
-
-def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(torch.from_numpy(np.array(arrays[name])))
 
 
 def publish(
@@ -112,7 +146,8 @@ def fetch(
     store: ray.actor.ActorHandle, version: int, which: str = "latest"
 ) -> tuple[int, dict[str, np.ndarray] | None]:
     """The store's latest (or serving) version and its weights when it differs from ``version`` (the one held),
-    else ``(version, None)``: also when the weights fail their integrity check (they are logged and counted)."""
+    else ``(version, None)``. Weights that fail their integrity check raise
+    :class:`~distillspec.integrity.TransferRefused` (logged and counted here): the caller keeps what it holds."""
     if ray.get(store.version.remote(which)) in (version, -1):
         return version, None
     latest, refs, sums = ray.get(store.latest.remote(which))
@@ -120,18 +155,23 @@ def fetch(
         arrays = ray.get(refs[0])
     except ray.exceptions.ObjectLostError:
         return version, None  # the publisher died; its successor publishes again
-    bad = mismatches(arrays, sums) if sums is not None else []
-    if bad:  # mangled between the publisher and here: keep the weights held
-        log.warning("refused draft version %d: checksum mismatch in %d tensors (%s)", latest, len(bad), bad[0])
+    try:
+        if sums is not None:
+            check(arrays, sums, f"draft version {latest}")
+    except TransferRefused as exc:  # mangled between the publisher and here
+        log.warning("refused %s", exc)
         count("distillspec_weights_refused", run=ray.get(store.run_name.remote()), reason="integrity")
-        return version, None
+        raise
     return latest, arrays
 
 
 def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest") -> int:
     """Load the store's latest (or serving) weights into ``model`` when they differ from ``version``; returns the
-    version held."""
-    latest, arrays = fetch(store, version, which)
+    version held (``version`` itself when the new weights were refused)."""
+    try:
+        latest, arrays = fetch(store, version, which)
+    except TransferRefused:
+        return version
     if arrays is not None:
         load_arrays(model, arrays)
     return latest

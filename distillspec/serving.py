@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -141,6 +142,7 @@ class Completer:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
         self.max_prompt_tokens = max_prompt_tokens
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        self.previous: tuple[PreTrainedModel, int] | None = None  #: the draft the last swap replaced
 
     def count_tokens(self, prompt: str) -> int:
         return len(encode_prompts(self.tokenizer, [prompt])[0][0])
@@ -155,12 +157,19 @@ class Completer:
         job.args.check()
 
     def swap_draft(self, load: Callable[[PreTrainedModel], int]) -> int:
-        """Load new weights into a copy of the draft (``load(model) -> version``), then make it current.
-        Calls already running keep the draft object they started with."""
+        """Load new weights into a copy of the draft (``load(model) -> version``), then make it current; the draft
+        it replaces is kept for :meth:`roll_back`. Calls already running keep the draft object they started with."""
         fresh = copy.deepcopy(self.draft)
         version = load(fresh)
         if version != self.version:
+            self.previous = (self.draft, self.version)
             self.draft, self.version = fresh.eval(), version
+        return self.version
+
+    def roll_back(self) -> int:
+        """Serve the draft the last swap replaced again; returns the version served now."""
+        if self.previous is not None:
+            (self.draft, self.version), self.previous = self.previous, None
         return self.version
 
     def complete(self, jobs: list[CompletionJob], on_block: Callable | None = None) -> list[Completion]:
@@ -217,3 +226,55 @@ class Completer:
                 )
             )
         return done
+
+
+class LiveAcceptance:
+    """Live alpha per draft version from served completions' SD statistics, and the rollback rule.
+
+    After a swap from ``previous`` to ``version``, the new version is judged once, on its first ``window``
+    speculative completions: it is rolled back when their pooled alpha is more than ``margin`` below the previous
+    version's over its last ``window`` completions. Until both have that many, nothing is judged. The rule compares
+    like with like only when the traffic's mix (temperature, gamma, lenience) is steady across the swap.
+    """
+
+    def __init__(self, window: int, margin: float) -> None:
+        self.window, self.margin = window, margin
+        self.recent: dict[int, deque[tuple[int, int]]] = {}  #: version -> (accepted, judged) of its last completions
+        self.answered: dict[int, int] = {}  #: version -> speculative completions it made
+        self.judged: set[int] = set()  #: versions already judged
+
+    def record(self, version: int, stats: dict) -> None:
+        """Count one completion's ``stats`` (:func:`counts_stats`) for ``version``; plain decoding counts nothing."""
+        judged = stats["accepted"] + stats["rejected"]
+        if judged:
+            self.recent.setdefault(version, deque(maxlen=self.window)).append((stats["accepted"], judged))
+            self.answered[version] = self.answered.get(version, 0) + 1
+
+    def alpha(self, version: int) -> float | None:
+        """Pooled alpha of ``version``'s last ``window`` completions (None before any)."""
+        recent = self.recent.get(version)
+        if not recent:
+            return None
+        return sum(a for a, _ in recent) / sum(j for _, j in recent)
+
+    def verdict(self, version: int, previous: int) -> str | None:
+        """The reason to roll ``version`` back to ``previous``, once, when its first ``window`` completions say so;
+        None otherwise (also before they are in, and after the version was judged)."""
+        if not self.window or version in self.judged or version == previous:
+            return None
+        if self.answered.get(version, 0) < self.window or self.answered.get(previous, 0) < self.window:
+            return None
+        self.judged.add(version)
+        new, old = self.alpha(version), self.alpha(previous)
+        if new < old - self.margin:
+            return (
+                f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} - "
+                f"{self.margin:g} (over {self.window} completions each)"
+            )
+        return None
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop the statistics of versions other than ``keep``."""
+        for version in set(self.recent) - keep:
+            self.recent.pop(version, None)
+            self.answered.pop(version, None)

@@ -38,8 +38,9 @@ from distillspec.data import Example
 from distillspec.distill import Batch, make_batch
 from distillspec.divergences import TopKLogprobs
 from distillspec.errors import DistillSpecError
+from distillspec.integrity import TransferRefused, checksums
 from distillspec.metrics import AcceptanceCounts
-from distillspec.models import encode_prompts
+from distillspec.models import encode_prompts, load_model, state_arrays
 from distillspec.serving import Completion, CompletionJob, StreamText, counts_stats, cut_at_stop
 
 #: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
@@ -107,8 +108,9 @@ def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, gamma
     return LLM(**engine_args(cfg, model, draft=draft, gamma=gamma, seed=seed))
 
 
-def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> bytes:
-    """The draft's weights as one safetensors byte string: what ``DraftWeights.load_draft`` takes."""
+def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """The draft's weights as one safetensors byte string and their checksums: what ``DraftWeights.load_draft``
+    takes (it checks the tensors it receives against the checksums before it loads them)."""
     tensors, seen = {}, set()
     for name, value in state.items():
         tensor = torch.as_tensor(np.array(value)).contiguous()  # a copy: object-store arrays are read-only
@@ -116,7 +118,14 @@ def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> bytes:
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())
         tensors[name] = tensor
-    return safetensors.torch.save(tensors)
+    return safetensors.torch.save(tensors), checksums({name: t.numpy() for name, t in tensors.items()})
+
+
+def check_loaded(results: list[int | list[str]]) -> None:
+    """Raise :class:`~distillspec.integrity.TransferRefused` when a worker refused the weights it received."""
+    for result in results:
+        if isinstance(result, list):
+            raise TransferRefused(f"integrity: a vLLM worker received {len(result)} mangled tensors ({result[0]})")
 
 
 def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
@@ -161,7 +170,7 @@ class VLLMGenerator:
         self.gamma, self.seed = gamma, seed
         self.params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
         self.engines: dict[str, LLM] = {}
-        self.blob: bytes | None = None  #: the latest weights, for an engine that starts after they arrived
+        self.blob: tuple[bytes, dict[str, str]] | None = None  #: the latest weights, for engines started later
         self.loads = 0  #: in-place weight loads so far (both engines count once per version)
 
     def engine(self, source: str) -> LLM:
@@ -177,14 +186,15 @@ class VLLMGenerator:
 
     def load_draft(self, state: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         """Replace the draft's weights in every running engine (and in any started later)."""
-        self.blob = weights_blob(state)
+        blob = weights_blob(state)
         for llm in self.engines.values():
-            self._load(llm, self.blob)
+            self._load(llm, blob)
+        self.blob = blob
         self.loads += 1
 
     @staticmethod
-    def _load(llm: LLM, blob: bytes) -> None:
-        llm.collective_rpc("load_draft", args=(blob,))
+    def _load(llm: LLM, blob: tuple[bytes, dict[str, str]]) -> None:
+        check_loaded(llm.collective_rpc("load_draft", args=blob))
         llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
 
     def __call__(self, source: str, examples: list[Example]) -> Batch:
@@ -260,7 +270,9 @@ class VLLMCompleter:
         prepare_environment(cfg)
         check_models(target, draft)
         self.tokenizer, self.gamma, self.max_prompt_tokens = tokenizer, gamma, max_prompt_tokens
-        self.version = -1
+        self.draft, self.version = draft, -1
+        self.state: Mapping[str, np.ndarray] | None = None  #: the weights of ``version`` (None: the checkpoint's)
+        self.previous: tuple[Mapping[str, np.ndarray], int] | None = None  #: weights and version the last swap replaced
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True).start()
         args = engine_args(cfg, target, draft=draft, gamma=gamma, seed=seed)
@@ -360,16 +372,34 @@ class VLLMCompleter:
         finally:
             future.cancel()  # the client left: vLLM aborts the request
 
-    def load_draft(self, state: Mapping[str, np.ndarray | torch.Tensor], version: int) -> int:
-        """Swap in a new draft version (blocking; call from a thread); returns the version served now."""
-
-        async def load() -> None:
-            await self.engine.collective_rpc("load_draft", args=(weights_blob(state),))
-            await self.engine.reset_prefix_cache()
-
-        self._call(load())
-        self.version = version
+    def load_draft(self, state: Mapping[str, np.ndarray], version: int) -> int:
+        """Swap in a new draft version (blocking; call from a thread); returns the version served now. The weights it
+        replaces are kept for :meth:`roll_back`. Weights a worker finds mangled raise
+        :class:`~distillspec.integrity.TransferRefused` and leave the engine as it was."""
+        held = self.state if self.state is not None else self._start_state()
+        self._load(state)
+        self.previous, self.state, self.version = (held, self.version), state, version
         return version
+
+    def roll_back(self) -> int:
+        """Serve the weights the last :meth:`load_draft` replaced again; returns the version served now."""
+        if self.previous is not None:
+            (state, version), self.previous = self.previous, None
+            self._load(state)
+            self.state, self.version = state, version
+        return self.version
+
+    def _load(self, state: Mapping[str, np.ndarray]) -> None:
+        async def load() -> list:
+            results = await self.engine.collective_rpc("load_draft", args=weights_blob(state))
+            await self.engine.reset_prefix_cache()
+            return results
+
+        check_loaded(self._call(load()))
+
+    def _start_state(self) -> dict[str, np.ndarray]:
+        """The weights the engine started with (its draft checkpoint), read when a first swap replaces them."""
+        return state_arrays(load_model(self.draft)[0])
 
     def shutdown(self) -> None:
         self.engine.shutdown()

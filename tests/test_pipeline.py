@@ -297,8 +297,9 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
 
 
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
-    from actors.stores import pull, state_arrays
+    from actors.stores import pull
     from distillspec.integrity import checksums
+    from distillspec.models import state_arrays
 
     store = WeightStore.remote("integrity")
     draft, consumer = load_model(str(tiny_garden.draft))[0], load_model(str(tiny_garden.draft))[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.serving import Completer, CompletionJob, DecodingArgs, cut_at_stop, merge_stats
+from distillspec.serving import Completer, CompletionJob, DecodingArgs, LiveAcceptance, cut_at_stop, merge_stats
 
 from .conftest import greedy_text
 
@@ -72,6 +72,32 @@ def test_swap_keeps_a_running_call_on_its_draft(text_pair, tokenizer):
     assert done[0].version == -1 and seen[-1] == 3  # the call finished on the draft it started with
     assert completer.draft is not draft and bool((draft.lm_head.weight != 0).any())
     assert completer.complete([CompletionJob(PROMPTS[0], 4, DecodingArgs(gamma=2))])[0].version == 3
+    assert completer.roll_back() == -1 and completer.draft is draft  # the draft the swap replaced, again
+    assert completer.roll_back() == -1  # one step back only
+
+
+def test_live_acceptance_judges_a_new_version_once_against_the_previous_one():
+    live = LiveAcceptance(window=4, margin=0.1)
+    good, bad = {"accepted": 8, "rejected": 2}, {"accepted": 1, "rejected": 9}
+    for _ in range(4):
+        live.record(1, good)
+    for _ in range(3):
+        live.record(2, bad)
+        assert live.verdict(2, 1) is None  # fewer than `window` completions: not judged yet
+    live.record(2, bad)
+    reason = live.verdict(2, 1)
+    assert reason.startswith("rollback: live alpha 0.100 of version 2 < 0.800 of version 1 - 0.1"), reason
+    assert live.verdict(2, 1) is None  # judged once
+    for _ in range(4):
+        live.record(3, {"accepted": 71, "rejected": 29})  # 0.71: within the margin of 0.8
+    assert live.verdict(3, 1) is None and 3 in live.judged
+    live.record(4, {"accepted": 0, "rejected": 0})  # plain decoding: nothing to count
+    assert live.answered.get(4) is None and live.alpha(4) is None
+    live.forget({3})
+    assert set(live.recent) == {3}
+    off = LiveAcceptance(window=0, margin=0.1)
+    off.record(1, good), off.record(2, bad)
+    assert off.verdict(2, 1) is None
 
 
 def test_merge_stats_pools_counts():

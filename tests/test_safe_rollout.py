@@ -1,0 +1,229 @@
+"""The safe draft rollout under load, with faults injected: a corrupted transfer, a worse draft and a draft that
+collapses on live traffic, while 400 greedy requests at concurrency 8 go through a real Serve endpoint.
+
+:func:`check_safe_rollout` drives an endpoint that follows a run's weight store; this module runs it on the
+transformers backend, ``tests/test_vllm.py`` on the vLLM one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import ray
+import requests
+import torch
+
+from distillspec.config import JobConfig, load_config
+
+from .conftest import greedy_text
+from .test_serve import PROMPTS, free_port
+
+RUN = "gate-test"
+WINDOW = 16  #: serve.rollback_window of the endpoints under test
+CONCURRENCY = 8
+#: requests per phase: (1) the canary promotes version 1, (2) a corrupted transfer of version 2, (3) the canary
+#: refuses a worse version 3, (4) version 4 passes the gate (injected) and collapses live: 400 in all
+PHASES = (40, 80, 40, 240)
+GATE_SETTINGS = [f"serve.rollback_window={WINDOW}", "serve.rollback_margin=0.15", "serve.sync_every_s=0.2"]
+
+
+def random_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with random weights: a draft the target almost never agrees with."""
+    import copy
+
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return other
+
+
+def wait_for(what: str, check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def check_safe_rollout(
+    url: str, cfg: JobConfig, draft: torch.nn.Module, expected: dict[str, str], n: int, slack: int = CONCURRENCY
+) -> dict:
+    """Drive the endpoint at ``url`` (following run ``cfg.ray.run_name``, with ``serve.rollback_window=WINDOW``)
+    through the four phases of ``PHASES`` at concurrency 8, every request greedy with ``n`` tokens, and check what
+    issue 17 asks: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
+    (answers per version, requests that started on or touched the collapsing version)."""
+    from actors import WeightStore
+    from actors.common import NAMESPACE, weights_name
+    from actors.evaluator import EvalActor
+    from actors.stores import publish
+    from distillspec.integrity import checksums
+    from distillspec.models import state_arrays
+
+    run = cfg.ray.run_name
+    store = WeightStore.options(name=weights_name(run), namespace=NAMESPACE).remote(run)
+    evaluator = EvalActor.options(num_cpus=0.25).remote(cfg, list(expected))
+    prompts, answers, errors = list(expected), [], []
+
+    def one(i: int) -> None:
+        prompt = prompts[i % len(prompts)]
+        try:
+            r = requests.post(
+                f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0}, timeout=120
+            )
+            body = r.json()
+            if r.status_code != 200:
+                errors.append(r.text)
+                return
+            sd = body["distillspec"]
+            answers.append(
+                {
+                    "prompt": prompt,
+                    "text": body["choices"][0]["text"],
+                    "version": sd["draft_version"],
+                    "end": sd.get("draft_version_end", sd["draft_version"]),
+                    "alpha": sd["alpha"],
+                    "time": time.monotonic(),
+                }
+            )
+        except Exception as exc:  # every failure is counted and shown
+            errors.append(repr(exc))
+
+    def stats() -> dict:
+        return requests.get(f"{url}/v1/stats", timeout=30).json()
+
+    def phase(count: int, event) -> None:
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            futures = [pool.submit(one, i) for i in range(count)]
+            time.sleep(0.5)  # the load is on
+            event()
+            for f in futures:
+                f.result()
+
+    try:
+        # (1) The learner publishes version 1 (the draft as it is); the evaluator's canary passes it: it serves.
+        def promote_1() -> None:
+            publish(store, draft, 1)
+            assert ray.get(evaluator.evaluate.remote())["served"]
+            wait_for("the replica to take version 1", lambda: stats()["draft_version"] == 1)
+
+        phase(PHASES[0], promote_1)
+
+        # (2) Version 2 reaches the store as serving, one tensor scrambled in transit (the checksums are those of the
+        # intact weights): the replica refuses it and keeps serving version 1.
+        def corrupt_2() -> None:
+            arrays = state_arrays(draft)
+            name = next(k for k, a in arrays.items() if a.size > 1)
+            rng = np.random.default_rng(0)
+            scrambled = {**arrays, name: rng.permutation(arrays[name].ravel()).reshape(arrays[name].shape)}
+            refs, sums = [ray.put(scrambled)], checksums(arrays)
+            ray.get(store.publish.remote(2, refs, None, sums))
+            ray.get(store.promote.remote(2, refs, sums))
+            wait_for("the replica to refuse version 2", lambda: any(r["version"] == 2 for r in stats()["refused"]))
+
+        phase(PHASES[1], corrupt_2)
+
+        # (3) A worse draft (random weights) published as version 3: the canary refuses it; serving stays at 1.
+        worse = random_copy(draft, seed=3)
+
+        def worse_3() -> None:
+            publish(store, worse, 3)
+            rec = ray.get(evaluator.evaluate.remote())
+            assert not rec["served"], rec
+
+        phase(PHASES[2], worse_3)
+        gate = ray.get(store.gate.remote())
+        assert gate["latest"] == 3 and gate["serving"] == 1, gate
+
+        # (4) Version 4 passes the gate (injected: published straight to serving) and collapses on live traffic: the
+        # replica rolls it back to version 1 by itself, and the store's serving version returns to 1.
+        collapse = random_copy(draft, seed=4)
+        swapped_at: list[int] = []
+
+        def collapse_4() -> None:
+            publish(store, collapse, 4, serving=True)
+            wait_for("the replica to take version 4", lambda: any(s["to"] == 4 for s in stats()["swaps"]))
+            swapped_at.append(len(answers))
+            wait_for("the rollback of version 4", lambda: stats()["rollbacks"], timeout_s=120)
+
+        phase(PHASES[3], collapse_4)
+        final, gate = stats(), ray.get(store.gate.remote())
+    finally:
+        ray.kill(evaluator)
+        ray.kill(store)
+
+    assert not errors, errors[:3]
+    assert len(answers) == sum(PHASES) == 400
+    wrong = [a for a in answers if a["text"] != expected[a["prompt"]]]
+    assert not wrong, wrong[:3]  # greedy output is the target's throughout, whatever the draft
+    by_version = Counter(a["version"] for a in answers)
+    assert not {2, 3} & {v for a in answers for v in (a["version"], a["end"])}, by_version  # never served
+    [rollback] = final["rollbacks"]
+    assert rollback["from"] == 4 and rollback["to"] == 1 and rollback["reason"].startswith("rollback: live alpha")
+    assert final["draft_version"] == 1 and [r["version"] for r in final["refused"]] == [2]
+    assert final["refused"][0]["reason"].startswith("integrity:")
+    assert gate["serving"] == 1 and gate["rolled_back"] == [4], gate
+    reasons = {r["version"]: r["reason"].split(":")[0] for r in gate["refused"]}
+    assert reasons == {2: "integrity", 3: "canary", 4: "rollback"}, gate["refused"]
+    # The bound: version 4 is judged on its first WINDOW completions; the requests in flight then (at most
+    # CONCURRENCY - 1) and, on vLLM, those that start while the engine reloads version 1 start on it too. On vLLM, the
+    # requests in flight when version 4 came in (at most CONCURRENCY) end on it as well (it swaps in place).
+    started_4 = by_version[4]
+    touched_4 = sum(1 for a in answers if 4 in (a["version"], a["end"]))
+    assert WINDOW <= started_4 <= WINDOW + slack, by_version
+    assert started_4 <= touched_4 <= started_4 + CONCURRENCY, (started_4, touched_4)
+    last_4 = max(i for i, a in enumerate(answers) if 4 in (a["version"], a["end"]))
+    assert all(a["version"] == 1 for a in answers[last_4 + 1 :]) and len(answers) - last_4 > 100
+    return {
+        "by_version": dict(by_version),
+        "started_on_4": started_4,
+        "touched_by_4": touched_4,
+        "swapped_at": swapped_at[0],
+        "live_alpha": final["live_alpha"],
+        "rollback": rollback,
+    }
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_cluster, tiny_garden):
+    from ray import serve
+
+    from cluster.serve import bind
+
+    port = free_port()
+    overrides = [
+        f"target={tiny_garden.target}",
+        f"draft={tiny_garden.draft}",
+        f"ray.run_name={RUN}",
+        "serve.max_batch_size=4",
+        "serve.replica_cpus=0.25",
+        "serve.gamma=3",
+        *GATE_SETTINGS,
+    ]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(bind(load_config(None, overrides)), name="gate", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def test_safe_rollout_under_load_with_faults_injected(endpoint, tiny_garden):
+    from distillspec.models import load_pair
+
+    target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    expected = {p: greedy_text(target, tokenizer, p, 16) for p in PROMPTS}
+    cfg = load_config(
+        None,
+        [
+            f"target={tiny_garden.target}",
+            f"draft={tiny_garden.draft}",
+            f"ray.run_name={RUN}",
+            "eval.speedup_gamma=3",
+            "eval.max_new_tokens=16",
+        ],
+    )
+    figures = check_safe_rollout(endpoint, cfg, draft, expected, 16)
+    print("safe rollout (transformers backend):", figures)
