@@ -1,6 +1,7 @@
 """The evaluation actor: measures alpha and tau of the latest draft on held-out prompts as versions arrive, raises
 an alarm when alpha collapses after a weight sync, and is the serving gate's canary: a version becomes the serving
-version only when its alpha is not more than ``ray.canary_margin`` below the serving version's."""
+version only when its alpha, decoded as the Serve replicas decode (``serve.backend``), is not more than
+``ray.canary_margin`` below the serving version's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
 from actors.stores import pull
 from distillspec.config import JobConfig
-from distillspec.data import Task
+from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.integrity import checksums
@@ -35,7 +36,21 @@ class EvalActor:
         self.version = -1
         self.history: list[dict] = []
         self.alarms: list[str] = []
-        self.serving_alpha: float | None = None  #: alpha of the serving version on these prompts
+        self.serving_alpha: float | None = None  #: the canary's alpha of the serving version on these prompts
+        self.canary = None  #: with serve.backend=vllm, the canary decodes with vLLM, as the replicas do
+        if cfg.serve.backend == "vllm":
+            from distillspec.vllm_backend import VLLMGenerator
+
+            self.canary = VLLMGenerator(
+                cfg.vllm,
+                cfg.target,
+                cfg.draft,
+                self.tokenizer,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                temperature=cfg.ray.canary_temperature,
+                gamma=cfg.serve.gamma,
+                seed=cfg.seed,
+            )
         self.stopped = threading.Event()
 
     def evaluate(self) -> dict | None:
@@ -43,18 +58,7 @@ class EvalActor:
         self.version = pull(self.store, self.draft, self.version)
         if self.version < 0:
             return None
-        rec = evaluate_sd(
-            self.target,
-            self.draft,
-            self.tokenizer,
-            self.prompts,
-            gamma=self.cfg.eval.speedup_gamma,
-            temperature=EVAL_TEMPERATURE,
-            max_new_tokens=self.cfg.eval.max_new_tokens,
-            batch_size=self.cfg.eval.batch_size,
-            seed=self.cfg.seed,
-        )
-        rec = {"version": self.version, "time": time.time(), **rec}
+        rec = {"version": self.version, "time": time.time(), **self._measure(self.cfg.eval.speedup_gamma)}
         run = self.cfg.ray.run_name
         gauge("distillspec_acceptance_rate", rec["alpha"], run=run)
         gauge("distillspec_block_efficiency", rec["tau"], run=run)
@@ -68,13 +72,39 @@ class EvalActor:
             log.error("ALARM: %s", alarm)
             self.alarms.append(alarm)
             count("distillspec_alpha_alarms", run=run)
+        rec["canary"] = self.measure_canary(rec)
         rec["served"] = self.gate(rec)
         self.history.append(rec)
         return rec
 
+    def _measure(self, gamma: int, temperature: float = EVAL_TEMPERATURE) -> dict:
+        return evaluate_sd(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            self.prompts,
+            gamma=gamma,
+            temperature=temperature,
+            max_new_tokens=self.cfg.eval.max_new_tokens,
+            batch_size=self.cfg.eval.batch_size,
+            seed=self.cfg.seed,
+        )
+
+    def measure_canary(self, rec: dict) -> dict:
+        """Alpha of the evaluated version through the replicas' decoding at ``serve.gamma`` and
+        ``ray.canary_temperature``: this project's decoder or, with ``serve.backend=vllm``, vLLM's engine."""
+        r, gamma = self.cfg.ray, self.cfg.serve.gamma
+        if self.canary is not None:
+            self.canary.load_draft(state_arrays(self.draft))
+            counts = self.canary.measure([Example(prompt=p, reference="") for p in self.prompts])
+            return {"backend": "vllm", "alpha": counts.alpha, "tau": counts.tau}
+        if (gamma, r.canary_temperature) != (self.cfg.eval.speedup_gamma, EVAL_TEMPERATURE):
+            rec = self._measure(gamma, r.canary_temperature)
+        return {"backend": "hf", "alpha": rec["alpha"], "tau": rec["tau"]}
+
     def gate(self, rec: dict) -> bool:
         """The canary: promote the measured version to serving, or refuse it with the reason."""
-        margin, alpha = self.cfg.ray.canary_margin, rec["alpha"]
+        margin, alpha = self.cfg.ray.canary_margin, rec["canary"]["alpha"]
         if self.serving_alpha is not None and alpha < self.serving_alpha - margin:
             reason = f"canary: alpha {alpha:.3f} < serving {self.serving_alpha:.3f} - {margin:g}"
             log.warning("serving gate refused version %d (%s)", self.version, reason)

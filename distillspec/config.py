@@ -195,7 +195,10 @@ class RayConfig:
     canary_margin: NonNegFloat = knob(
         0.02,
         "the serving gate: an evaluated version becomes the serving version unless its alpha on the held-out prompts "
-        "is more than this below the serving version's",
+        "(decoded as the replicas decode: serve.backend, serve.gamma) is more than this below the serving version's",
+    )
+    canary_temperature: NonNegFloat = knob(
+        0.0, "temperature of the canary's decoding (0: greedy, so two versions compare without sampling noise)"
     )
     resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
     max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")

@@ -214,6 +214,13 @@ class VLLMGenerator:
             else (AcceptanceCounts(0, 0, 0))
         )
 
+    def measure(self, examples: list[Example]) -> AcceptanceCounts:
+        """The acceptance counts of the current draft over ``examples``, decoded speculatively by the target's
+        engine: the decoding a vLLM Serve replica runs (the serving gate's canary with ``serve.backend=vllm``)."""
+        before = self.counts()
+        self("target", examples)
+        return self.counts() - before
+
 
 def prompt_topk(llm: LLM, batch: Batch, k: int) -> TopKLogprobs:
     """The target's top-k log-probabilities (temperature 1) over ``batch``, aligned with

@@ -50,6 +50,51 @@ def wait_for(what: str, check, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+class Load:
+    """Greedy requests of ``n`` tokens over ``prompts`` at concurrency 8, in phases; keeps every answer (its text,
+    the draft versions it started and ended on, the replica) and every failure."""
+
+    def __init__(self, url: str, prompts: list[str], n: int) -> None:
+        self.url, self.prompts, self.n = url, prompts, n
+        self.answers: list[dict] = []
+        self.errors: list[str] = []
+
+    def one(self, i: int) -> None:
+        prompt = self.prompts[i % len(self.prompts)]
+        try:
+            r = requests.post(
+                f"{self.url}/v1/completions",
+                json={"prompt": prompt, "max_tokens": self.n, "temperature": 0},
+                timeout=120,
+            )
+            if r.status_code != 200:
+                self.errors.append(r.text)
+                return
+            body = r.json()
+            sd = body["distillspec"]
+            self.answers.append(
+                {
+                    "prompt": prompt,
+                    "text": body["choices"][0]["text"],
+                    "version": sd["draft_version"],
+                    "end": sd.get("draft_version_end", sd["draft_version"]),
+                    "replica": sd["replica"],
+                }
+            )
+        except Exception as exc:  # every failure is counted and shown
+            self.errors.append(repr(exc))
+
+    def phase(self, count: int, event=None) -> None:
+        """``count`` requests, 8 at a time; ``event()`` runs once the load is on."""
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            futures = [pool.submit(self.one, i) for i in range(count)]
+            time.sleep(0.5)
+            if event is not None:
+                event()
+            for f in futures:
+                f.result()
+
+
 def check_safe_rollout(
     url: str, cfg: JobConfig, draft: torch.nn.Module, expected: dict[str, str], n: int, slack: int = CONCURRENCY
 ) -> dict:
@@ -67,48 +112,18 @@ def check_safe_rollout(
     run = cfg.ray.run_name
     store = WeightStore.options(name=weights_name(run), namespace=NAMESPACE).remote(run)
     evaluator = EvalActor.options(num_cpus=0.25).remote(cfg, list(expected))
-    prompts, answers, errors = list(expected), [], []
-
-    def one(i: int) -> None:
-        prompt = prompts[i % len(prompts)]
-        try:
-            r = requests.post(
-                f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0}, timeout=120
-            )
-            body = r.json()
-            if r.status_code != 200:
-                errors.append(r.text)
-                return
-            sd = body["distillspec"]
-            answers.append(
-                {
-                    "prompt": prompt,
-                    "text": body["choices"][0]["text"],
-                    "version": sd["draft_version"],
-                    "end": sd.get("draft_version_end", sd["draft_version"]),
-                    "alpha": sd["alpha"],
-                    "time": time.monotonic(),
-                }
-            )
-        except Exception as exc:  # every failure is counted and shown
-            errors.append(repr(exc))
+    load, canary = Load(url, list(expected), n), []
+    answers, errors, phase = load.answers, load.errors, load.phase
 
     def stats() -> dict:
         return requests.get(f"{url}/v1/stats", timeout=30).json()
-
-    def phase(count: int, event) -> None:
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            futures = [pool.submit(one, i) for i in range(count)]
-            time.sleep(0.5)  # the load is on
-            event()
-            for f in futures:
-                f.result()
 
     try:
         # (1) The learner publishes version 1 (the draft as it is); the evaluator's canary passes it: it serves.
         def promote_1() -> None:
             publish(store, draft, 1)
-            assert ray.get(evaluator.evaluate.remote())["served"]
+            canary.append(ray.get(evaluator.evaluate.remote()))
+            assert canary[-1]["served"], canary[-1]
             wait_for("the replica to take version 1", lambda: stats()["draft_version"] == 1)
 
         phase(PHASES[0], promote_1)
@@ -132,8 +147,8 @@ def check_safe_rollout(
 
         def worse_3() -> None:
             publish(store, worse, 3)
-            rec = ray.get(evaluator.evaluate.remote())
-            assert not rec["served"], rec
+            canary.append(ray.get(evaluator.evaluate.remote()))
+            assert not canary[-1]["served"], [c["canary"] for c in canary]
 
         phase(PHASES[2], worse_3)
         gate = ray.get(store.gate.remote())
@@ -178,7 +193,9 @@ def check_safe_rollout(
     assert started_4 <= touched_4 <= started_4 + CONCURRENCY, (started_4, touched_4)
     last_4 = max(i for i, a in enumerate(answers) if 4 in (a["version"], a["end"]))
     assert all(a["version"] == 1 for a in answers[last_4 + 1 :]) and len(answers) - last_4 > 100
+    assert {c["canary"]["backend"] for c in canary} == {cfg.serve.backend}  # decoded as the replicas decode
     return {
+        "canary_alpha": {1: canary[0]["canary"]["alpha"], 3: canary[1]["canary"]["alpha"]},
         "by_version": dict(by_version),
         "started_on_4": started_4,
         "touched_by_4": touched_4,
@@ -227,3 +244,70 @@ def test_safe_rollout_under_load_with_faults_injected(endpoint, tiny_garden):
     )
     figures = check_safe_rollout(endpoint, cfg, draft, expected, 16)
     print("safe rollout (transformers backend):", figures)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(endpoint, tiny_garden):
+    """A second application on the same Serve instance: two replicas following run ``gate-two``."""
+    from ray import serve
+
+    from cluster.serve import bind
+
+    overrides = [
+        f"target={tiny_garden.target}",
+        f"draft={tiny_garden.draft}",
+        "ray.run_name=gate-two",
+        "serve.max_batch_size=4",
+        "serve.replica_cpus=0.25",
+        "serve.gamma=3",
+        "serve.min_replicas=2",
+        "serve.max_replicas=2",
+        *GATE_SETTINGS,
+    ]
+    serve.run(bind(load_config(None, overrides)), name="gate-two", route_prefix="/two")
+    yield f"{endpoint}/two"
+    serve.delete("gate-two")
+
+
+def test_every_replica_leaves_a_version_one_of_them_rolled_back(two_replicas, tiny_garden):
+    """With two replicas, each judges its own traffic; the first to see the collapse rolls the version back in the
+    store, and the other leaves it at its next check if it has not judged it itself: the deployment returns."""
+    from actors import WeightStore
+    from actors.common import NAMESPACE, weights_name
+    from actors.stores import publish
+    from distillspec.models import load_pair
+
+    target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    expected = {p: greedy_text(target, tokenizer, p, 16) for p in PROMPTS}
+    store = WeightStore.options(name=weights_name("gate-two"), namespace=NAMESPACE).remote("gate-two")
+    load = Load(two_replicas, PROMPTS, 16)
+    try:
+        publish(store, draft, 1, serving=True)
+        wait_for("both replicas to serve version 1", lambda: load.phase(16) or _serving(load.answers[-16:]) == {1})
+        load.phase(96)  # each replica's window of version 1 fills
+        before = len(load.answers)
+        load.phase(200, lambda: publish(store, random_copy(draft, seed=4), 4, serving=True))
+        gate = ray.get(store.gate.remote())
+        during = load.answers[before:]
+        # A rollback that comes only from the store (another replica's verdict): both replicas leave version 5.
+        publish(store, draft, 5, serving=True)
+        wait_for("both replicas to serve version 5", lambda: load.phase(16) or _serving(load.answers[-16:]) == {5})
+        load.phase(96, lambda: ray.get(store.roll_back.remote(5, "rollback: injected by the test")))
+        followed = load.answers[-32:]
+    finally:
+        ray.kill(store)
+    assert {a["replica"] for a in followed} == {a["replica"] for a in during} and _serving(followed) == {1}
+    assert not load.errors, load.errors[:3]
+    assert all(a["text"] == expected[a["prompt"]] for a in load.answers)
+    replicas = {a["replica"] for a in during}
+    assert len(replicas) == 2 and gate["serving"] == 1 and gate["rolled_back"] == [4], gate
+    assert {a["replica"] for a in during if a["version"] == 4} == replicas  # both took version 4 ...
+    tail = during[-40:]
+    assert {a["replica"] for a in tail} == replicas and _serving(tail) == {1}  # ... and both left it
+    started_4 = sum(a["version"] == 4 for a in during)
+    assert started_4 <= 2 * (WINDOW + CONCURRENCY), started_4
+    print(f"two replicas: {started_4} requests started on the collapsing version, of {len(during)}")
+
+
+def _serving(answers: list[dict]) -> set[int]:
+    return {v for a in answers for v in (a["version"], a["end"])}

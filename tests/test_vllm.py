@@ -358,6 +358,9 @@ def test_vllm_safe_rollout_under_load_with_faults_injected(vllm_endpoint, garden
         "ray.run_name=vllm-serve-test",
         "eval.speedup_gamma=4",
         "eval.max_new_tokens=16",
+        "serve.backend=vllm",  # the canary decodes with vLLM, as the replicas do
+        "serve.gamma=4",
+        *VCFG,
     ]
     # Slack: the requests that start while the engine reloads version 1 (about a quarter second here) start on 4.
     figures = check_safe_rollout(vllm_endpoint, load_config(None, overrides), draft, expected, 16, slack=16)
