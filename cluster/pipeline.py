@@ -241,9 +241,15 @@ class Pipeline:
             if len(history) > shown:
                 self.evaluations_file.write_text(json.dumps(self.earlier + history))
             for evaluation in history[shown:]:
+                canary = evaluation.get("canary")
+                gate = (
+                    f"; canary alpha {canary['alpha']:.3f}: {'serving' if evaluation['served'] else 'refused'}"
+                    if canary
+                    else ""
+                )
                 bar.write(
                     f"evaluation at version {evaluation['version']}: alpha {evaluation['alpha']:.3f}, "
-                    f"tau {evaluation['tau']:.2f}"
+                    f"tau {evaluation['tau']:.2f}{gate}"
                 )
                 latest = evaluation
             shown = len(history)
