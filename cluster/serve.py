@@ -310,7 +310,7 @@ class Completions:
         the previous version's (:class:`distillspec.serving.LiveAcceptance`)."""
         for c in done:
             if "draft_version_end" not in c.stats and c.version not in self.rolled_back:
-                self.live.record(c.version, c.stats)
+                self.live.record(c.version, c.stats, c.args)
         previous, current = self.completer.previous, self.completer.version
         if previous is not None and (reason := self.live.verdict(current, previous[1])):
             threading.Thread(target=self._roll_back, args=(current, reason), name="rollback", daemon=True).start()
@@ -378,7 +378,7 @@ class Completions:
             "run": self.run,
             "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
             "rollbacks": self.rollbacks,
-            "live_alpha": {str(v): self.live.alpha(v) for v in sorted(self.live.recent)},
+            "live_alpha": {str(v): self.live.alpha(v) for v in self.live.versions()},
         }
 
     @app.post("/v1/completions", response_model=None)

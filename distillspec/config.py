@@ -263,8 +263,8 @@ class ServeConfig:
     sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
     rollback_window: NonNegInt = knob(
         16,
-        "rollback: a new draft version is judged on its first this-many speculative completions against the previous "
-        "version's last this-many (0 = off)",
+        "rollback: a new draft version is judged once it has made this many speculative completions with decoding "
+        "settings the previous version also served, against the previous version's on the same settings (0 = off)",
     )
     rollback_margin: NonNegFloat = knob(
         0.15, "rollback: return to the previous version when the new one's live alpha is more than this below it"

@@ -61,6 +61,7 @@ class Completion:
     version: int  #: draft weight version that made it (-1: the draft loaded at start)
     stats: dict  #: gamma, drafted, accepted, alpha, tau, target_calls (per request)
     seconds: float
+    args: DecodingArgs = field(default_factory=DecodingArgs)  #: the decoding settings it was made with
 
 
 def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
@@ -223,6 +224,7 @@ class Completer:
                     version=version,
                     stats=row_stats(out, row, args.gamma),
                     seconds=seconds,
+                    args=args,
                 )
             )
         return done
@@ -231,50 +233,63 @@ class Completer:
 class LiveAcceptance:
     """Live alpha per draft version from served completions' SD statistics, and the rollback rule.
 
-    After a swap from ``previous`` to ``version``, the new version is judged once, on its first ``window``
-    speculative completions: it is rolled back when their pooled alpha is more than ``margin`` below the previous
-    version's over its last ``window`` completions. Until both have that many, nothing is judged. The rule compares
-    like with like only when the traffic's mix (temperature, gamma, lenience) is steady across the swap.
+    Completions are pooled per version and per decoding settings (gamma, temperature, lenience, epsilon), because
+    alpha depends on the settings. After a swap from ``previous`` to ``version``, the new version is judged once,
+    when it has made ``window`` completions with settings the previous version also served (at least
+    ``window // 4`` times each): its pooled alpha over them is compared with the previous version's alpha on the
+    same settings, weighted as the new version's traffic is (like with like, whatever the traffic's mix), and it is
+    rolled back when it is more than ``margin`` lower.
     """
 
     def __init__(self, window: int, margin: float) -> None:
         self.window, self.margin = window, margin
-        self.recent: dict[int, deque[tuple[int, int]]] = {}  #: version -> (accepted, judged) of its last completions
-        self.answered: dict[int, int] = {}  #: version -> speculative completions it made
+        #: (version, settings) -> (accepted, judged) of its last ``window`` completions
+        self.recent: dict[tuple[int, DecodingArgs], deque[tuple[int, int]]] = {}
         self.judged: set[int] = set()  #: versions already judged
 
-    def record(self, version: int, stats: dict) -> None:
-        """Count one completion's ``stats`` (:func:`counts_stats`) for ``version``; plain decoding counts nothing."""
+    def record(self, version: int, stats: dict, args: DecodingArgs) -> None:
+        """Count one completion's ``stats`` (:func:`counts_stats`) for ``version`` and the settings ``args`` it was
+        made with; plain decoding counts nothing."""
         judged = stats["accepted"] + stats["rejected"]
         if judged:
-            self.recent.setdefault(version, deque(maxlen=self.window)).append((stats["accepted"], judged))
-            self.answered[version] = self.answered.get(version, 0) + 1
+            recent = self.recent.setdefault((version, args), deque(maxlen=self.window))
+            recent.append((stats["accepted"], judged))
 
-    def alpha(self, version: int) -> float | None:
-        """Pooled alpha of ``version``'s last ``window`` completions (None before any)."""
-        recent = self.recent.get(version)
-        if not recent:
-            return None
-        return sum(a for a, _ in recent) / sum(j for _, j in recent)
+    def alpha(self, version: int, args: DecodingArgs | None = None) -> float | None:
+        """Pooled alpha of ``version``'s last ``window`` completions with settings ``args`` (None: all settings
+        together); None before any."""
+        pooled = [x for (v, a), recent in self.recent.items() if v == version and args in (None, a) for x in recent]
+        return sum(a for a, _ in pooled) / sum(j for _, j in pooled) if pooled else None
 
     def verdict(self, version: int, previous: int) -> str | None:
-        """The reason to roll ``version`` back to ``previous``, once, when its first ``window`` completions say so;
-        None otherwise (also before they are in, and after the version was judged)."""
+        """The reason to roll ``version`` back to ``previous``, once, as soon as ``window`` of its completions have a
+        reference (see the class); None otherwise (also after the version was judged)."""
         if not self.window or version in self.judged or version == previous:
             return None
-        if self.answered.get(version, 0) < self.window or self.answered.get(previous, 0) < self.window:
+        least = max(1, self.window // 4)
+        shared = {
+            args: recent
+            for (v, args), recent in self.recent.items()
+            if v == version and len(self.recent.get((previous, args), ())) >= least
+        }
+        if sum(len(recent) for recent in shared.values()) < self.window:
             return None
         self.judged.add(version)
-        new, old = self.alpha(version), self.alpha(previous)
+        judged = {args: sum(j for _, j in recent) for args, recent in shared.items()}
+        total = sum(judged.values())
+        new = sum(a for recent in shared.values() for a, _ in recent) / total
+        old = sum(judged[args] / total * self.alpha(previous, args) for args in shared)
         if new < old - self.margin:
             return (
-                f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} - "
-                f"{self.margin:g} (over {self.window} completions each)"
+                f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} on the same "
+                f"decoding settings - {self.margin:g} (over {sum(len(r) for r in shared.values())} completions)"
             )
         return None
 
+    def versions(self) -> list[int]:
+        return sorted({v for v, _ in self.recent})
+
     def forget(self, keep: set[int]) -> None:
         """Drop the statistics of versions other than ``keep``."""
-        for version in set(self.recent) - keep:
-            self.recent.pop(version, None)
-            self.answered.pop(version, None)
+        for key in [k for k in self.recent if k[0] not in keep]:
+            del self.recent[key]

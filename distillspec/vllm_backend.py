@@ -350,6 +350,7 @@ class VLLMCompleter:
             version=version,
             stats=stats,
             seconds=time.perf_counter() - start,
+            args=job.args,
         )
 
     async def complete(self, job: CompletionJob) -> Completion:

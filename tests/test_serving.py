@@ -76,27 +76,36 @@ def test_swap_keeps_a_running_call_on_its_draft(text_pair, tokenizer):
     assert completer.roll_back() == -1  # one step back only
 
 
-def test_live_acceptance_judges_a_new_version_once_against_the_previous_one():
+def test_live_acceptance_judges_a_new_version_once_like_with_like():
+    greedy, sampled = DecodingArgs(gamma=3, temperature=0.0), DecodingArgs(gamma=3, temperature=1.0)
     live = LiveAcceptance(window=4, margin=0.1)
-    good, bad = {"accepted": 8, "rejected": 2}, {"accepted": 1, "rejected": 9}
+    for _ in range(4):  # version 1 served both kinds of traffic: 0.8 greedy, 0.3 sampled
+        live.record(1, {"accepted": 8, "rejected": 2}, greedy)
+        live.record(1, {"accepted": 3, "rejected": 7}, sampled)
+    assert live.alpha(1) == pytest.approx(0.55) and live.alpha(1, greedy) == pytest.approx(0.8)
+    # Version 2 gets only sampled traffic, as good as version 1's there: kept (pooled over all traffic, version 1's
+    # 0.55 against 0.3 would have rolled it back).
     for _ in range(4):
-        live.record(1, good)
-    for _ in range(3):
-        live.record(2, bad)
         assert live.verdict(2, 1) is None  # fewer than `window` completions: not judged yet
-    live.record(2, bad)
-    reason = live.verdict(2, 1)
-    assert reason.startswith("rollback: live alpha 0.100 of version 2 < 0.800 of version 1 - 0.1"), reason
-    assert live.verdict(2, 1) is None  # judged once
+        live.record(2, {"accepted": 3, "rejected": 7}, sampled)
+    assert live.verdict(2, 1) is None and 2 in live.judged
+    # Version 3 collapses on greedy traffic: rolled back, once.
     for _ in range(4):
-        live.record(3, {"accepted": 71, "rejected": 29})  # 0.71: within the margin of 0.8
-    assert live.verdict(3, 1) is None and 3 in live.judged
-    live.record(4, {"accepted": 0, "rejected": 0})  # plain decoding: nothing to count
-    assert live.answered.get(4) is None and live.alpha(4) is None
-    live.forget({3})
-    assert set(live.recent) == {3}
+        live.record(3, {"accepted": 1, "rejected": 9}, greedy)
+    reason = live.verdict(3, 1)
+    assert reason.startswith("rollback: live alpha 0.100 of version 3 < 0.800 of version 1"), reason
+    assert live.verdict(3, 1) is None
+    # Settings the previous version never served give no reference: nothing is judged on them.
+    lossy = DecodingArgs(gamma=3, temperature=1.0, lenience="lin", epsilon=0.5)
+    for _ in range(8):
+        live.record(4, {"accepted": 0, "rejected": 10}, lossy)
+    assert live.verdict(4, 1) is None and 4 not in live.judged
+    live.record(5, {"accepted": 0, "rejected": 0}, greedy)  # plain decoding: nothing to count
+    assert live.alpha(5) is None
+    live.forget({1})
+    assert live.versions() == [1]
     off = LiveAcceptance(window=0, margin=0.1)
-    off.record(1, good), off.record(2, bad)
+    off.record(1, {"accepted": 8, "rejected": 2}, greedy), off.record(2, {"accepted": 0, "rejected": 9}, greedy)
     assert off.verdict(2, 1) is None
 
 
