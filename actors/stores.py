@@ -148,9 +148,10 @@ def fetch(
     """The store's latest (or serving) version and its weights when it differs from ``version`` (the one held),
     else ``(version, None)``. Weights that fail their integrity check raise
     :class:`~distillspec.integrity.TransferRefused` (logged and counted here): the caller keeps what it holds."""
-    if ray.get(store.version.remote(which)) in (version, -1):
+    held = ray.get(store.latest.remote(which))  # one call: the version and, with it, the reference
+    if held is None or held[0] == version:
         return version, None
-    latest, refs, sums = ray.get(store.latest.remote(which))
+    latest, refs, sums = held
     try:
         arrays = ray.get(refs[0])
     except ray.exceptions.ObjectLostError:

@@ -300,6 +300,7 @@ class Completions:
                 return version
 
             version = self.completer.swap_draft(load)
+        self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
         self.swaps.append({"from": before, "to": version, "time": time.time()})
         self.metrics["distillspec_serve_draft_version"].set(version)
         log.info("draft version %d -> %d", before, version)
