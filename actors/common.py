@@ -19,6 +19,10 @@ def weights_name(run: str) -> str:
     return f"{run}-weights"
 
 
+def scorer_name(run: str, index: int) -> str:
+    return f"{run}-scorer-{index}"
+
+
 def setup_worker(threads: int = 1) -> None:
     """One torch thread per actor (fractional CPUs on small machines), and INFO logs into the actor's log."""
     torch.set_num_threads(max(1, threads))

@@ -145,10 +145,18 @@ def measure_on_cluster(phase: str, cfg: JobConfig, draft: str, task: Task, *, th
     ``draft`` as a Ray task with ``ray.eval_cpus`` CPUs and ``ray.eval_gpus`` GPUs (``threads`` torch threads), so a
     driver on a head node without the job's device still measures on it. A user's mistake (a bad path, a tokenizer
     mismatch) comes back as the :class:`DistillSpecError` it is."""
-    r = cfg.ray
+    r, e = cfg.ray, cfg.eval
+    speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts" if e.speedup_prompts else ""
+    print(
+        f"measure {phase}: alpha and tau at gamma {e.gammas} x temperature {e.temperatures} on {e.num_prompts} "
+        f"prompts{speedup} ..."
+    )
+    start = time.perf_counter()
     ref = _measure_task.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(phase, cfg, draft, task, threads)
     try:
-        return ray.get(ref)
+        records = ray.get(ref)
+        print(f"measure {phase}: done in {time.perf_counter() - start:.0f}s")
+        return records
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, DistillSpecError):
             raise exc.cause from None

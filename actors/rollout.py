@@ -9,7 +9,7 @@ import time
 import ray
 import torch
 
-from actors.common import buffer_name, log, prompts_name, setup_worker, weights_name
+from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
 from actors.metrics import gauge
 from actors.stores import fetch
 from distillspec.config import JobConfig, resolve_recipe
@@ -25,11 +25,15 @@ class RolloutActor:
     """Samples training batches from the latest published draft. Ray restarts it when it dies, and retries
     the call it was serving."""
 
-    def __init__(self, cfg: JobConfig, rank: int, scorers: list | None = None) -> None:
+    def __init__(self, cfg: JobConfig, rank: int) -> None:
         setup_worker()
-        buffer = ray.get_actor(buffer_name(cfg.ray.run_name))
+        r = cfg.ray
+        buffer = ray.get_actor(buffer_name(r.run_name))
         train: list[Example] = ray.get(ray.get(buffer.examples.remote())[0])  # the training examples
-        self.cfg, self.rank, self.scorers = cfg, rank, scorers or []
+        # Found by name, not passed in: an actor that Ray restarts must not depend on arguments in the object store.
+        scorers = range(r.num_scorers) if r.target_logits == "scorer" else ()
+        self.scorers = [ray.get_actor(scorer_name(r.run_name, i)) for i in scorers]
+        self.cfg, self.rank = cfg, rank
         d = cfg.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = cfg.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)

@@ -1,7 +1,7 @@
 """Benchmarks that print figures and ratios and write JSON (suites chosen by name).
 
     python benchmarks/benchmark.py async                 # asynchronous pipeline vs the synchronous loop
-    python benchmarks/benchmark.py async --budget 300 garden.cache_dir=.cache/garden
+    python benchmarks/benchmark.py async --budget 300
     python benchmarks/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
     python benchmarks/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
 

@@ -15,6 +15,12 @@ _DASHBOARD: list[str] = []  #: the dashboard address ray.init reported
 _SESSION: list[str] = []  #: the session folder ray.init reported (its logs/ holds every process's log)
 
 
+def _default_auth_notice(record: logging.LogRecord) -> bool:
+    """Drops Ray's notice that a new local cluster uses token authentication, its default (a user need not act on
+    it; ``RAY_AUTH_MODE=disabled`` still opts out, and Ray's notice that authentication is off still shows)."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def connect(cfg: RayConfig) -> str:
     """``ray.init`` once; returns how: ``joined <address>`` or ``started a local cluster``."""
     if ray.is_initialized():
@@ -26,6 +32,7 @@ def connect(cfg: RayConfig) -> str:
         )
         how = f"joined {address}"
     else:  # address="local": never join a stale cluster recorded in Ray's temp folder.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(_default_auth_notice)
         context = ray.init(
             address="local",
             namespace=NAMESPACE,

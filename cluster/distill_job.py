@@ -16,11 +16,12 @@ from actors.evaluator import measure_on_cluster
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
-from distillspec.data import load_task
+from distillspec.data import chat_prompts, load_task
 from distillspec.errors import DistillSpecError
 from distillspec.garden import build_garden
 from distillspec.learner import Distiller, load_checkpoint, save_checkpoint
-from distillspec.models import absolute, check_pair_sources, load_pair
+from distillspec.models import check_pair_sources, load_pair, load_tokenizer
+from distillspec.pretrained import resolve_pair
 from distillspec.report import format_table, plot_tau, plot_training
 from distillspec.study import measure_phase
 
@@ -118,12 +119,17 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed)
         cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
-    # Actors may run in another working directory (a ray job's --working-dir): local paths become absolute.
-    cfg = replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
+    # What the workers load: GGUF files and packaged models dequantized, layer drafts made (each cached once), local
+    # paths absolute (actors may run in another working directory, a ray job's --working-dir).
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    cfg = replace(cfg, target=target, draft=draft)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)  # a bad path fails in a second
+    task, raw = chat_prompts(task, load_tokenizer(cfg.target), cfg.chat_template), task
+    if task is not raw:
+        print("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
     if cfg.ray.mode == "sync":
         target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
         records = measure_phase("before", cfg, target, draft, tokenizer, task)

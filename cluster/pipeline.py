@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
-from actors.common import buffer_name, prompts_name, weights_name
+from actors.common import buffer_name, prompts_name, scorer_name, weights_name
 from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
 from actors.stores import publish
 from distillspec.config import JobConfig
@@ -148,10 +148,12 @@ class Pipeline:
         ray.get([self.store.version.remote(), self.buffer.ledger.remote()])  # up, and the names are free
         self.scorers = []
         if r.target_logits == "scorer":
-            self.scorers = [ScorerActor.options(num_cpus=r.scorer_cpus).remote(cfg) for _ in range(r.num_scorers)]
+            names = [scorer_name(r.run_name, i) for i in range(r.num_scorers)]
+            wait_for_names(names)
+            self.scorers = [ScorerActor.options(name=n, num_cpus=r.scorer_cpus).remote(cfg) for n in names]
 
         self.rollouts = [
-            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(cfg, i, self.scorers)
+            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(cfg, i)
             for i in range(r.num_rollout_workers)
         ]
         prompts = [e.prompt for e in task.test[: r.eval_prompts]]

@@ -580,7 +580,7 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
     - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
     - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
     """
-    from distillspec.models import absolute
+    from distillspec.pretrained import resolve_pair
 
     run = Path(cfg.serve.run) if cfg.serve.run else None
     if run is None and cfg.draft is not None and cfg.target is None:
@@ -593,7 +593,8 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
     if run is not None:
         return replace(cfg, **run_models(run))
     if cfg.target is not None:
-        return replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
+        target, draft = resolve_pair(cfg.target, cfg.draft)
+        return replace(cfg, target=target, draft=draft)
     from distillspec.data import load_task
     from distillspec.garden import build_garden
 

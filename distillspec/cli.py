@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -15,8 +16,8 @@ from distillspec.config import JobConfig, describe, load_config
 from distillspec.errors import DistillSpecError
 
 FLAGS = {
-    "target": "target model: hub id or local directory (default: the garden's)",
-    "draft": "draft model: hub id or local directory (default: the garden's)",
+    "target": "target model: hub id, local folder, .gguf file or smollm2-135m-instruct (default: the garden's)",
+    "draft": "draft model: as --target, or the target's layers: first:K, spread:K, layers:i,j (default: the garden's)",
     "dataset": "arith (default), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path",
     "output_dir": "where results, plots and the distilled draft go",
     "run": "an output folder of jobs/distill.py: serve its distilled draft with its target (serve.run)",
@@ -77,7 +78,18 @@ def parse_job_args(
     return load_config(args.config, overrides)
 
 
+#: Set (unless the user set them) before a job starts: third-party progress bars and notices that a user cannot act
+#: on stay out of the job's console; the processes a job starts (Ray's workers) inherit them.
+QUIET = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # transformers' "Loading weights" and hub bars
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers
+}
+
+
 def run_main(main: Callable[[], Any]) -> None:
+    for key, value in QUIET.items():
+        os.environ.setdefault(key, value)
     try:
         main()
     except DistillSpecError as exc:

@@ -108,7 +108,11 @@ class GardenConfig:
         "bfloat16 autocast while training: about 2x faster where the hardware has it (AMX or AVX512-BF16 CPUs, GPUs), "
         "18-33x slower where it is emulated; unset = on where the hardware has it",
     )
-    cache_dir: str = knob(".cache/garden", "where the tokenizer and each model are cached, keyed by their settings")
+    cache_dir: str | None = knob(
+        None,
+        "where the tokenizer and each model are cached, keyed by their settings; unset = garden/ in the project's "
+        "cache ($DISTILLSPEC_CACHE, default ~/.cache/distillspec), which every run on this machine shares",
+    )
 
 
 @dataclass(config=SCHEMA)
@@ -130,6 +134,11 @@ class DistillConfig:
     max_new_tokens: PosInt = knob(64, "length of generated training continuations")
     checkpoint_every: NonNegInt = knob(100, "checkpoint every N steps (draft, optimizer, step, ledger); 0 = at the end")
     time_budget_s: NonNegFloat = knob(0.0, "stop training after this many seconds, even before steps (0 = no limit)")
+    train: Literal["all", "layers"] = knob(
+        "all",
+        "which of the draft's weights train: all | layers (its decoder layers only; the embeddings, final norm and "
+        "head stay as they are, e.g. as copied from the target by --draft first:K)",
+    )
 
 
 @dataclass(config=SCHEMA)
@@ -304,14 +313,27 @@ class SweepConfig:
 class JobConfig:
     """``jobs/distill.py``, ``jobs/serve.py``, ``jobs/sweep.py``: models, data, output, and the sections above."""
 
-    target: str | None = knob(None, "target model: hub id or local directory; unset = the garden's target")
-    draft: str | None = knob(None, "draft model: hub id or local directory; unset = the garden's draft")
+    target: str | None = knob(
+        None,
+        "target model: hub id, local save_pretrained folder, .gguf file, or a packaged model (smollm2-135m-instruct); "
+        "unset = the garden's target",
+    )
+    draft: str | None = knob(
+        None,
+        "draft model: as target, or made of the target's layers: first:K, spread:K (K layers evenly over its depth), "
+        "layers:i,j,... (ranges i-j); unset = the garden's draft",
+    )
     dataset: str = knob("arith", "arith (embedded), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path")
     output_dir: str = knob("outputs/distill", "where results, plots, checkpoints and the distilled draft go")
     overwrite: bool = knob(False, "run again in an output_dir that holds a finished run (its results.json)")
     seed: int = knob(0, "seed of data order, sampling and the garden")
     device: str = knob("cpu", "cpu | cuda | cuda:N")
     target_dtype: Dtype = knob("float32", "the frozen target's weights (the draft trains in float32)")
+    chat_template: bool = knob(
+        True,
+        "prompt through the target tokenizer's chat template when it has one: a data set's questions become user "
+        "messages (false: the task's own prompt format, 'Question: ...\\nAnswer:')",
+    )
     garden: GardenConfig = knob(help="the offline model garden", factory=GardenConfig)
     distill: DistillConfig = knob(help="the distillation", factory=DistillConfig)
     eval: EvalConfig = knob(help="the measurements", factory=EvalConfig)

@@ -24,8 +24,9 @@ HUB_TASKS = ("gsm8k", "xsum", "cnn_dailymail", "wmt14", "lm1b")
 
 @dataclass
 class Example:
-    prompt: str
-    reference: str
+    prompt: str  #: the task's own prompt format ("Question: ...\nAnswer:")
+    reference: str  #: what follows the prompt (" <answer>")
+    message: str | None = None  #: the prompt as a chat model's user message (None: running text, no chat form)
 
 
 @dataclass
@@ -64,15 +65,17 @@ def score(metric: str | None, predictions: list[str], references: list[str]) -> 
 
 
 def qa_example(question: str, answer: str) -> Example:
-    return Example(f"Question: {question.strip()}\nAnswer:", " " + answer.strip())
+    return Example(f"Question: {question.strip()}\nAnswer:", " " + answer.strip(), question.strip())
 
 
 def translation_example(source: str, target: str) -> Example:
-    return Example(f"English: {source.strip()}\nGerman:", " " + target.strip())
+    message = f"Translate into German: {source.strip()}"
+    return Example(f"English: {source.strip()}\nGerman:", " " + target.strip(), message)
 
 
 def summary_example(document: str, summary: str, max_chars: int = 1500) -> Example:
-    return Example(f"Document: {document.strip()[:max_chars]}\nSummary:", " " + summary.strip())
+    document = document.strip()[:max_chars]
+    return Example(f"Document: {document}\nSummary:", " " + summary.strip(), f"Summarize in one sentence: {document}")
 
 
 def lm_examples(text: str, chunk_chars: int = 400, prompt_chars: int = 100) -> list[Example]:
@@ -148,7 +151,7 @@ def _jsonl_examples(rows: list[dict], path: Path) -> list[Example]:
     if rows and {"question", "answer"} <= rows[0].keys():
         return [qa_example(r["question"], r["answer"]) for r in rows]
     if rows and {"prompt", "reference"} <= rows[0].keys():
-        return [Example(r["prompt"], r["reference"]) for r in rows]
+        return [Example(r["prompt"], r["reference"], r["prompt"].strip()) for r in rows]
     raise DistillSpecError(f"{path}: each line needs 'question'/'answer' or 'prompt'/'reference' keys")
 
 
@@ -231,6 +234,33 @@ def _split_sentence(text: str) -> tuple[str, str]:
     words = text.split()
     k = max(1, len(words) // 3)
     return " ".join(words[:k]), " " + " ".join(words[k:])
+
+
+def chat_task(task: Task, tokenizer) -> Task:
+    """``task`` with each prompt written through ``tokenizer``'s chat template: the example's message as the user's
+    turn, then the assistant's turn begun (the reference follows it without its leading space). Examples with no
+    message (running text) keep their prompt."""
+
+    def render(e: Example) -> Example:
+        if e.message is None:
+            return e
+        turn = [{"role": "user", "content": e.message}]
+        prompt = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        return Example(prompt, e.reference.lstrip(), e.message)
+
+    return Task(task.name, [render(e) for e in task.train], [render(e) for e in task.test], task.metric)
+
+
+def chat_prompts(task: Task, tokenizer, enabled: bool = True) -> Task:
+    """The task as a model with ``tokenizer`` is prompted (``enabled``: the ``chat_template`` key): through its chat
+    template when it has one (:func:`chat_task`), except a garden tokenizer's, which writes the task's own prompt
+    format already; else ``task`` itself."""
+    from distillspec.garden import chat_template  # the garden's template, made from the task's prompt format
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not enabled or not template or template == chat_template(task):
+        return task
+    return chat_task(task, tokenizer)
 
 
 def load_task(spec: str, *, seed: int = 0) -> Task:

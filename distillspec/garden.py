@@ -24,6 +24,7 @@ from distillspec.data import Example, Task
 from distillspec.distill import Batch, encode_examples, lm_loss
 from distillspec.learner import Learner
 from distillspec.models import native_bf16
+from distillspec.pretrained import cache_root
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
@@ -119,6 +120,12 @@ def garden_keys(task_name: str, cfg: GardenConfig, seed: int) -> dict[str, str]:
     }
 
 
+def garden_dir(cfg: GardenConfig) -> Path:
+    """``cfg.cache_dir``, or where unset ``garden/`` in the project's cache (:func:`~distillspec.pretrained.
+    cache_root`)."""
+    return Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_root() / "garden"
+
+
 @dataclass
 class Garden:
     target: Path
@@ -153,7 +160,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
     holds ``save_pretrained`` weights, the tokenizer and ``garden.json`` (written last: marks it complete).
     """
     keys = garden_keys(task.name, cfg, seed)
-    root = Path(cfg.cache_dir) / f"{task.name}-{keys['tokenizer']}"
+    root = garden_dir(cfg) / f"{task.name}-{keys['tokenizer']}"
     train = task.train[: cfg.train_examples] if cfg.train_examples else task.train
     if (root / "tokenizer" / "tokenizer.json").exists():
         tokenizer = PreTrainedTokenizerFast.from_pretrained(root / "tokenizer")
@@ -176,6 +183,8 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
             log(f"garden: reusing the {role} {folder}")
             add_chat_template(folder, chat_template(task))
             continue
+        if role == "target" or not paths.get("target"):
+            log(f"garden: building it in {root} (once: later runs on this machine reuse it)")
         start = time.perf_counter()
         torch.manual_seed(seed + (0 if role == "target" else 1))
         tokenizer.chat_template = tokenizer.chat_template or chat_template(task)

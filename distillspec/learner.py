@@ -24,6 +24,7 @@ from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.data import Example
 from distillspec.distill import Batch, kd_loss
 from distillspec.divergences import TopKLogprobs
+from distillspec.errors import DistillSpecError
 from distillspec.models import load_model
 from distillspec.rollout import Sampler
 
@@ -39,9 +40,22 @@ Objective = Callable[[torch.nn.Module, Batch, "Tensor | TopKLogprobs | None"], T
 def make_optimizer(
     model: torch.nn.Module, lr: float, steps: int, warmup_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with linear warm-up and cosine decay to 0 at ``steps``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    """AdamW over the weights that train (``requires_grad``), with linear warm-up and cosine decay to 0 at ``steps``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
+
+
+def freeze_all_but_layers(model: torch.nn.Module) -> int:
+    """Only the decoder layers (``...layers.N...``) of ``model`` train (``distill.train=layers``): the embeddings,
+    final norm and head stay frozen. Returns the count of weights that train."""
+    trained = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(".layers." in f".{name}")
+        trained += p.numel() if p.requires_grad else 0
+    if trained == 0:
+        raise DistillSpecError("distill.train=layers: the draft has no '...layers.N...' weights to train")
+    return trained
 
 
 class Learner:
@@ -69,6 +83,8 @@ class Learner:
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
         self.bf16, self.max_grad_norm = bf16, max_grad_norm
+        if cfg.train == "layers":
+            freeze_all_but_layers(draft)
         self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
         self.step_count = 0
         if target is not None:

@@ -44,14 +44,6 @@ def _check_path(name: str, weights: bool = True) -> None:
             )
 
 
-def absolute(name: str | None) -> str | None:
-    """A local model directory as an absolute path (hub ids and None unchanged): actors and Tune trials may run
-    in another working directory."""
-    if name is not None and _looks_local(name) and Path(name).expanduser().exists():
-        return str(Path(name).expanduser().resolve())
-    return name
-
-
 def _unloadable(name: str, exc: Exception) -> DistillSpecError:
     return DistillSpecError(
         f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "
@@ -186,10 +178,12 @@ def load_pair(
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_len: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and attention mask (the layout the decoders take)."""
+    """Left-padded prompt ids and attention mask (the layout the decoders take). Each prompt starts with the BOS
+    token, unless its text already does (a chat template that writes it)."""
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    if tokenizer.bos_token_id is not None:
-        ids = [[tokenizer.bos_token_id, *x] for x in ids]
+    bos = tokenizer.bos_token_id
+    if bos is not None:
+        ids = [x if x[:1] == [bos] else [bos, *x] for x in ids]
     if max_len is not None:
         ids = [x[-max_len:] for x in ids]
     width = max(len(x) for x in ids)

