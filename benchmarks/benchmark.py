@@ -3,6 +3,7 @@
     python benchmarks/benchmark.py async                 # asynchronous pipeline vs the synchronous loop
     python benchmarks/benchmark.py async --budget 300
     python benchmarks/benchmark.py serve --distilled outputs/distill/draft   # the endpoint under load
+    python benchmarks/benchmark.py latency target=T draft=first:2 --distilled outputs/real/draft  # tokens/s, batch 1
     python benchmarks/benchmark.py online --budget 300 dataset=../shared/data/gsm8k ...  # online distillation
 
 Results page (``--scale quick``: the arith garden, <= 20 minutes on 2 CPU cores; ``--scale full``: also GSM8K,
@@ -631,7 +632,82 @@ def suite_integrity(overrides: list[str], budget: float, out: Path) -> dict:
     return rows
 
 
+def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
+    """Wall-clock tokens/s at batch 1, one prompt at a time (``eval.speedup_prompts`` test prompts through the
+    target's chat template, ``eval.max_new_tokens`` each): the target alone, and speculative decoding with the draft
+    and with ``--distilled`` at each of ``eval.gammas`` and ``eval.temperatures``; this project's decoder, then vLLM
+    (when installed, at temperature 0) with the same drafts."""
+    import importlib.util
+
+    import torch
+
+    from distillspec.data import chat_prompts, load_task
+    from distillspec.evaluate import measure_speedup
+    from distillspec.models import encode_prompts, load_model, load_pair
+    from distillspec.pretrained import resolve_pair
+
+    del budget
+    cfg = load_config(None, overrides)
+    if cfg.target is None:
+        raise DistillSpecError("suite latency: give target=... and draft=... (and --distilled for a distilled draft)")
+    target_dir, draft_dir = resolve_pair(cfg.target, cfg.draft)
+    target, draft, tokenizer = load_pair(target_dir, draft_dir, device=cfg.device, target_dtype=cfg.target_dtype)
+    task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), tokenizer, cfg.chat_template)
+    prompts = [e.prompt for e in task.test[: cfg.eval.speedup_prompts]]
+    drafts = {"undistilled": (draft_dir, draft)}
+    if distilled:
+        drafts["distilled"] = (str(Path(distilled).resolve()), load_model(distilled, device=cfg.device)[0])
+    n = cfg.eval.max_new_tokens
+    print(f"tokens/s at batch 1 over {len(prompts)} prompts x {n} tokens ({torch.get_num_threads()} torch threads)")
+    rows = []
+    for temperature in cfg.eval.temperatures:
+        for name, (_, model) in drafts.items():
+            for gamma in cfg.eval.gammas:
+                r = measure_speedup(
+                    target, model, tokenizer, prompts, gamma=gamma, temperature=temperature, max_new_tokens=n,
+                    seed=cfg.seed, compile=cfg.eval.compile,
+                )  # fmt: skip
+                rows.append({"engine": "distillspec", "draft": name, "gamma": gamma, "temperature": temperature, **r})
+                print(
+                    f"  distillspec T={temperature:g} {name:>11} gamma {gamma}: target {r['target_tokens_per_s']:.1f}"
+                    f" tok/s, SD {r['sd_tokens_per_s']:.1f} tok/s ({r['measured_speedup']:.2f}x), tau "
+                    f"{r['speedup_tau']:.2f}, c {r['c']:.3f}"
+                )
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm import SamplingParams
+
+        from distillspec.vllm_backend import acceptance_counts, start_engine
+
+        ids = [encode_prompts(tokenizer, [p])[0][0].tolist() for p in prompts]
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+        def tokens_per_s(llm) -> tuple[float, float]:
+            llm.generate([{"prompt_token_ids": ids[0]}], params, use_tqdm=False)  # warm-up
+            before, start, made = acceptance_counts(llm.get_metrics()), time.perf_counter(), 0
+            for x in ids:
+                out = llm.generate([{"prompt_token_ids": x}], params, use_tqdm=False)
+                made += len(out[0].outputs[0].token_ids)
+            counts = acceptance_counts(llm.get_metrics()) - before
+            return made / (time.perf_counter() - start), counts.tau
+
+        engines = [("target alone", None, None)] + [(k, d, g) for k, (d, _) in drafts.items() for g in cfg.eval.gammas]
+        base = None
+        for name, draft_path, gamma in engines:
+            llm = start_engine(cfg.vllm, target_dir, draft=draft_path, gamma=gamma or 1, seed=cfg.seed)
+            try:
+                speed, tau = tokens_per_s(llm)
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+            base = base or speed
+            rows.append({"engine": "vllm", "draft": name, "gamma": gamma, "temperature": 0.0, "tokens_per_s": speed,
+                         "speedup": speed / base, "tau": tau if draft_path else None})  # fmt: skip
+            print(f"  vllm T=0 {name:>12} gamma {gamma or '-'}: {speed:.1f} tok/s ({speed / base:.2f}x)", end="")
+            print(f", tau {tau:.2f}" if draft_path else "")
+    return {"target": target_dir, "drafts": {k: d for k, (d, _) in drafts.items()}, "rows": rows}
+
+
 SUITES = {
+    "latency": suite_latency,
     "integrity": suite_integrity,
     "async": suite_async,
     "serve": suite_serve,
@@ -696,7 +772,9 @@ def main() -> None:
     parser.add_argument(
         "--runs", nargs="+", help="suite report: run folders to merge (default: --output-dir); later ones win a task"
     )
-    parser.add_argument("--distilled", help="suites serve, online, vllm: a distilled draft (a distill run's out/draft)")
+    parser.add_argument(
+        "--distilled", help="suites serve, online, vllm, latency: a distilled draft (a distill run's out/draft)"
+    )
     parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
     out = Path(args.output_dir).resolve()
@@ -711,7 +789,7 @@ def main() -> None:
             print(f"wrote {write_page(runs, Path(args.docs))}")
             continue
         if name in SUITES:
-            kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm") else {}
+            kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm", "latency") else {}
             result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
         else:
             result = run_paper_suite(name, scale, args.overrides + extra, out, args.tasks)

@@ -43,6 +43,7 @@ class PipelineResult:
     alarms: list[str]
     resumed_from: int | None
     seconds: float
+    first_step_s: float | None = None  #: from creating the actors to the learner's first published step
     rollout_restarts: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -107,6 +108,8 @@ class Pipeline:
     """Starts the pipeline's actors for one run; ``run()`` trains and returns a :class:`PipelineResult`."""
 
     def __init__(self, cfg: JobConfig, task: Task, out: Path, *, fixed_cluster: bool = True) -> None:
+        self.created = time.perf_counter()  #: the time to the first learner step counts from here
+        self.first_step_s: float | None = None
         self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
         r = cfg.ray
         self.resumed_from = latest_step(self.out)
@@ -225,6 +228,7 @@ class Pipeline:
             alarms=report["alarms"],
             resumed_from=self.resumed_from,
             seconds=time.perf_counter() - start,
+            first_step_s=self.first_step_s,
         )
 
     def _console(self, every_s: float = 1.0) -> None:
@@ -255,6 +259,9 @@ class Pipeline:
                 )
                 latest = evaluation
             shown = len(history)
+            if self.first_step_s is None and version > (self.resumed_from or 0):
+                self.first_step_s = time.perf_counter() - self.created
+                bar.write(f"first learner step {self.first_step_s:.0f}s after the pipeline's actors were created")
             bar.n = max(0, min(version, total))
             record = record or {}
             batch = self.cfg.distill.batch_size

@@ -53,7 +53,7 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     labels = [f"γ={b['gamma']}\nT={b['temperature']:g}" for b, _ in pairs]
     x = range(len(pairs))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(pairs)), 4))
-    ax.bar([i - 0.2 for i in x], [b["tau"] for b, _ in pairs], 0.4, label="before (fine-tuned draft)", color="#9bb")
+    ax.bar([i - 0.2 for i in x], [b["tau"] for b, _ in pairs], 0.4, label="before (undistilled draft)", color="#9bb")
     ax.bar([i + 0.2 for i in x], [a["tau"] for _, a in pairs], 0.4, label="after (distilled draft)", color="#157")
     for i, (b, a) in enumerate(pairs):
         ceiling = "γ + 1 (every draft accepted)" if i == 0 else None

@@ -17,6 +17,7 @@ published. Stop with Ctrl-C.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
     from cluster.serve import bind, resolve_models
 
     cfg = resolve_models(cfg)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's start-up INFO lines; the job says its own
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     serve.run(bind(cfg), name=name, route_prefix="/")
     return f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
