@@ -99,8 +99,8 @@ def check_safe_rollout(
     url: str, cfg: JobConfig, draft: torch.nn.Module, expected: dict[str, str], n: int, slack: int = CONCURRENCY
 ) -> dict:
     """Drive the endpoint at ``url`` (following run ``cfg.ray.run_name``, with ``serve.rollback_window=WINDOW``)
-    through the four phases of ``PHASES`` at concurrency 8, every request greedy with ``n`` tokens, and check what
-    issue 17 asks: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
+    through the four phases of ``PHASES`` at concurrency 8, every request greedy with ``n`` tokens, and check the
+    rollback's bound: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
     (answers per version, requests that started on or touched the collapsing version)."""
     from actors import WeightStore
     from actors.common import NAMESPACE, weights_name

@@ -233,8 +233,8 @@ def _assisted(page: Page, data: dict) -> None:
         "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if compiled else "") + "---|",
     )
 
-    def goal(ratio: float) -> str:
-        return f"**{ratio:.3f}x** {'(goal met)' if ratio >= 1.3 else '(goal NOT met)'}"
+    def bold(ratio: float) -> str:
+        return f"**{ratio:.3f}x**"
 
     for task, t in data["tasks"].items():
         for temp in ("T0", "T1"):
@@ -242,7 +242,7 @@ def _assisted(page: Page, data: dict) -> None:
             hf = r.get("hf_greedy", r.get("hf_sample"))
             agree = f"{100 * r['greedy_outputs_agree']:.0f}%" if "greedy_outputs_agree" in r else "-"
             extra = (
-                f"{r['ours_sd_compiled']['tokens_per_s']:.1f} | {goal(r['ratio_ours_sd_compiled_over_hf_assisted'])}"
+                f"{r['ours_sd_compiled']['tokens_per_s']:.1f} | {bold(r['ratio_ours_sd_compiled_over_hf_assisted'])}"
                 f" | {r['compile_and_first_pass_s']:.0f} | "
                 if compiled
                 else ""
@@ -250,7 +250,7 @@ def _assisted(page: Page, data: dict) -> None:
             page.add(
                 f"| {task} | {temp[1:]} | {hf['tokens_per_s']:.1f} | {r['hf_assisted']['tokens_per_s']:.1f} | "
                 f"{r['ours_target_only']['tokens_per_s']:.1f} | {r['ours_sd']['tokens_per_s']:.1f} | "
-                f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | {goal(r['ratio_ours_sd_over_hf_assisted'])} | "
+                f"{r['ours_sd_batch8']['tokens_per_s']:.1f} | {bold(r['ratio_ours_sd_over_hf_assisted'])} | "
                 f"{extra}{agree} |"
             )
     page.add(
@@ -282,8 +282,7 @@ def _trl(page: Page, data: dict) -> None:
         if ratio is None:
             verdict = "neither raised alpha above the start"
         else:
-            verdict = f"**{ratio:.2f}x** at alpha {reached['goal_alpha']:.3f} "
-            verdict += "(goal met)" if ratio <= 0.5 else "(goal NOT met)"
+            verdict = f"**{ratio:.2f}x** at alpha {reached['goal_alpha']:.3f}"
         page.add(
             f"| {task} | {r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | {r['alpha_final']['ours']:.3f} | "
             f"{r['alpha_final']['trl']:.3f} | {r['train_seconds']['ours']:.0f} | "
@@ -296,8 +295,7 @@ def _trl(page: Page, data: dict) -> None:
                 f"{r['steps']} | {r['batch_size']} | {r['alpha_start']:.3f} | "
                 f"{r['curves']['ours_best'][-1]['alpha']:.3f} | {r['alpha_final']['trl']:.3f} | "
                 f"{r['curves']['ours_best'][-1]['seconds']:.0f} | {r['train_seconds']['trl']:.0f} | "
-                + ("-" if b is None else f"**{b:.2f}x** at alpha {r['best_goal_alpha']:.3f} ")
-                + ("" if b is None else "(goal met)" if b <= 0.5 else "(goal NOT met)")
+                + ("-" if b is None else f"**{b:.2f}x** at alpha {r['best_goal_alpha']:.3f}")
                 + " |"
             )
         page.image(f"trl/{task}/trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
