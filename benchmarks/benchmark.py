@@ -706,7 +706,60 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
     return {"target": target_dir, "drafts": {k: d for k, (d, _) in drafts.items()}, "rows": rows}
 
 
+def suite_vllm_acceptance(overrides: list[str], budget: float, out: Path) -> dict:
+    """Alpha and tau at each of ``eval.temperatures``, gamma ``eval.speedup_gamma``, over ``eval.num_prompts`` test
+    prompts of ``eval.max_new_tokens`` tokens: this project's decoder, then vLLM on the same pair and prompts as
+    shipped (greedy drafting, the CPU platform's own rejection-sampler kernels), with the kernels repaired
+    (``distillspec.vllm_worker.repair_cpu_expand``) and greedy drafting, and as this project starts it (repaired,
+    drafts sampled: ``draft_sample_method="probabilistic"``)."""
+    from vllm import LLM, SamplingParams
+
+    from cluster.serve import resolve_models
+    from distillspec.data import chat_prompts, load_task
+    from distillspec.evaluate import evaluate_sd
+    from distillspec.models import encode_prompts, load_pair
+    from distillspec.vllm_backend import acceptance_counts, engine_args, prepare_environment
+
+    del budget
+    cfg = resolve_models(load_config(None, overrides))
+    e, gamma = cfg.eval, cfg.eval.speedup_gamma
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), tokenizer, cfg.chat_template)
+    prompts = [x.prompt for x in task.test[: e.num_prompts]]
+    print(f"alpha at gamma {gamma} over {len(prompts)} prompts x {e.max_new_tokens} tokens")
+    rows = []
+    for temperature in e.temperatures:
+        r = evaluate_sd(target, draft, tokenizer, prompts, gamma=gamma, temperature=temperature,
+                        max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, seed=cfg.seed)  # fmt: skip
+        rows.append({"engine": "distillspec", "temperature": temperature, "alpha": r["alpha"], "tau": r["tau"]})
+        print(f"  T={temperature:g} this project's decoder: alpha {r['alpha']:.3f}, tau {r['tau']:.2f}")
+    ids = [{"prompt_token_ids": encode_prompts(tokenizer, [p])[0][0].tolist()} for p in prompts]
+    prepare_environment(cfg.vllm)
+    for engine, method, repaired in (
+        ("vllm as shipped", "greedy", False),
+        ("vllm repaired, greedy drafts", "greedy", True),
+        ("vllm repaired, sampled drafts", "probabilistic", True),
+    ):
+        args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft, gamma=gamma, seed=cfg.seed)
+        args["speculative_config"]["draft_sample_method"] = method
+        if not repaired:  # the worker extension is what repairs the kernels, in the engine's process
+            del args["worker_extension_cls"]
+        llm = LLM(**args)
+        try:
+            for temperature in e.temperatures:
+                before = acceptance_counts(llm.get_metrics())
+                params = SamplingParams(temperature=temperature, max_tokens=e.max_new_tokens, seed=cfg.seed)
+                llm.generate(ids, params, use_tqdm=False)
+                counts = acceptance_counts(llm.get_metrics()) - before
+                rows.append({"engine": engine, "temperature": temperature, "alpha": counts.alpha, "tau": counts.tau})
+                print(f"  T={temperature:g} {engine}: alpha {counts.alpha:.3f}, tau {counts.tau:.2f} ({counts})")
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    return {"target": cfg.target, "draft": cfg.draft, "gamma": gamma, "rows": rows}
+
+
 SUITES = {
+    "vllm-acceptance": suite_vllm_acceptance,
     "latency": suite_latency,
     "integrity": suite_integrity,
     "async": suite_async,
@@ -780,6 +833,8 @@ def main() -> None:
     out = Path(args.output_dir).resolve()
     suites = [s for name in args.suites for s in GROUPS.get(name, [name])]
     scale = args.scale or ("full" if "full" in args.suites else "quick")
+    from benchmarks.suites.common import BENCHMARK_GARDEN
+
     start = time.perf_counter()
     for name in suites:
         if name == "report":
@@ -790,8 +845,8 @@ def main() -> None:
             continue
         if name in SUITES:
             kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm", "latency") else {}
-            result = SUITES[name](args.overrides + extra, args.budget, out / name, **kw)
-        else:
+            result = SUITES[name]([*BENCHMARK_GARDEN, *args.overrides, *extra], args.budget, out / name, **kw)
+        else:  # each task's settings there start with BENCHMARK_GARDEN
             result = run_paper_suite(name, scale, args.overrides + extra, out, args.tasks)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}.json").write_text(json.dumps(result, indent=2))

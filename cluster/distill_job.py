@@ -96,6 +96,7 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
         "alarms": result.alarms,
         "resumed_from": result.resumed_from,
         "first_step_s": result.first_step_s,
+        "startup": result.startup,
     }
 
 

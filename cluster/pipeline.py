@@ -44,6 +44,7 @@ class PipelineResult:
     resumed_from: int | None
     seconds: float
     first_step_s: float | None = None  #: from creating the actors to the learner's first published step
+    startup: dict = field(default_factory=dict)  #: seconds from creating the actors to each start-up milestone
     rollout_restarts: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -110,6 +111,7 @@ class Pipeline:
     def __init__(self, cfg: JobConfig, task: Task, out: Path, *, fixed_cluster: bool = True) -> None:
         self.created = time.perf_counter()  #: the time to the first learner step counts from here
         self.first_step_s: float | None = None
+        self.startup: dict[str, float] = {}  #: seconds from creating the actors: first batch, learner ready
         self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
         r = cfg.ray
         self.resumed_from = latest_step(self.out)
@@ -148,7 +150,6 @@ class Pipeline:
                 r.run_name, r.online_window
             )
             ray.get(self.prompt_log.stats.remote())
-        ray.get([self.store.version.remote(), self.buffer.ledger.remote()])  # up, and the names are free
         self.scorers = []
         if r.target_logits == "scorer":
             names = [scorer_name(r.run_name, i) for i in range(r.num_scorers)]
@@ -163,6 +164,9 @@ class Pipeline:
         self.evaluator = (
             EvalActor.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(cfg, prompts) if r.eval_every else None
         )
+        # Every actor is created before any is waited for: their processes start (and import torch) side by side;
+        # the rollout actors find the buffer and the store by name, before those are up.
+        ray.get([self.store.version.remote(), self.buffer.ledger.remote()])
 
     def watch(self) -> None:
         """Beside the learner: a rollout actor's failure (one Ray cannot cure by restarting it) closes the buffer,
@@ -229,6 +233,7 @@ class Pipeline:
             resumed_from=self.resumed_from,
             seconds=time.perf_counter() - start,
             first_step_s=self.first_step_s,
+            startup=self.startup,
         )
 
     def _console(self, every_s: float = 1.0) -> None:
@@ -259,9 +264,7 @@ class Pipeline:
                 )
                 latest = evaluation
             shown = len(history)
-            if self.first_step_s is None and version > (self.resumed_from or 0):
-                self.first_step_s = time.perf_counter() - self.created
-                bar.write(f"first learner step {self.first_step_s:.0f}s after the pipeline's actors were created")
+            self._startup(version, ledger, bar)
             bar.n = max(0, min(version, total))
             record = record or {}
             batch = self.cfg.distill.batch_size
@@ -281,6 +284,22 @@ class Pipeline:
             )
             bar.refresh()
         bar.close()
+
+    def _startup(self, version: int, ledger: dict, bar: tqdm) -> None:
+        """Note when the first batch was sampled, when the learner was ready (its models loaded: it publishes the
+        version it starts from) and when its first step landed; say the three in one line at the first step."""
+        now, first = time.perf_counter() - self.created, self.resumed_from or 0
+        if ledger["produced"] > 0:
+            self.startup.setdefault("first_batch_s", now)
+        if version >= first:
+            self.startup.setdefault("learner_ready_s", now)
+        if self.first_step_s is None and version > first:
+            self.first_step_s = self.startup["first_step_s"] = now
+            batch, ready = self.startup.get("first_batch_s", now), self.startup["learner_ready_s"]
+            bar.write(
+                f"first learner step {now:.0f}s after the pipeline's actors were created (first batch sampled at "
+                f"{batch:.0f}s, learner ready at {ready:.0f}s)"
+            )
 
     def shutdown(self) -> None:
         extra = [a for a in (self.evaluator, self.prompt_log) if a is not None]

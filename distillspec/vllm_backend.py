@@ -97,7 +97,14 @@ def engine_args(
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if draft is not None:
-        kwargs["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": gamma}
+        # The draft samples its tokens at T > 0 and its probabilities q enter the test min(1, p/q), as in the paper
+        # and this project's decoder ("greedy", vLLM's default, drafts the argmax and takes q as one-hot).
+        kwargs["speculative_config"] = {
+            "method": "draft_model",
+            "model": draft,
+            "num_speculative_tokens": gamma,
+            "draft_sample_method": "probabilistic",
+        }
     return kwargs
 
 

