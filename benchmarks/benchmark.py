@@ -636,7 +636,7 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
     """Wall-clock tokens/s at batch 1, one prompt at a time (``eval.speedup_prompts`` test prompts through the
     target's chat template, ``eval.max_new_tokens`` each): the target alone, and speculative decoding with the draft
     and with ``--distilled`` at each of ``eval.gammas`` and ``eval.temperatures``; this project's decoder, then vLLM
-    (when installed, at temperature 0) with the same drafts."""
+    (when installed) with the same drafts."""
     import importlib.util
 
     import torch
@@ -679,9 +679,9 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
         from distillspec.vllm_backend import acceptance_counts, start_engine
 
         ids = [encode_prompts(tokenizer, [p])[0][0].tolist() for p in prompts]
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-        def tokens_per_s(llm) -> tuple[float, float]:
+        def tokens_per_s(llm, temperature: float) -> tuple[float, float]:
+            params = SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, seed=cfg.seed)
             llm.generate([{"prompt_token_ids": ids[0]}], params, use_tqdm=False)  # warm-up
             before, start, made = acceptance_counts(llm.get_metrics()), time.perf_counter(), 0
             for x in ids:
@@ -691,18 +691,20 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
             return made / (time.perf_counter() - start), counts.tau
 
         engines = [("target alone", None, None)] + [(k, d, g) for k, (d, _) in drafts.items() for g in cfg.eval.gammas]
-        base = None
+        base: dict[float, float] = {}  # the target alone's tokens/s per temperature
         for name, draft_path, gamma in engines:
             llm = start_engine(cfg.vllm, target_dir, draft=draft_path, gamma=gamma or 1, seed=cfg.seed)
             try:
-                speed, tau = tokens_per_s(llm)
+                for temperature in cfg.eval.temperatures:
+                    speed, tau = tokens_per_s(llm, temperature)
+                    ratio = speed / base.setdefault(temperature, speed)
+                    tau = tau if draft_path else None
+                    rows.append({"engine": "vllm", "draft": name, "gamma": gamma, "temperature": temperature,
+                                 "tokens_per_s": speed, "speedup": ratio, "tau": tau})  # fmt: skip
+                    line = f"  vllm T={temperature:g} {name:>12} gamma {gamma or '-'}: {speed:.1f} tok/s ({ratio:.2f}x)"
+                    print(line + (f", tau {tau:.2f}" if tau is not None else ""))
             finally:
                 llm.llm_engine.engine_core.shutdown()
-            base = base or speed
-            rows.append({"engine": "vllm", "draft": name, "gamma": gamma, "temperature": 0.0, "tokens_per_s": speed,
-                         "speedup": speed / base, "tau": tau if draft_path else None})  # fmt: skip
-            print(f"  vllm T=0 {name:>12} gamma {gamma or '-'}: {speed:.1f} tok/s ({speed / base:.2f}x)", end="")
-            print(f", tau {tau:.2f}" if draft_path else "")
     return {"target": target_dir, "drafts": {k: d for k, (d, _) in drafts.items()}, "rows": rows}
 
 
