@@ -58,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.suites.common import BENCHMARK_GARDEN
 from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
@@ -835,8 +836,6 @@ def main() -> None:
     out = Path(args.output_dir).resolve()
     suites = [s for name in args.suites for s in GROUPS.get(name, [name])]
     scale = args.scale or ("full" if "full" in args.suites else "quick")
-    from benchmarks.suites.common import BENCHMARK_GARDEN
-
     start = time.perf_counter()
     for name in suites:
         if name == "report":

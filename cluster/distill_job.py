@@ -95,7 +95,7 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
         "evaluations": result.evaluations,
         "alarms": result.alarms,
         "resumed_from": result.resumed_from,
-        "first_step_s": result.first_step_s,
+        "first_step_s": result.startup.get("first_step_s"),
         "startup": result.startup,
     }
 

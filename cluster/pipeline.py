@@ -43,8 +43,8 @@ class PipelineResult:
     alarms: list[str]
     resumed_from: int | None
     seconds: float
-    first_step_s: float | None = None  #: from creating the actors to the learner's first published step
-    startup: dict = field(default_factory=dict)  #: seconds from creating the actors to each start-up milestone
+    #: seconds from creating the actors to the first batch, the learner ready, its first step (``first_step_s``)
+    startup: dict = field(default_factory=dict)
     rollout_restarts: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -109,9 +109,8 @@ class Pipeline:
     """Starts the pipeline's actors for one run; ``run()`` trains and returns a :class:`PipelineResult`."""
 
     def __init__(self, cfg: JobConfig, task: Task, out: Path, *, fixed_cluster: bool = True) -> None:
-        self.created = time.perf_counter()  #: the time to the first learner step counts from here
-        self.first_step_s: float | None = None
-        self.startup: dict[str, float] = {}  #: seconds from creating the actors: first batch, learner ready
+        self.created = time.perf_counter()  #: the start-up milestones count from here
+        self.startup: dict[str, float] = {}  #: first_batch_s, learner_ready_s, first_step_s
         self.cfg, self.task, self.out = cfg, task, Path(out).resolve()
         r = cfg.ray
         self.resumed_from = latest_step(self.out)
@@ -232,7 +231,6 @@ class Pipeline:
             alarms=report["alarms"],
             resumed_from=self.resumed_from,
             seconds=time.perf_counter() - start,
-            first_step_s=self.first_step_s,
             startup=self.startup,
         )
 
@@ -293,8 +291,8 @@ class Pipeline:
             self.startup.setdefault("first_batch_s", now)
         if version >= first:
             self.startup.setdefault("learner_ready_s", now)
-        if self.first_step_s is None and version > first:
-            self.first_step_s = self.startup["first_step_s"] = now
+        if "first_step_s" not in self.startup and version > first:
+            self.startup["first_step_s"] = now
             batch, ready = self.startup.get("first_batch_s", now), self.startup["learner_ready_s"]
             bar.write(
                 f"first learner step {now:.0f}s after the pipeline's actors were created (first batch sampled at "
