@@ -47,7 +47,7 @@ class EvalActor:
                 cfg.draft,
                 self.tokenizer,
                 max_new_tokens=cfg.eval.max_new_tokens,
-                temperature=cfg.ray.canary_temperature,
+                temperature=cfg.canary_temperature,
                 gamma=cfg.serve.gamma,
                 seed=cfg.seed,
             )
@@ -91,16 +91,17 @@ class EvalActor:
         )
 
     def measure_canary(self, rec: dict) -> dict:
-        """Alpha of the evaluated version through the replicas' decoding at ``serve.gamma`` and
-        ``ray.canary_temperature``: this project's decoder or, with ``serve.backend=vllm``, vLLM's engine."""
-        r, gamma = self.cfg.ray, self.cfg.serve.gamma
+        """Alpha of the evaluated version decoded as the replicas decode: at ``serve.gamma`` and the canary's
+        temperature (:attr:`~distillspec.config.JobConfig.canary_temperature`), with this project's decoder or,
+        with ``serve.backend=vllm``, vLLM's engine."""
+        gamma, temperature = self.cfg.serve.gamma, self.cfg.canary_temperature
         if self.canary is not None:
             self.canary.load_draft(state_arrays(self.draft))
             counts = self.canary.measure([Example(prompt=p, reference="") for p in self.prompts])
-            return {"backend": "vllm", "alpha": counts.alpha, "tau": counts.tau}
-        if (gamma, r.canary_temperature) != (self.cfg.eval.speedup_gamma, EVAL_TEMPERATURE):
-            rec = self._measure(gamma, r.canary_temperature)
-        return {"backend": "hf", "alpha": rec["alpha"], "tau": rec["tau"]}
+            return {"backend": "vllm", "temperature": temperature, "alpha": counts.alpha, "tau": counts.tau}
+        if (gamma, temperature) != (self.cfg.eval.speedup_gamma, EVAL_TEMPERATURE):
+            rec = self._measure(gamma, temperature)
+        return {"backend": "hf", "temperature": temperature, "alpha": rec["alpha"], "tau": rec["tau"]}
 
     def gate(self, rec: dict) -> bool:
         """The canary: promote the measured version to serving, or refuse it with the reason."""

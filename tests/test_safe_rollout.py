@@ -193,7 +193,10 @@ def check_safe_rollout(
     assert started_4 <= touched_4 <= started_4 + CONCURRENCY, (started_4, touched_4)
     last_4 = max(i for i, a in enumerate(answers) if 4 in (a["version"], a["end"]))
     assert all(a["version"] == 1 for a in answers[last_4 + 1 :]) and len(answers) - last_4 > 100
-    assert {c["canary"]["backend"] for c in canary} == {cfg.serve.backend}  # decoded as the replicas decode
+    # Decoded as the replicas decode: their engine, and the temperature of requests that name none
+    assert {(c["canary"]["backend"], c["canary"]["temperature"]) for c in canary} == {
+        (cfg.serve.backend, cfg.serve.temperature)
+    }
     return {
         "canary_alpha": {1: canary[0]["canary"]["alpha"], 3: canary[1]["canary"]["alpha"]},
         "by_version": dict(by_version),

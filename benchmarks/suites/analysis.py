@@ -167,3 +167,24 @@ def plot_peer_curves(curves: dict[str, list[dict]], path: str | Path, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_async(logs: dict[str, list[dict]], path: str | Path, window: int = 10) -> None:
+    """The pipelines of suite async over wall-clock time: learner steps, and the training loss (mean of the last
+    ``window`` steps), one line per pipeline (``logs``: its ``train_log.json`` records)."""
+    plt = pyplot()
+    fig, (steps, loss) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name, log in logs.items():
+        seconds = [r["time"] for r in log]
+        steps.plot(seconds, [r["step"] for r in log], label=name)
+        losses = [r["loss"] for r in log]
+        smooth = [sum(losses[max(0, i - window + 1) : i + 1]) / min(window, i + 1) for i in range(len(losses))]
+        loss.plot(seconds, smooth, label=name)
+    steps.set_xlabel("training seconds")
+    steps.set_ylabel("learner steps")
+    loss.set_xlabel("training seconds")
+    loss.set_ylabel(f"training loss (mean of {window} steps)")
+    steps.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -22,7 +22,21 @@ BENCHMARK_GARDEN = [
     "garden.target_steps=400",
 ]
 
-#: Garden settings per task (the real data sets are read in place from ../shared/data).
+#: The real pretrained pair (``bash scripts/setup.sh dev,real``): SmolLM2-135M-Instruct and a draft of its first two
+#: layers, prompted through the target's chat template. A 135M target is costly on CPU: short continuations, small
+#: batches, and a learning rate the pretrained draft tolerates.
+REAL_PAIR = [
+    "target=smollm2-135m-instruct",
+    "draft=first:2",
+    "distill.lr=1e-3",
+    "distill.warmup_steps=5",
+    "distill.batch_size=8",
+    "distill.max_new_tokens=32",
+    "eval.batch_size=16",
+]
+
+#: Settings per task: a garden trained on the data, or the real pair (the real data sets are read in place from
+#: ../shared/data).
 TASKS: dict[str, list[str]] = {
     "arith": [*BENCHMARK_GARDEN, "dataset=arith"],
     "gsm8k": [
@@ -50,12 +64,16 @@ TASKS: dict[str, list[str]] = {
         "garden.target_steps=600",
         "garden.draft_steps=600",
     ],
+    "gsm8k-smollm2": [*REAL_PAIR, f"dataset={SHARED_DATA / 'gsm8k'}", "eval.max_new_tokens=32"],
+    # Multi30k's English-to-German captions: a quality score (BLEU) within a few dozen tokens
+    "multi30k-smollm2": [*REAL_PAIR, f"dataset={SHARED_DATA / 'multi30k'}", "eval.max_new_tokens=40"],
 }
 
 
 @dataclass
 class Scale:
-    """How much each suite runs: ``quick`` (<= 20 minutes on 2 CPU cores) or ``full``."""
+    """How much each suite runs: ``quick`` (<= 20 minutes on 2 CPU cores), ``full``, or ``real`` (the pretrained
+    pair, each suite within an hour on 2 CPU cores)."""
 
     name: str
     tasks: list[str]
@@ -65,6 +83,7 @@ class Scale:
     speedup_prompts: int  #: prompts decoded one at a time for wall-clock figures
     peer_steps: int  #: distillation steps in the TRL comparison
     garden_tasks: list[str] = field(default_factory=lambda: ["arith"])
+    lenience_tasks: list[str] | None = None  #: tasks of the lenience suite (default: ``tasks``)
 
 
 SCALES = {
@@ -78,16 +97,44 @@ SCALES = {
         speedup_prompts=16,
         peer_steps=240,
     ),
+    # The real pair (task gsm8k-smollm2): every suite within an hour on 2 CPU cores.
+    "real": Scale(
+        "real",
+        ["gsm8k-smollm2"],
+        steps=24,
+        num_prompts=16,
+        seeds=[0],
+        speedup_prompts=4,
+        peer_steps=48,
+        garden_tasks=[],
+        lenience_tasks=["multi30k-smollm2"],  # GSM8K's accuracy needs longer answers than this scale decodes
+    ),
 }
 
 
+def setting(task: str, key: str) -> str | None:
+    """The value ``TASKS[task]`` gives ``key`` (e.g. ``dataset``), if any."""
+    values = [item.split("=", 1)[1] for item in TASKS[task] if item.startswith(f"{key}=")]
+    return values[-1] if values else None
+
+
 def available(tasks: list[str], log=print) -> list[str]:
-    """``tasks`` less those whose data is not on this machine (a fresh machine has only arith)."""
+    """``tasks`` less those whose data or model is not on this machine (a fresh machine has only arith)."""
+    from distillspec.errors import DistillSpecError
+    from distillspec.pretrained import PACKAGED, packaged_file
+
     kept = []
     for name in tasks:
-        if name != "arith" and not (SHARED_DATA / name).exists():
-            log(f"skipping {name}: {SHARED_DATA / name} is not on this machine")
+        data, target = setting(name, "dataset"), setting(name, "target")
+        if data != "arith" and not Path(data).exists():
+            log(f"skipping {name}: {data} is not on this machine")
             continue
+        if target in PACKAGED:
+            try:
+                packaged_file(target)
+            except DistillSpecError as e:
+                log(f"skipping {name}: {e}")
+                continue
         kept.append(name)
     return kept
 
@@ -109,28 +156,34 @@ def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> Job
 
 
 def with_garden(cfg: JobConfig, log=print):
-    """``cfg`` with the garden pair's paths filled in (built or reused), and the task."""
-    from distillspec.data import load_task
+    """``cfg`` with the pair's paths filled in (the garden built or reused; a named pair resolved to its folders),
+    and the task as the target is prompted (through its chat template, where it has one)."""
+    from distillspec.data import chat_prompts, load_task
     from distillspec.garden import build_garden
+    from distillspec.models import load_tokenizer
+    from distillspec.pretrained import resolve_pair
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
-        cfg = replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
-    return cfg, task
+        return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve())), task
+    target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
+    task = chat_prompts(task, load_tokenizer(target), cfg.chat_template)
+    return replace(cfg, target=target, draft=draft), task
 
 
-def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", divergence: str = "tvd") -> str:
-    """The DistillSpec draft of a task (on-policy data + TVD by default, seed 0, ``sweep.steps`` steps).
+def distilled_draft(cfg: JobConfig, key: str, task, out: Path, source: str = "draft", divergence: str = "tvd") -> str:
+    """The DistillSpec draft of the suites' task ``key`` (on-policy data + TVD by default, seed 0, ``sweep.steps``
+    steps).
 
-    Reuses the recipe suite's draft when it exists (``out/recipes/<task>/drafts``), else distils one.
+    Reuses the recipe suite's draft when it exists (``out/recipes/<key>/drafts``), else distils one.
     """
     from distillspec.config import cell_config
     from distillspec.models import load_pair
     from distillspec.study import run_cell
 
     name = f"{source}-{divergence}-s0"
-    for folder in (out / "recipes" / task.name / "drafts" / name, out / "drafts" / task.name / name):
+    for folder in (out / "recipes" / key / "drafts" / name, out / "drafts" / key / name):
         if (folder / "config.json").exists():
             return str(folder)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
@@ -143,6 +196,14 @@ def distilled_draft(cfg: JobConfig, task, out: Path, source: str = "draft", dive
     meta = {"source": source, "divergence": divergence, "steps": dcfg.steps}
     (folder / "distillspec.json").write_text(json.dumps(meta))
     return str(folder)
+
+
+def best_recipe(out: Path, key: str) -> tuple[str, str]:
+    """The recipe suite's best (data source, divergence) on task ``key`` (``out/recipes.json``), else DistillSpec's
+    (on-policy data, TVD)."""
+    path = out / "recipes.json"
+    best = json.loads(path.read_text())["tasks"].get(key, {}).get("best") if path.exists() else None
+    return (best["source"], best["divergence"]) if best else ("draft", "tvd")
 
 
 def draft_steps(folder: str | Path) -> int | None:

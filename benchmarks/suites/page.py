@@ -24,9 +24,11 @@ def _pm(cell: dict, key: str, scale: float = 100.0, fmt: str = "+.1f", unit: str
 
 
 class Page:
-    def __init__(self, runs: list[Path], docs: Path) -> None:
-        self.runs, self.docs, self.lines = runs, docs, []
-        self.images = docs / "results"
+    def __init__(self, runs: list[Path], docs: Path, real: bool = False) -> None:
+        """``real``: the page of the real pretrained pair, whose images docs/results names with a ``real-`` prefix
+        (one folder for both pages)."""
+        self.runs, self.docs, self.lines, self.real = runs, docs, [], real
+        self.prefix, self.images = "real-" if real else "", docs / "results"
 
     def add(self, *lines: str) -> None:
         self.lines += lines
@@ -36,14 +38,14 @@ class Page:
         path = next((r / rel for r in reversed(self.runs) if (r / rel).exists()), None)
         if path is not None:
             self.images.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, self.images / name)
-            self.add(f"![{alt}](results/{name})", "")
+            shutil.copy(path, self.images / f"{self.prefix}{name}")
+            self.add(f"![{alt}](results/{self.prefix}{name})", "")
 
     def plot(self, fn, data: dict, name: str, alt: str) -> None:
         """Draw ``fn(data, path)`` into docs/results (for figures of data merged from several runs) and link it."""
         self.images.mkdir(parents=True, exist_ok=True)
-        fn(data, self.images / name)
-        self.add(f"![{alt}](results/{name})", "")
+        fn(data, self.images / f"{self.prefix}{name}")
+        self.add(f"![{alt}](results/{self.prefix}{name})", "")
 
     def header(self, title: str, data: dict) -> None:
         self.add(f"## {title}", "")
@@ -54,11 +56,15 @@ class Page:
 
 def _table(page: Page, data: dict) -> None:
     page.header("Table C.1 analogue: block efficiency and speedup without and with distillation", data)
+    before = (
+        "the draft made of the target's first two layers"
+        if page.real
+        else "the garden draft (trained on the task's data, the paper's fine-tuned baseline)"
+    )
     page.add(
-        "Before: the garden draft (trained on the task's data, the paper's fine-tuned baseline). After: the same draft "
-        "distilled with DistillSpec's default recipe (on-policy data + TVD). tau on held-out prompts; speedup is "
-        "measured "
-        "wall-clock tokens/s of SD over the target alone, one prompt at a time, on this machine.",
+        f"Before: {before}. After: the same draft distilled with DistillSpec's default recipe (on-policy data + TVD). "
+        "tau on held-out prompts; speedup is measured wall-clock tokens/s of SD over the target alone, one prompt at "
+        "a time, on this machine.",
         "",
     )
     for task, t in data["tasks"].items():
@@ -86,7 +92,7 @@ def _recipes(page: Page, data: dict) -> None:
 
     page.header("Figure 4 analogue: the recipe grid (data source x divergence)", data)
     page.add(
-        "Each cell distils the garden draft for the same number of steps with one data source (fixed = the data set's "
+        "Each cell distils the draft for the same number of steps with one data source (fixed = the data set's "
         "references, SupKD; draft = on-policy samples; target = target samples, SeqKD; mixed = half each) and one "
         "divergence, as a Ray Tune trial (`jobs/sweep.py`). Tau gain is over the undistilled draft at gamma = 5; "
         "'draft score' is the distilled draft's own greedy task score. ± is the standard deviation over seeds.",
@@ -197,6 +203,26 @@ def _garden(page: Page, data: dict) -> None:
 
 def _transfer(page: Page, data: dict) -> None:
     page.header("Transfer: a draft distilled on one task, measured on the others", data)
+    if "rows" in data:  # a pretrained pair: one draft, distilled on one task
+        recipe = data["recipe"]
+        temps = list(next(iter(data["rows"].values())))
+        page.add(
+            f"The draft distilled on {data['trained_on']} ({data['steps']} steps, {recipe['source']} data + "
+            f"{DIV[recipe['divergence']]}, the recipe grid's best), against the undistilled draft on the held-out "
+            f"prompts of each data set, at gamma = {data['gamma']}.",
+            "",
+            "| measured on | " + " | ".join(f"alpha {t} | tau {t} | tau gain {t}" for t in temps) + " |",
+            "|---|" + "---|---|---|" * len(temps),
+        )
+        for name, row in data["rows"].items():
+            cells = [
+                f"{r['alpha_before']:.3f} -> {r['alpha_after']:.3f} | {r['tau_before']:.2f} -> {r['tau_after']:.2f} | "
+                f"{_pct(r['tau_gain'])}"
+                for r in row.values()
+            ]
+            page.add(f"| {name} | " + " | ".join(cells) + " |")
+        page.add("")
+        return
     names = data["tasks"]
     page.add(
         f"One garden pair trained on all of {', '.join(names)} (one tokenizer); its draft distilled on each task "
@@ -302,7 +328,46 @@ def _trl(page: Page, data: dict) -> None:
     page.add("")
 
 
+def _async(page: Page, data: dict) -> None:
+    from benchmarks.suites.analysis import plot_async
+
+    page.header("The asynchronous pipeline against the synchronous loop", data)
+    c = data["step_costs"]
+    stages = ", ".join(f"{k} {v:.2f} s ({c['stages_1thread'][k]:.2f} s)" for k, v in c["stages"].items())
+    page.add(
+        f"The same pair, data and recipe, trained for {data['budget']:.0f} s of wall-clock time by the one-process "
+        "loop (`ray.mode=sync`: sample, score, update in turn) and by the Ray pipeline with the target's logits "
+        "computed in the learner (`async`, the default: two rollout actors) or in a scoring actor (`async-scorer`: "
+        "one rollout actor, one scorer). One torch thread per actor; no evaluations while training. alpha at gamma 5, "
+        "T = 1 on "
+        "held-out prompts. *Bound*: the most the pipeline's actors allow on these cores, from the stage times of one "
+        f"step measured alone ({c['batch_size']} sequences x {c['max_new_tokens']} tokens, {c['threads']} threads, "
+        f"one thread in brackets): {stages}; with each stage on its own device the bound is "
+        f"{c['bound_own_devices']:.2f}x.",
+        "",
+        "| pipeline | learner steps | steps/s | x sync | bound | of bound | samples/s | policy lag | alpha before | "
+        "alpha after | tau after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    )
+    logs = {}
+    for name in data["pipelines"]:
+        paths = [r / "async" / name / "train_log.json" for r in reversed(page.runs)]
+        path = next((p for p in paths if p.exists()), None)
+        if path is not None:
+            logs[name] = json.loads(path.read_text())
+    for name, r in data["pipelines"].items():
+        page.add(
+            f"| {name} | {r['steps']} | {r['steps_per_s']:.3f} | {r['ratio_steps_per_s']:.2f}x | {r['bound']:.2f}x | "
+            f"{r['of_bound']:.2f} | {r['samples_per_s']:.2f} | {r['mean_lag']:.2f} | {r['alpha_before']:.3f} | "
+            f"{r['alpha_after']:.3f} | {r['tau_after']:.2f} |"
+        )
+    page.add("")
+    if logs:
+        page.plot(plot_async, logs, "async.png", "learner steps and training loss over wall-clock time per pipeline")
+
+
 SECTIONS = {
+    "async": _async,
     "table": _table,
     "recipes": _recipes,
     "theory": _theory,
@@ -377,9 +442,15 @@ def pearson(x: list[float], y: list[float]) -> float:
     return sxy / (sx * sy) if sx and sy else float("nan")
 
 
-def write_page(runs: Path | list[Path], docs: Path) -> Path:
-    """Write ``docs/RESULTS.md`` (and copy the plots to ``docs/results/``) from the suites' JSON files under
-    ``runs`` (one folder, or several whose tasks are merged: the latest folder wins a task they share)."""
+#: The two results pages, the garden models' and the real pretrained pair's (``--scale real``): the page, and the
+#: notes written by hand that end it.
+PAGES = {False: ("RESULTS.md", "RESULTS-notes.md"), True: ("RESULTS-real.md", "RESULTS-real-notes.md")}
+
+
+def write_page(runs: Path | list[Path], docs: Path, *, real: bool = False) -> Path:
+    """Write ``docs/RESULTS.md`` (``real``: ``docs/RESULTS-real.md``), and copy the plots to ``docs/results/``, from
+    the suites' JSON files under ``runs`` (one folder, or several whose tasks are merged: the latest folder wins a
+    task they share)."""
     from distillspec.errors import DistillSpecError
 
     runs = [runs] if isinstance(runs, Path) else runs
@@ -391,25 +462,31 @@ def write_page(runs: Path | list[Path], docs: Path) -> Path:
     if not found:
         where = ", ".join(str(r) for r in runs)
         raise DistillSpecError(f"no suite results under {where}: run e.g. `python benchmarks/benchmark.py quick` first")
-    page = Page(runs, docs)
+    filename, notes = PAGES[real]
+    page = Page(runs, docs, real)
     total = sum(d["seconds"] for d in found.values())
     machine = next(iter(found.values()))["machine"]
+    models = (
+        "Models: SmolLM2-135M-Instruct (the target) and a draft made of its first two layers with its embeddings, "
+        "final norm and tied head (`--draft first:2`), prompts through the target's chat template; budgets are sized "
+        "for a CPU, so the figures are early-training figures on a real model"
+        if real
+        else "Models are the project's garden (Llama-architecture models trained from scratch here), so absolute "
+        "figures are small-model, CPU figures; the directions are what to compare with the paper"
+    )
     page.add(
-        "# Results",
+        "# Results on a real pretrained pair" if real else "# Results",
         "",
-        f"Generated by `python benchmarks/benchmark.py report` on {time.strftime('%Y-%m-%d')} from the suites' JSON; "
-        f"every section names the command that made it. Machine: {machine}, no GPU. The suites below took "
-        f"{total / 60:.1f} minutes in all. Models are the project's garden (Llama-architecture models trained from "
-        "scratch here), so absolute figures are small-model, CPU figures; the directions are what to compare with the "
-        "paper.",
+        f"Generated by `python benchmarks/benchmark.py report{' --scale real' * real}` on {time.strftime('%Y-%m-%d')} "
+        f"from the suites' JSON; every section names the command that made it. Machine: {machine}, no GPU. The suites "
+        f"below took {total / 60:.1f} minutes in all. {models}.",
         "",
     )
     for name, data in found.items():
         SECTIONS[name](page, data)
-    notes = docs / "RESULTS-notes.md"
-    if notes.exists():
-        page.add(notes.read_text())
+    if (docs / notes).exists():
+        page.add((docs / notes).read_text())
     docs.mkdir(parents=True, exist_ok=True)
-    path = docs / "RESULTS.md"
+    path = docs / filename
     path.write_text("\n".join(page.lines).rstrip() + "\n")
     return path

@@ -15,7 +15,18 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.suites.common import TASKS, Scale, available, distilled_draft, draft_steps, task_config, with_garden
+from benchmarks.suites.common import (
+    SHARED_DATA,
+    TASKS,
+    Scale,
+    available,
+    best_recipe,
+    distilled_draft,
+    draft_steps,
+    setting,
+    task_config,
+    with_garden,
+)
 from benchmarks.suites.page import pearson
 
 
@@ -109,7 +120,7 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     results = {}
     for name in available(scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
-        distilled = distilled_draft(cfg, task, out.parent)
+        distilled = distilled_draft(cfg, name, task, out.parent)
         target, draft, tokenizer = _pair(cfg)
         grid = replace(cfg, eval=replace(cfg.eval, gammas=[3, 5, 7], temperatures=[0.0, 1.0]))
         records = []
@@ -143,12 +154,12 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
     from distillspec.study import measure_pair
 
     results = {}
-    for name in available(scale.tasks):
+    for name in available(scale.lenience_tasks or scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
         if task.metric is None:
             print(f"skipping {name} in the lenience suite: a language-modelling task has no quality score")
             continue
-        distilled = distilled_draft(cfg, task, out.parent)
+        distilled = distilled_draft(cfg, name, task, out.parent)
         target, draft, tokenizer = _pair(cfg)
         gamma = cfg.eval.speedup_gamma
         ids, _ = encode_prompts(tokenizer, [task.test[0].prompt])
@@ -197,7 +208,7 @@ def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
         folder = out / name
         medium = ModelSize(d_model=160, n_layers=4, n_heads=4, d_ff=480)
         m_path = str(build_garden(task, replace(cfg.garden, draft=medium), seed=cfg.seed).draft.resolve())
-        s_from_l = distilled_draft(cfg, task, out.parent)
+        s_from_l = distilled_draft(cfg, name, task, out.parent)
         target, small, tokenizer = _pair(cfg)
         mid = load_model(m_path, device=cfg.device)[0]
         dcfg = cell_config(cfg.distill, "draft", "tvd", cfg.sweep.steps)
@@ -248,8 +259,63 @@ def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
     return {"tasks": results}
 
 
+def transfer_pretrained(scale: Scale, overrides: list[str], out: Path, key: str) -> dict:
+    """A pretrained pair distilled on task ``key`` (the recipe suite's best recipe), tau gain on its own test prompts
+    and on those of the other data sets in ../shared/data, which it never trained on (at T = 0 and 1)."""
+    from distillspec.data import chat_prompts, load_task
+    from distillspec.models import load_model
+    from distillspec.study import measure_pair
+
+    cfg, task = with_garden(task_config(key, scale, overrides, out / key))
+    source, divergence = best_recipe(out.parent, key)
+    distilled = distilled_draft(cfg, key, task, out.parent, source, divergence)
+    target, draft, tokenizer = _pair(cfg)
+    tasks = {key: task}
+    for other in ("gsm8k", "multi30k", "tinyshakespeare"):
+        path = SHARED_DATA / other
+        if path.exists() and path != Path(cfg.dataset).resolve():
+            tasks[other] = chat_prompts(load_task(str(path), seed=cfg.seed), tokenizer, cfg.chat_template)
+    kw = {
+        "gammas": [cfg.eval.speedup_gamma],
+        "temperatures": [0.0, 1.0],
+        "num_prompts": cfg.eval.num_prompts,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "seed": cfg.seed,
+    }
+    student = load_model(distilled, device=cfg.device)[0]
+    rows = {}
+    for name, t in tasks.items():
+        print(f"== transfer: {source} data + {divergence.upper()} on {key}, measured on {name}")
+        before, after = (
+            measure_pair(target, draft, tokenizer, t, **kw),
+            measure_pair(target, student, tokenizer, t, **kw),
+        )
+        rows[name] = {
+            f"T{b['temperature']:g}": {
+                "alpha_before": b["alpha"],
+                "alpha_after": a["alpha"],
+                "tau_before": b["tau"],
+                "tau_after": a["tau"],
+                "tau_gain": a["tau"] / b["tau"] - 1.0,
+            }
+            for b, a in zip(before, after, strict=True)
+        }
+    print(f"\ntau gain at gamma {cfg.eval.speedup_gamma} of the draft distilled on {key}:")
+    for name, r in rows.items():
+        print(f"{name:>16}" + "".join(f"  {k}: {100 * v['tau_gain']:>+6.1f}%" for k, v in r.items()))
+    return {
+        "trained_on": key,
+        "recipe": {"source": source, "divergence": divergence},
+        "draft": distilled,
+        "rows": rows,
+        "steps": cfg.sweep.steps,
+        "gamma": cfg.eval.speedup_gamma,
+    }
+
+
 def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
-    """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task."""
+    """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task. A
+    pretrained pair (scale real): :func:`transfer_pretrained`."""
     from distillspec.config import cell_config
     from distillspec.data import Task, load_task
     from distillspec.errors import DistillSpecError
@@ -257,6 +323,9 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     from distillspec.models import load_pair
     from distillspec.study import measure_pair, run_cell
 
+    pretrained = [n for n in available(scale.tasks) if setting(n, "target")]
+    if pretrained:
+        return transfer_pretrained(scale, overrides, out, pretrained[0])
     names = [n for n in available(scale.tasks) if n != "arith"]
     if len(names) < 2:
         raise DistillSpecError("suite transfer needs at least two of the real tasks in ../shared/data")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suites.common import Scale, available, task_config, with_garden
+from benchmarks.suites.common import Scale, available, best_recipe, task_config, with_garden
 
 
 def _load(cfg):
@@ -231,7 +231,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
 
         print(f"== trl: {name}, ours ({steps} steps, batch {d.batch_size}, JSD beta {d.beta})")
         curves["ours"] = _ours_curve(target, draft, tok, task, cfg, d, steps, every, start_alpha)
-        source, div = BEST_RECIPES[name]
+        source, div = BEST_RECIPES[name] if name in BEST_RECIPES else best_recipe(out.parent, name)
         print(f"== trl: {name}, ours with the task's best recipe ({source} data, {div})")
         best_cfg = cell_config(d, source, div, steps)
         curves["ours_best"] = _ours_curve(target, draft, tok, task, cfg, best_cfg, steps, every, start_alpha)
@@ -260,9 +260,12 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
             disable_tqdm=True,
             seed=cfg.seed,
         )
-        # Our prompts start with BOS (encode_prompts); TRL tokenizes the text as given, so give it the BOS too.
+        # Our prompts start with BOS (encode_prompts); TRL tokenizes the text as given, so give it the BOS too (once).
         bos = tok.bos_token or ""
-        data = Dataset.from_dict({"prompt": [bos + e.prompt for e in task.train[: steps * d.batch_size * 2]]})
+        prompts = [
+            p if p.startswith(bos) else bos + p for p in (e.prompt for e in task.train[: steps * d.batch_size * 2])
+        ]
+        data = Dataset.from_dict({"prompt": prompts})
         trainer = DistillationTrainer(
             model=student,
             teacher_model=target,
