@@ -19,6 +19,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.integrity import checksums
 from distillspec.models import load_pair, state_arrays
+from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
@@ -105,9 +106,9 @@ class EvalActor:
 
     def gate(self, rec: dict) -> bool:
         """The canary: promote the measured version to serving, or refuse it with the reason."""
-        margin, alpha = self.cfg.ray.canary_margin, rec["canary"]["alpha"]
-        if self.serving_alpha is not None and alpha < self.serving_alpha - margin:
-            reason = f"canary: alpha {alpha:.3f} < serving {self.serving_alpha:.3f} - {margin:g}"
+        alpha = rec["canary"]["alpha"]
+        reason = canary_refusal(alpha, self.serving_alpha, self.cfg.ray.canary_margin)
+        if reason is not None:
             log.warning("serving gate refused version %d (%s)", self.version, reason)
             ray.get(self.store.refuse.remote(self.version, reason))
             return False

@@ -31,8 +31,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 PosInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # finite: .inf would mean "never" by accident
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Share = Annotated[float, Field(ge=0, le=1)]
 
 

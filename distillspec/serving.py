@@ -10,6 +10,7 @@ it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touch
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -228,6 +229,18 @@ class Completer:
                 )
             )
         return done
+
+
+def canary_refusal(alpha: float, serving_alpha: float | None, margin: float) -> str | None:
+    """The serving gate's canary rule: why a version whose canary measured ``alpha`` may not replace the serving
+    version (whose canary alpha is ``serving_alpha``; None before any), or None when it may. A version nothing was
+    judged for (alpha NaN: no draft token decoded, or an engine's counters missing) is refused, never waved through.
+    """
+    if not math.isfinite(alpha):
+        return f"canary: alpha {alpha} (nothing judged)"
+    if serving_alpha is not None and alpha < serving_alpha - margin:
+        return f"canary: alpha {alpha:.3f} < serving {serving_alpha:.3f} - {margin:g}"
+    return None
 
 
 class LiveAcceptance:

@@ -102,6 +102,8 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["target=a"], "give both --target and --draft"),
         (["target_dtype=half"], "target_dtype='half'"),
         (["nonsense"], "section.key=value"),
+        (["serve.sync_every_s=.inf"], r"serve\.sync_every_s=inf: input should be a finite number"),
+        (["distill.lr=nan"], "distill.lr='nan': input should be a finite number"),
     ],
 )
 def test_bad_config(overrides, match):

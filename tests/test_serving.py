@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.serving import Completer, CompletionJob, DecodingArgs, LiveAcceptance, cut_at_stop, merge_stats
+from distillspec.serving import (
+    Completer,
+    CompletionJob,
+    DecodingArgs,
+    LiveAcceptance,
+    canary_refusal,
+    cut_at_stop,
+    merge_stats,
+)
 
 from .conftest import greedy_text
 
@@ -114,3 +122,12 @@ def test_merge_stats_pools_counts():
     b = {"gamma": 4, "drafted": 4, "accepted": 0, "rejected": 1, "target_calls": 1}
     m = merge_stats([a, b])
     assert m["alpha"] == pytest.approx(6 / 8) and m["tau"] == pytest.approx((6 + 3) / 3)
+
+
+def test_the_canary_refuses_a_worse_version_and_one_nothing_was_judged_for():
+    assert canary_refusal(0.70, None, 0.02) is None  # the first version serves
+    assert canary_refusal(0.69, 0.70, 0.02) is None  # within the margin
+    assert canary_refusal(0.60, 0.70, 0.02).startswith("canary: alpha 0.600 < serving 0.700")
+    for alpha in (float("nan"), float("inf")):  # no draft token judged, or an engine's counters missing
+        assert "nothing judged" in canary_refusal(alpha, None, 0.02)
+        assert "nothing judged" in canary_refusal(alpha, 0.70, 0.02)
