@@ -45,8 +45,6 @@ class PipelineResult:
     seconds: float
     #: seconds from creating the actors to the first batch, the learner ready, its first step (``first_step_s``)
     startup: dict = field(default_factory=dict)
-    rollout_restarts: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def check_devices(cfg: JobConfig) -> None:

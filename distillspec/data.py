@@ -36,9 +36,6 @@ class Task:
     test: list[Example]
     metric: str | None  #: "accuracy" | "bleu" | "rouge" | None (language modelling)
 
-    def score(self, predictions: list[str], references: list[str]) -> dict[str, float]:
-        return score(self.metric, predictions, references)
-
 
 # ---------------------------------------------------------------------------------------------- scores
 
