@@ -1,8 +1,5 @@
-"""Ray actors of the asynchronous pipeline: thin shells that hold state, move data and call ``distillspec``."""
+"""Ray actors of the asynchronous pipeline: thin shells that hold state, move data and call ``distillspec``.
 
-from actors.evaluator import EvalActor
-from actors.prompts import PromptLog
-from actors.rollout import RolloutActor, ScorerActor
-from actors.stores import BufferActor, WeightStore
-
-__all__ = ["BufferActor", "EvalActor", "PromptLog", "RolloutActor", "ScorerActor", "WeightStore"]
+Each lives in its own module and is imported from there (``from actors.weights import WeightStore``): an actor's
+process imports only its own module's dependencies, so the weight store and the prompt log start without torch.
+"""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 NAMESPACE = "distillspec"  #: Ray namespace of the pipeline's named actors (the Serve endpoint joins it too)
 
 log = logging.getLogger("distillspec")
@@ -25,6 +23,8 @@ def scorer_name(run: str, index: int) -> str:
 
 def setup_worker(threads: int = 1) -> None:
     """One torch thread per actor (fractional CPUs on small machines), and INFO logs into the actor's log."""
+    import torch  # here, not at the top: the weight store and the prompt log never need it
+
     torch.set_num_threads(max(1, threads))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

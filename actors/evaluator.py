@@ -12,7 +12,7 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.stores import pull
+from actors.weights import pull
 from distillspec.config import JobConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError

@@ -22,13 +22,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.stores import publish
+from actors.weights import publish
+from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig
 from distillspec.distill import train_temperature
 from distillspec.errors import DistillSpecError
 from distillspec.learner import Learner, load_checkpoint, save_checkpoint
 from distillspec.models import load_model
-from distillspec.rollout import RolloutBatch
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  #: Ray Train's record of the registered checkpoints, in RUN_DIR

@@ -11,13 +11,14 @@ import torch
 
 from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
 from actors.metrics import gauge
-from actors.stores import fetch
+from actors.weights import fetch
+from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, resolve_recipe
 from distillspec.data import Example
 from distillspec.distill import forward_logits, train_temperature
 from distillspec.integrity import TransferRefused
 from distillspec.models import load_arrays, load_model, load_tokenizer
-from distillspec.rollout import RolloutBatch, Sampler, needs_target_samples
+from distillspec.rollout import Sampler, needs_target_samples
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
@@ -50,6 +51,7 @@ class RolloutActor:
                 temperature=d.temperature,
                 gamma=cfg.eval.speedup_gamma,
                 seed=seed,
+                max_prompt_tokens=d.max_prompt_tokens,
             )
             self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
         else:

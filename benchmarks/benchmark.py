@@ -298,9 +298,8 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
     import ray
     from ray import serve
 
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
     from cluster.connect import connect
     from distillspec.data import load_task
     from distillspec.models import load_model
@@ -390,9 +389,8 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
     import ray
     from ray import serve
 
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
     from cluster.connect import connect
     from cluster.serve import resolve_models
     from distillspec.data import load_task
@@ -602,7 +600,6 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "train_step_s": train,
         "forward_s": forward,
-        "garden_bf16_default": hardware["bfloat16"],
     }
 
 

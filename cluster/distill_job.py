@@ -3,7 +3,6 @@ the single-process loop with ``ray.mode=sync``), measure again, write the result
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -16,12 +15,12 @@ from actors.evaluator import measure_on_cluster
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
-from distillspec.data import chat_prompts, load_task
+from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
-from distillspec.garden import build_garden
+from distillspec.files import read_json, write_atomic, write_folder, write_json
 from distillspec.learner import Distiller, load_checkpoint, save_checkpoint
-from distillspec.models import check_pair_sources, load_pair, load_tokenizer
-from distillspec.pretrained import resolve_pair
+from distillspec.models import load_pair
+from distillspec.pretrained import prepare_pair
 from distillspec.report import format_table, plot_tau, plot_training
 from distillspec.study import measure_phase
 
@@ -48,8 +47,7 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
             save_checkpoint(folder, learner, tokenizer, log, seconds=time.perf_counter() - start)
     bar.close()
     save_checkpoint(folder, learner, tokenizer, log, seconds=time.perf_counter() - start)
-    draft.save_pretrained(out / "draft")
-    tokenizer.save_pretrained(out / "draft")
+    write_folder(out / "draft", lambda tmp: (draft.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return {
         "mode": "sync",
         "train_log": log,
@@ -102,7 +100,9 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
 
 def check_rerun(cfg: JobConfig, out: Path) -> None:
     """A finished run (its ``results.json``) is not redone or overwritten unless ``overwrite`` says so."""
-    if (out / "results.json").exists() and not cfg.overwrite:
+    if (out / "results.json").exists() and read_json(out / "results.json") is None:
+        print(f"{out / 'results.json'} does not parse (a run cut off while writing it): this run replaces it")
+    elif (out / "results.json").exists() and not cfg.overwrite:
         raise DistillSpecError(
             f"{out} holds a finished run (results.json): give another --output-dir for a new run, or add "
             "overwrite=true to run again there (its checkpoints are kept unless ray.resume=false)"
@@ -112,26 +112,15 @@ def check_rerun(cfg: JobConfig, out: Path) -> None:
 def run(cfg: JobConfig) -> list[dict]:
     """The main job: measure, distill, measure again, write results (see ``jobs/distill.py``)."""
     start = time.perf_counter()
-    cfg.check_pair()
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir).resolve()
     check_rerun(cfg, out)
     task = load_task(cfg.dataset, seed=cfg.seed)  # fails early on a missing or empty data set
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")
-    if cfg.target is None:
-        garden = build_garden(task, cfg.garden, seed=cfg.seed)
-        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
-    # What the workers load: GGUF files and packaged models dequantized, layer drafts made (each cached once), local
-    # paths absolute (actors may run in another working directory, a ray job's --working-dir).
-    target, draft = resolve_pair(cfg.target, cfg.draft)
-    cfg = replace(cfg, target=target, draft=draft)
+    cfg, task = prepare_pair(cfg, task)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)  # a bad path fails in a second
-    task, raw = chat_prompts(task, load_tokenizer(cfg.target), cfg.chat_template), task
-    if task is not raw:
-        print("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
+    saved = to_dict(replace(cfg, serve=replace(cfg.serve, api_key=None)))  # the run's folder never holds the key
+    write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))
     if cfg.ray.mode == "sync":
         target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
         records = measure_phase("before", cfg, target, draft, tokenizer, task)
@@ -139,10 +128,10 @@ def run(cfg: JobConfig) -> list[dict]:
         records += measure_phase("after", cfg, target, draft, tokenizer, task)
     else:
         records, training = train_async(cfg, task, out)
-    (out / "train_log.json").write_text(json.dumps(training["train_log"]))
+    write_json(out / "train_log.json", training["train_log"])
 
     summary = {k: v for k, v in training.items() if k != "train_log"}
-    (out / "results.json").write_text(json.dumps({"records": records, "training": summary}, indent=2))
+    write_json(out / "results.json", {"records": records, "training": summary}, indent=2)
     divergence = resolve_recipe(cfg.distill).divergence.upper()
     title = f"{task.name}: {cfg.distill.recipe} ({divergence}), {len(training['train_log'])} steps, {training['mode']}"
     plot_tau(records, out / "tau.png", title=f"block efficiency before / after DistillSpec - {title}")

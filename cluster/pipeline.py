@@ -22,13 +22,17 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-from actors import BufferActor, EvalActor, PromptLog, RolloutActor, ScorerActor, WeightStore
+from actors.buffer import BufferActor
 from actors.common import buffer_name, prompts_name, scorer_name, weights_name
+from actors.evaluator import EvalActor
 from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
-from actors.stores import publish
+from actors.prompts import PromptLog
+from actors.rollout import RolloutActor, ScorerActor
+from actors.weights import WeightStore, publish
 from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
+from distillspec.files import write_folder, write_json
 from distillspec.models import load_model
 
 EVALUATIONS = "evaluations.json"  #: the periodic evaluations so far, in output_dir (a resumed run keeps them)
@@ -210,8 +214,7 @@ class Pipeline:
             raise DistillSpecError(f"a rollout actor failed: {self.feed_error}")
         draft_dir = self.out / "draft"
         with result.checkpoint.as_directory() as d:
-            shutil.rmtree(draft_dir, ignore_errors=True)
-            shutil.copytree(Path(d) / "draft", draft_dir)
+            write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
             train_log = json.loads((Path(d) / "train_log.json").read_text())
         if train_log:
             # The learner owned its published weights and has exited, so they are gone from the object store:
@@ -246,7 +249,7 @@ class Pipeline:
             except (ray.exceptions.RayError, TimeoutError):
                 continue
             if len(history) > shown:
-                self.evaluations_file.write_text(json.dumps(self.earlier + history))
+                write_json(self.evaluations_file, self.earlier + history)
             for evaluation in history[shown:]:
                 canary = evaluation.get("canary")
                 gate = ""

@@ -17,8 +17,10 @@ every served prompt to the run's prompt log (``<run>-prompts``), from which an o
 """
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -38,7 +40,7 @@ from ray.serve import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.stores import fetch
+from actors.weights import fetch
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused
@@ -80,7 +82,7 @@ class DecodingRequest(BaseModel):
     n: int = Field(1, ge=1, le=1, description="only 1")
     stream: bool = Field(False, strict=True)
     stream_options: dict | None = None
-    seed: int | None = Field(None, strict=True)
+    seed: int | None = Field(None, strict=True, ge=-(2**63), le=2**64 - 1, description="as torch.manual_seed takes")
     stop: str | list[str] | None = None
     user: str | None = None
     gamma: int | None = Field(None, ge=1, le=32, strict=True, description="draft tokens per target call")
@@ -143,6 +145,25 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
 
 
 app = FastAPI(title="DistillSpec speculative decoding", version="1")
+_auth: dict[str, str | None] = {"key": None}  #: this replica's ``serve.api_key`` (one replica per process)
+
+
+def require_key(key: str | None) -> None:
+    """Make this process's routes answer only requests with ``key`` (None: every request). A function of this
+    module, so that the deployment, which Ray ships to its replica by value, sets the global the middleware reads."""
+    _auth["key"] = key or None
+
+
+@app.middleware("http")
+async def _require_key(request: Request, call_next):
+    """With ``serve.api_key``, every route (``/docs`` and ``/openapi.json`` too) answers 401 to a request without the
+    key, before its body is read: an unauthenticated client learns nothing of the schema and costs no parsing."""
+    if (key := _auth["key"]) is not None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+            message = "missing or wrong API key (Authorization: Bearer ...)"
+            return JSONResponse(status_code=401, content=error_body(message, None, "authentication_error"))
+    return await call_next(request)
 
 
 @app.exception_handler(RequestValidationError)
@@ -209,6 +230,7 @@ class Completions:
 
     def __init__(self, cfg: JobConfig) -> None:
         s = cfg.serve
+        require_key(s.api_key)
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
@@ -249,22 +271,39 @@ class Completions:
         self.refused: dict[int, str] = {}  #: versions this replica refused to load, with the reason
         self.rollbacks: list[dict] = []
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
+        self.follower: threading.Thread | None = None
         if s.sync_every_s:
             self._sync()  # a replica that starts late serves the run's current version from its first request
-            threading.Thread(target=self._follow, name="draft-sync", daemon=True).start()
+            self.follower = threading.Thread(target=self._follow, name="draft-sync", daemon=True)
+            self.follower.start()
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic probe: a replica whose engine died, or whose draft stopped following the run, is
+        reported unhealthy, and Serve replaces it (instead of it answering 500 or serving a stale draft)."""
+        if self.follower is not None and not self.follower.is_alive():
+            raise RuntimeError("the draft-sync thread stopped")
+        self.completer.check_health()
 
     # -- the weight store ------------------------------------------------------------------------------------
     def _follow(self) -> None:
-        """Swap in each new draft version the run's learner publishes (a daemon thread)."""
+        """Swap in each new draft version the run's learner publishes (a daemon thread). An unexpected error in one
+        check is logged and the next check goes on: the thread outlives it."""
         while True:
             time.sleep(self.s.sync_every_s)
-            self._sync()
+            try:
+                self._sync()
+            except Exception:
+                log.exception("draft sync failed; retrying in %g s", self.s.sync_every_s)
 
     def _sync(self) -> None:
         """Follow the run's weight store: leave a version the deployment rolled back, and take the serving (or
         latest) version when it is another one that was neither rolled back nor refused here."""
+        if self.store is None:
+            try:
+                self.store = ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
+            except ValueError:
+                return  # no such run (yet): keep serving the draft we have
         try:
-            self.store = self.store or ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
             wanted, rolled_back = ray.get(self.store.follow.remote(self.s.follow_version), timeout=10)
             with self.lock:
                 self.rolled_back.update(rolled_back)
@@ -276,9 +315,7 @@ class Completions:
         except TransferRefused as exc:  # logged and counted by fetch; served requests never see these weights
             self.refused[wanted] = str(exc)
             self.store.refuse.remote(wanted, str(exc))  # a rollback must not return to it
-        except ValueError:
-            self.store = None  # no such run (yet): keep serving the draft we have
-        except (RuntimeError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
+        except (RuntimeError, ValueError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
             if not self.warned:
                 log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
                 self.warned = True
@@ -349,13 +386,8 @@ class Completions:
             pass  # no online distillation job is running
 
     # -- routes ---------------------------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.s.api_key and request.headers.get("authorization", "") != f"Bearer {self.s.api_key}":
-            raise HTTPError(401, "missing or wrong API key (Authorization: Bearer ...)", None, "authentication_error")
-
     @app.get("/v1/models")
-    async def models(self, request: Request) -> dict:
-        self._authorize(request)
+    async def models(self) -> dict:
         return {
             "object": "list",
             "data": [
@@ -364,8 +396,8 @@ class Completions:
                     "object": "model",
                     "created": 0,
                     "owned_by": "distillspec",
-                    "target": self.cfg.target,
-                    "draft": self.cfg.draft,
+                    "target": Path(self.cfg.target).name,  # a name, not where the files lie on the server
+                    "draft": Path(self.cfg.draft).name,
                     "draft_version": self.completer.version,
                 }
             ],
@@ -385,13 +417,13 @@ class Completions:
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest, request: Request) -> dict | StreamingResponse:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        return await self._serve(body, request, lambda: prompts, chat=False)
+        return await self._serve(body, lambda: prompts, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, body: ChatRequest, request: Request) -> dict | StreamingResponse:
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(body, request, lambda: [self._chat_prompt(body.messages)], chat=True)
+        return await self._serve(body, lambda: [self._chat_prompt(body.messages)], chat=True)
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> str:
         """The conversation as the model's prompt, through its tokenizer's chat template."""
@@ -408,10 +440,9 @@ class Completions:
         except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
             raise HTTPError(400, f"messages: the chat template refused them: {exc}", "messages") from None
 
-    async def _serve(self, body: DecodingRequest, request: Request, prompts, *, chat: bool) -> dict | StreamingResponse:
+    async def _serve(self, body: DecodingRequest, prompts, *, chat: bool) -> dict | StreamingResponse:
         start = time.perf_counter()
         try:
-            self._authorize(request)
             jobs = self._jobs(body, prompts())
             if body.stream:
                 if len(jobs) != 1:
@@ -424,6 +455,11 @@ class Completions:
                 self._observe(done)
             else:
                 done = await asyncio.gather(*[self._batched(job) for job in jobs])
+                for d in done:  # a job that failed alone (its batch's other jobs did not fail with it)
+                    if isinstance(d, DistillSpecError):
+                        raise HTTPError(400, str(d), _param_of(str(d)))
+                    if isinstance(d, Exception):
+                        raise d
         except HTTPError as exc:
             self._count("client_error")
             raise exc
@@ -464,9 +500,10 @@ class Completions:
 
     # -- decoding -------------------------------------------------------------------------------------------
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _batched(self, jobs: list[CompletionJob]) -> list[Completion]:
+    async def _batched(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
         done = await asyncio.to_thread(self.completer.complete, jobs)
-        self._observe(done)
+        if ok := [d for d in done if isinstance(d, Completion)]:
+            self._observe(ok)
         return done
 
     def _observe(self, done: list[Completion]) -> None:
@@ -520,7 +557,10 @@ class Completions:
 
         def work() -> Completion:
             try:
-                return self.completer.complete([job], on_block=on_block)[0]
+                done = self.completer.complete([job], on_block=on_block)[0]
+                if isinstance(done, Exception):
+                    raise done
+                return done
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
@@ -580,7 +620,8 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
     - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
     - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
     """
-    from distillspec.pretrained import resolve_pair
+    from distillspec.data import load_task
+    from distillspec.pretrained import prepare_models
 
     run = Path(cfg.serve.run) if cfg.serve.run else None
     if run is None and cfg.draft is not None and cfg.target is None:
@@ -592,14 +633,7 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
             )
     if run is not None:
         return replace(cfg, **run_models(run))
-    if cfg.target is not None:
-        target, draft = resolve_pair(cfg.target, cfg.draft)
-        return replace(cfg, target=target, draft=draft)
-    from distillspec.data import load_task
-    from distillspec.garden import build_garden
-
-    garden = build_garden(load_task(cfg.dataset, seed=cfg.seed), cfg.garden, seed=cfg.seed)
-    return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve()))
+    return prepare_models(cfg, load_task(cfg.dataset, seed=cfg.seed))
 
 
 RUN_CONFIG = "config.yaml"  #: what jobs/distill.py writes into its output folder: the resolved config of the run
@@ -622,7 +656,19 @@ def run_models(run: Path) -> dict[str, str]:
     return {"target": target, "draft": str(draft.resolve()), "dataset": recorded.get("dataset", "arith")}
 
 
+API_KEY_ENV = "DISTILLSPEC_API_KEY"  #: the endpoint's key when serve.api_key is unset (kept out of shell histories)
+
+
+def with_api_key(cfg: JobConfig) -> JobConfig:
+    """``cfg`` with ``serve.api_key`` from the environment (:data:`API_KEY_ENV`) where the config sets none."""
+    if cfg.serve.api_key is None and os.environ.get(API_KEY_ENV):
+        return replace(cfg, serve=replace(cfg.serve, api_key=os.environ[API_KEY_ENV]))
+    return cfg
+
+
 def bind(cfg: JobConfig) -> serve.Application:
+    """The deployment for ``cfg`` (its key taken from the environment where the config sets none)."""
+    cfg = with_api_key(cfg)
     s = cfg.serve
     autoscaling = {
         "min_replicas": s.min_replicas,

@@ -89,7 +89,8 @@ class GardenConfig:
 
     The default target is deep and narrow: 8 layers keep a 2-layer draft cheap next to it (a draft/target cost
     ratio c of about 0.3 at batch 1 on a 2-core CPU; a 2-layer draft can form copy/induction circuits that a 1-layer
-    one cannot), 128 wide keeps its training short on CPUs without native bfloat16.
+    one cannot), 128 wide keeps its training short in float32, which every CPU computes natively (so the garden comes
+    out the same on every CPU).
     """
 
     vocab_size: PosInt = knob(1024, "BPE vocabulary of the garden tokenizer")
@@ -105,9 +106,10 @@ class GardenConfig:
     max_len: PosInt = knob(160, "training sequence length in tokens (longer examples are cut)")
     train_examples: NonNegInt = knob(20000, "training examples drawn from the task (0 = all)")
     bf16: bool | None = knob(
-        None,
+        False,
         "bfloat16 autocast while training: about 2x faster where the hardware has it (AMX or AVX512-BF16 CPUs, GPUs), "
-        "18-33x slower where it is emulated; unset = on where the hardware has it",
+        "18-33x slower where it is emulated, and a different garden; false (float32) = the same garden from the same "
+        "seed on every CPU; null = on where the hardware has it",
     )
     cache_dir: str | None = knob(
         None,
@@ -133,6 +135,9 @@ class DistillConfig:
     lr: PosFloat = knob(3e-3, "peak learning rate")
     warmup_steps: NonNegInt = knob(20, "linear warm-up steps, then cosine decay to 0")
     max_new_tokens: PosInt = knob(64, "length of generated training continuations")
+    max_prompt_tokens: PosInt = knob(
+        256, "training prompts keep their last N tokens (one long prompt cannot oversize every batch it joins)"
+    )
     checkpoint_every: NonNegInt = knob(100, "checkpoint every N steps (draft, optimizer, step, ledger); 0 = at the end")
     time_budget_s: NonNegFloat = knob(0.0, "stop training after this many seconds, even before steps (0 = no limit)")
     train: Literal["all", "layers"] = knob(
@@ -367,6 +372,19 @@ class JobConfig:
                     f"distill.temperature={self.distill.temperature}: vLLM scorers give log-probs at temperature 1; "
                     "use distill.temperature=1 (or 0), or ray.backend=hf"
                 )
+        d, longest = self.distill, self.distill.max_prompt_tokens + self.distill.max_new_tokens
+        if self.ray.backend == "vllm" and longest + self.eval.speedup_gamma > self.vllm.max_model_len:
+            raise DistillSpecError(
+                f"distill.max_prompt_tokens={d.max_prompt_tokens} + distill.max_new_tokens={d.max_new_tokens} + "
+                f"gamma {self.eval.speedup_gamma} > vllm.max_model_len={self.vllm.max_model_len}: a rollout's engine "
+                "would refuse its longest prompts; lower the first two or raise vllm.max_model_len"
+            )
+        if d.batch_size * longest > self.ray.max_batch_tokens:
+            raise DistillSpecError(
+                f"distill.batch_size={d.batch_size} x (max_prompt_tokens {d.max_prompt_tokens} + max_new_tokens "
+                f"{d.max_new_tokens}) = {d.batch_size * longest} tokens > ray.max_batch_tokens="
+                f"{self.ray.max_batch_tokens}: the buffer would refuse the longest batches; raise it or lower those"
+            )
         if self.ray.online and resolve_recipe(self.distill).lambda1 > 0:
             raise DistillSpecError(
                 f"ray.online=true trains on served prompts, which have no reference answers: recipe "

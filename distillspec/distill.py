@@ -1,4 +1,4 @@
-"""Distillation of the draft toward the target (DistillSpec Algorithm A.2, Table 1 recipes): the batch, how its
+"""Distillation of the draft toward the target (DistillSpec Algorithm A.2, Table 1 recipes): how a batch's
 continuations are generated, and the loss.
 
 The draft is moved toward the target by the sequence-level divergence of Eq. 2 over the continuation tokens
@@ -7,56 +7,16 @@ The draft is moved toward the target by the sequence-level divergence of Eq. 2 o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec.batches import Batch, make_batch
 from distillspec.config import Recipe
 from distillspec.data import Example
 from distillspec.divergences import TopKLogprobs, divergence
 from distillspec.models import encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
-
-
-@dataclass
-class Batch:
-    """Prompts left-padded to one column, continuations after them, right-padded.
-
-    ``loss_mask[b, t]`` is 1 where position t predicts a continuation token (the next token).
-    """
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    loss_mask: Tensor
-
-    @property
-    def position_ids(self) -> Tensor:
-        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def window(self) -> int:
-        """The first column where ``loss_mask`` can be 1 (the prompt's last): logits before it are never used."""
-        return int(self.loss_mask.any(0).long().argmax())
-
-    @property
-    def window_mask(self) -> Tensor:
-        """``loss_mask`` from :attr:`window` on, aligned with :func:`forward_logits`."""
-        return self.loss_mask[:, self.window :]
-
-
-def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, lengths: Tensor) -> Batch:
-    cont_mask = (torch.arange(continuation.shape[1], device=lengths.device)[None, :] < lengths[:, None]).long()
-    input_ids = torch.cat([prompt_ids, continuation], 1)
-    attention_mask = torch.cat([prompt_mask, cont_mask], 1)
-    loss_mask = torch.zeros_like(attention_mask)
-    loss_mask[:, prompt_ids.shape[1] - 1 : -1] = cont_mask
-    return Batch(input_ids, attention_mask, loss_mask)
 
 
 def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
@@ -82,9 +42,11 @@ def generate_batch(
     temperature: float,
     gamma: int = 5,
     generator: torch.Generator | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Batch:
-    """Continuations of the prompts sampled from the draft (on-policy) or the target (via SD)."""
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples])
+    """Continuations of the prompts (their last ``max_prompt_tokens`` tokens) sampled from the draft (on-policy) or
+    the target (via SD)."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_prompt_tokens)
     prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
     kwargs = dict(
         max_new_tokens=max_new_tokens,

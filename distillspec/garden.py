@@ -19,9 +19,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from distillspec.batches import Batch
 from distillspec.config import DistillConfig, GardenConfig, ModelSize
 from distillspec.data import Example, Task
-from distillspec.distill import Batch, encode_examples, lm_loss
+from distillspec.distill import encode_examples, lm_loss
 from distillspec.learner import Learner
 from distillspec.models import native_bf16
 from distillspec.pretrained import cache_root
@@ -105,7 +106,7 @@ def _key(**parts) -> str:
 
 
 def garden_bf16(cfg: GardenConfig) -> bool:
-    """Whether the garden trains under bfloat16 autocast: ``cfg.bf16``, or where unset, where this CPU has it."""
+    """Whether the garden trains under bfloat16 autocast: ``cfg.bf16``, or where it is null, where this CPU has it."""
     return native_bf16("cpu") if cfg.bf16 is None else cfg.bf16
 
 
@@ -174,7 +175,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
     if bf16 and not native_bf16("cpu") and not all((f / "garden.json").exists() for f in folders.values()):
         log(
             "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, 18-33x slower "
-            "than float32: leave garden.bf16 unset"
+            "than float32: leave garden.bf16 false"
         )
     paths = {}
     for role, size, steps in (("target", cfg.target, cfg.target_steps), ("draft", cfg.draft, cfg.draft_steps)):

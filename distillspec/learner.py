@@ -20,11 +20,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from distillspec.batches import Batch
 from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import Batch, kd_loss
+from distillspec.distill import kd_loss
 from distillspec.divergences import TopKLogprobs
 from distillspec.errors import DistillSpecError
+from distillspec.files import write_folder
 from distillspec.models import load_model
 from distillspec.rollout import Sampler
 
@@ -168,17 +170,19 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """The checkpoint format: ``draft/`` (``save_pretrained``, with the tokenizer), ``state.pt`` (the learner's
-    state and the seconds trained), ``train_log.json``, ``step.json``, and one JSON file per ``extra`` entry."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    learner.draft.save_pretrained(folder / "draft")
-    tokenizer.save_pretrained(folder / "draft")
-    torch.save({**learner.state_dict(), "seconds": seconds}, folder / "state.pt")
-    (folder / "train_log.json").write_text(json.dumps(log))
-    (folder / "step.json").write_text(json.dumps({"step": learner.step_count}))
-    for name, value in (extra or {}).items():
-        (folder / f"{name}.json").write_text(json.dumps(value))
-    return folder
+    state and the seconds trained), ``train_log.json``, ``step.json``, and one JSON file per ``extra`` entry.
+    Written whole or not at all (:func:`~distillspec.files.write_folder`): a crash leaves the previous checkpoint."""
+
+    def fill(tmp: Path) -> None:
+        learner.draft.save_pretrained(tmp / "draft")
+        tokenizer.save_pretrained(tmp / "draft")
+        torch.save({**learner.state_dict(), "seconds": seconds}, tmp / "state.pt")
+        (tmp / "train_log.json").write_text(json.dumps(log))
+        (tmp / "step.json").write_text(json.dumps({"step": learner.step_count}))
+        for name, value in (extra or {}).items():
+            (tmp / f"{name}.json").write_text(json.dumps(value))
+
+    return write_folder(folder, fill)
 
 
 def load_checkpoint(folder: str | Path, learner: Learner) -> tuple[list[dict], float]:
@@ -187,7 +191,7 @@ def load_checkpoint(folder: str | Path, learner: Learner) -> tuple[list[dict], f
     folder = Path(folder)
     saved, _ = load_model(str(folder / "draft"), device=str(learner.draft.device))
     learner.draft.load_state_dict(saved.state_dict())
-    state = torch.load(folder / "state.pt", weights_only=False)
+    state = torch.load(folder / "state.pt", weights_only=True)
     learner.load_state_dict(state)
     return json.loads((folder / "train_log.json").read_text()), state["seconds"]
 

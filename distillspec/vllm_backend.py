@@ -33,15 +33,15 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 from vllm import LLM, SamplingParams
 from vllm.v1.metrics.reader import Counter, Vector, get_metrics_snapshot
 
+from distillspec.batches import Batch, make_batch
 from distillspec.config import VLLMConfig
 from distillspec.data import Example
-from distillspec.distill import Batch, make_batch
 from distillspec.divergences import TopKLogprobs
 from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused, checksums
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_model, state_arrays
-from distillspec.serving import Completion, CompletionJob, StreamText, counts_stats, cut_at_stop
+from distillspec.serving import Completion, CompletionJob, StreamText, check_prompt, counts_stats, cut_at_stop
 
 #: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -172,9 +172,10 @@ class VLLMGenerator:
         temperature: float,
         gamma: int = 5,
         seed: int = 0,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.cfg, self.target, self.draft, self.tokenizer = cfg, target, draft, tokenizer
-        self.gamma, self.seed = gamma, seed
+        self.gamma, self.seed, self.max_prompt_tokens = gamma, seed, max_prompt_tokens
         self.params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens)
         self.engines: dict[str, LLM] = {}
         self.blob: tuple[bytes, dict[str, str]] | None = None  #: the latest weights, for engines started later
@@ -205,7 +206,7 @@ class VLLMGenerator:
         llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
 
     def __call__(self, source: str, examples: list[Example]) -> Batch:
-        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [e.prompt for e in examples])
+        prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.max_prompt_tokens)
         outputs = self.engine(source).generate(_token_prompts(prompt_ids, prompt_mask), self.params, use_tqdm=False)
         conts = [list(o.outputs[0].token_ids) for o in outputs]
         width = max(1, *(len(c) for c in conts))
@@ -297,17 +298,17 @@ class VLLMCompleter:
 
         self.engine = self._call(start())
 
+    def check_health(self) -> None:
+        """Raise when the engine died (its core process, or its loop)."""
+        self._call(self.engine.check_health())
+
     def _call(self, coro: Any) -> Any:
         """Run ``coro`` on the engine's loop and wait for it (from a thread that is not that loop)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` (a 400 at the endpoint) for a job this engine cannot honour."""
-        if not job.prompt:
-            raise DistillSpecError("prompt: must not be empty")
-        n = len(encode_prompts(self.tokenizer, [job.prompt])[0][0])
-        if n > self.max_prompt_tokens:
-            raise DistillSpecError(f"prompt: {n} tokens, more than this server's limit of {self.max_prompt_tokens}")
+        check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         args = job.args
         if args.gamma == 0:
             raise DistillSpecError(

@@ -3,7 +3,7 @@
     python jobs/serve.py --run outputs/distill             # what that jobs/distill.py run distilled, with its target
     python jobs/serve.py --draft outputs/distill/draft     # the same (a run's draft/ knows its target)
     python jobs/serve.py                                   # the undistilled garden pair, on http://127.0.0.1:8000
-    python jobs/serve.py --target T --draft D serve.port=8001 serve.api_key=secret
+    DISTILLSPEC_API_KEY=secret python jobs/serve.py --target T --draft D serve.port=8001 serve.host=0.0.0.0
     python jobs/serve.py serve.record_prompts=true         # online distillation: feed served prompts to a job
 
 Then, e.g. with the ``openai`` client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")
@@ -25,6 +25,8 @@ import time
 from distillspec.cli import parse_job_args, run_main
 from distillspec.config import JobConfig
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
     """Deploy the endpoint on the connected Ray cluster; returns its base URL."""
@@ -44,9 +46,15 @@ def main(cfg: JobConfig) -> None:
     from ray import serve
 
     from cluster.connect import connect
-    from cluster.serve import resolve_models
+    from cluster.serve import API_KEY_ENV, resolve_models, with_api_key
 
     cfg = resolve_models(cfg)  # a wrong --run or --draft fails here, before Ray starts
+    cfg = with_api_key(cfg)
+    if cfg.serve.api_key is None and cfg.serve.host not in LOOPBACK:
+        print(
+            f"warning: serve.host={cfg.serve.host} without an API key: anyone who reaches port {cfg.serve.port} can "
+            f"use the endpoint (set {API_KEY_ENV}, or serve.api_key)"
+        )
     how = connect(cfg.ray)
     print(f"ray: {how}")
     url = start(cfg)

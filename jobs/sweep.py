@@ -24,6 +24,7 @@ from pathlib import Path
 from distillspec.cli import parse_job_args, run_main
 from distillspec.config import JobConfig
 from distillspec.errors import DistillSpecError
+from distillspec.files import write_json
 
 
 def _key(t: float) -> str:
@@ -118,10 +119,9 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     from ray import tune
 
     from cluster.connect import connect
-    from distillspec.data import chat_prompts, load_task
-    from distillspec.garden import build_garden
+    from distillspec.data import load_task
     from distillspec.models import load_pair
-    from distillspec.pretrained import resolve_pair
+    from distillspec.pretrained import prepare_pair
     from distillspec.study import measure_pair
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
@@ -131,15 +131,9 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         )
     start = time.perf_counter()
     task = load_task(cfg.dataset, seed=cfg.seed)
-    cfg.check_pair()
-    if cfg.target is None:
-        garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
-        cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
     # Trials run in their own working directories: they get the task itself and absolute model paths.
-    target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
-    cfg = replace(cfg, target=target, draft=draft)
+    cfg, task = prepare_pair(cfg, task, log=log)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
-    task = chat_prompts(task, tokenizer, cfg.chat_template)
     records = measure_pair(
         target,
         draft,
@@ -244,7 +238,7 @@ def main(cfg: JobConfig) -> dict:
     out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     result = run_sweep(cfg, out)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    write_json(out / "sweep.json", result, indent=2)
     plot_recipe_grid(result, out / "recipes.png")
     print(format_sweep(result))
     for f in result["failed"]:

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.distill import make_batch
+from distillspec.batches import RolloutBatch, SampleBuffer, make_batch
 from distillspec.divergences import compress_topk
-from distillspec.rollout import RolloutBatch, SampleBuffer
 
 
 def test_ledger_balances_through_a_random_run():

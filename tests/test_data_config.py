@@ -104,6 +104,8 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["nonsense"], "section.key=value"),
         (["serve.sync_every_s=.inf"], r"serve\.sync_every_s=inf: input should be a finite number"),
         (["distill.lr=nan"], "distill.lr='nan': input should be a finite number"),
+        (["ray.max_batch_tokens=1000"], r"distill.batch_size=32 x \(max_prompt_tokens 256 \+ max_new_tokens 64\)"),
+        (["ray.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),
     ],
 )
 def test_bad_config(overrides, match):
@@ -111,22 +113,24 @@ def test_bad_config(overrides, match):
         load_config(None, overrides)
 
 
-def test_garden_trains_in_bfloat16_only_where_the_cpu_computes_it(monkeypatch):
-    """An AVX2-only CPU emulates bfloat16 (a garden step 18-33x slower): unset, garden.bf16 follows the hardware, and
-    an unset setting shares its cache entry with the explicit value it resolves to."""
+def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):
+    """By default the garden trains in float32 on every CPU (the same garden from the same seed; an AVX2-only CPU would
+    emulate bfloat16, a step 18-33x slower); null follows the hardware and shares its cache entry with the explicit
+    value it resolves to."""
     from dataclasses import replace
 
     from distillspec import garden
     from distillspec.config import GardenConfig
 
-    cfg = GardenConfig()
-    assert cfg.bf16 is None
+    assert GardenConfig().bf16 is False
+    auto = GardenConfig(bf16=None)
     for native in (False, True):
         monkeypatch.setattr(garden, "native_bf16", lambda device="cpu", native=native: native)
-        assert garden.garden_bf16(cfg) is native and garden.garden_bf16(replace(cfg, bf16=not native)) is not native
-        assert garden.garden_keys("arith", cfg, 0) == garden.garden_keys("arith", replace(cfg, bf16=native), 0)
-        assert garden.garden_keys("arith", cfg, 0) != garden.garden_keys("arith", replace(cfg, bf16=not native), 0)
-    assert load_config(None, ["garden.bf16=false"]).garden.bf16 is False
+        assert garden.garden_bf16(GardenConfig()) is False
+        assert garden.garden_bf16(auto) is native and garden.garden_bf16(replace(auto, bf16=not native)) is not native
+        assert garden.garden_keys("arith", auto, 0) == garden.garden_keys("arith", replace(auto, bf16=native), 0)
+        assert garden.garden_keys("arith", auto, 0) != garden.garden_keys("arith", replace(auto, bf16=not native), 0)
+    assert load_config(None, ["garden.bf16=true"]).garden.bf16 is True
     assert load_config(None, ["garden.bf16=null"]).garden.bf16 is None
 
 
@@ -136,7 +140,7 @@ def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
 
     tiny = [f"garden.{k}={v}" for k, v in {"vocab_size": 300, "target": {"d_model": 32, "n_layers": 1}}.items()]
     result = suite_precision(tiny, 0.0, tmp_path)
-    assert result["hardware"]["bfloat16"] is native_bf16("cpu") is result["garden_bf16_default"]
+    assert result["hardware"]["bfloat16"] is native_bf16("cpu")
     assert set(result["train_step_s"]) == {"float32", "bfloat16 autocast"}
     assert set(result["forward_s"]) == {"float32", "bfloat16", "float16"}
     assert all(s > 0 for s in [*result["train_step_s"].values(), *result["forward_s"].values()])

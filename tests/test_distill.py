@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
 from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
-from distillspec.distill import encode_examples, forward_logits, kd_loss
+from distillspec.data import Example
+from distillspec.distill import encode_examples, forward_logits, generate_batch, kd_loss
 from distillspec.divergences import divergence
 from distillspec.learner import Distiller, make_optimizer
 from distillspec.rollout import draw_source
@@ -29,6 +30,20 @@ def test_kd_step_lowers_loss_on_fixed_batch(text_pair, tokenizer, task, name):
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_a_long_training_prompt_keeps_its_last_tokens(text_pair, tokenizer, task):
+    """One very long prompt among short ones: the batch it joins stays within max_prompt_tokens + max_new_tokens
+    columns (without the limit, every batch it joined would be as wide as it)."""
+    target, draft = text_pair
+    long = Example(prompt="1+2+3+" * 200 + "4=", reference="")
+    batch = generate_batch(
+        "draft", target, draft, tokenizer, [long, *task.train[:3]], max_new_tokens=4, temperature=1.0,
+        max_prompt_tokens=24,
+    )  # fmt: skip
+    assert batch.input_ids.shape[1] <= 24 + 4
+    ending = tokenizer(long.prompt, add_special_tokens=False)["input_ids"][-8:]
+    assert batch.input_ids[0, 24 - 8 : 24].tolist() == ending  # the prompt's end (the question) is kept
 
 
 def test_batch_layout(tokenizer, task):

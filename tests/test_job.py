@@ -96,9 +96,11 @@ def test_garden_is_reused_and_models_load(job_run):
         "eval.temperatures=[0]",
         "eval.speedup_prompts=0",
         "ray.mode=sync",
+        "serve.api_key=sesame",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "reusing the target" in proc.stdout and "reusing the draft" in proc.stdout
+    assert "sesame" not in (out / "again" / "config.yaml").read_text()  # a run's folder never holds the key
     training = json.loads((out / "again" / "results.json").read_text())["training"]
     assert training["mode"] == "sync" and "ledger" not in training
 

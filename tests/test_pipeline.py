@@ -19,15 +19,16 @@ import ray
 import torch
 import yaml
 
-from actors import BufferActor, EvalActor, WeightStore
+from actors.buffer import BufferActor
 from actors.common import weights_name
+from actors.evaluator import EvalActor
 from actors.learner import checkpoint_steps, latest_step
-from actors.stores import publish
+from actors.weights import WeightStore, publish
 from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
+from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, load_config
 from distillspec.models import load_model
-from distillspec.rollout import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_TINY = [
@@ -297,7 +298,7 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
 
 
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
-    from actors.stores import pull
+    from actors.weights import pull
     from distillspec.integrity import checksums
     from distillspec.models import state_arrays
 

@@ -102,10 +102,9 @@ def check_safe_rollout(
     through the four phases of ``PHASES`` at concurrency 8, every request greedy with ``n`` tokens, and check the
     rollback's bound: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
     (answers per version, requests that started on or touched the collapsing version)."""
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
     from actors.evaluator import EvalActor
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
     from distillspec.integrity import checksums
     from distillspec.models import state_arrays
 
@@ -275,9 +274,8 @@ def two_replicas(endpoint, tiny_garden):
 def test_every_replica_leaves_a_version_one_of_them_rolled_back(two_replicas, tiny_garden):
     """With two replicas, each judges its own traffic; the first to see the collapse rolls the version back in the
     store, and the other leaves it at its next check if it has not judged it itself: the deployment returns."""
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
     from distillspec.models import load_pair
 
     target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))

@@ -173,6 +173,8 @@ def test_sampling_lossy_and_no_speculation_fields(client):
         ({"prompt": 42}, "prompt"),
         ({"prompt": "1+1=", "logprobs": 5}, "logprobs"),
         ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "1+1=", "seed": 2**64}, "seed"),  # more than torch.manual_seed takes
+        ('{"prompt": "1+\\ud800="}', "prompt"),  # a lone surrogate: no tokenizer encodes it
     ],
 )
 def test_bad_requests_get_a_4xx_naming_the_field(endpoint, body, field):
@@ -183,12 +185,44 @@ def test_bad_requests_get_a_4xx_naming_the_field(endpoint, body, field):
     assert error["param"] == field and error["message"]
 
 
+def test_a_bad_request_among_seven_good_ones_fails_alone(endpoint):
+    """Eight concurrent requests batched together, one of them with a prompt no tokenizer encodes: it gets a 400,
+    the seven others their completions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 6, "temperature": 0} for i in range(8)]
+    bodies[3]["prompt"] = "1+\ud800="
+
+    def post(body: dict) -> requests.Response:
+        data = json.dumps(body)  # ensure_ascii: the surrogate travels as \ud800, as a client's JSON would carry it
+        return requests.post(f"{endpoint}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(post, bodies))
+    assert answers[3].status_code == 400 and answers[3].json()["error"]["param"] == "prompt", answers[3].text
+    assert [r.status_code for i, r in enumerate(answers) if i != 3] == [200] * 7
+
+
 def test_api_key(endpoint):
+    """With a key, every route answers 401 without it (or with another), before the body is read or validated: a
+    malformed body gets 401, not a schema error; the key opens them all."""
     url = f"{endpoint}/keyed/v1/completions"
     body = {"prompt": "1+1=", "max_tokens": 4}
-    assert requests.post(url, json=body, timeout=30).status_code == 401
-    ok = requests.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=30)
+    routes = [("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models")]
+    routes += [("get", "/v1/stats"), ("get", "/docs"), ("get", "/openapi.json")]
+    for headers in ({}, {"Authorization": "Bearer sesam"}, {"Authorization": "sesame"}):
+        for method, route in routes:
+            r = requests.request(method, f"{endpoint}/keyed{route}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (route, r.text)
+        bad = requests.post(url, data=b"{not json", headers=headers, timeout=30)
+        assert bad.status_code == 401, bad.text
+    key = {"Authorization": "Bearer sesame"}
+    ok = requests.post(url, json=body, headers=key, timeout=30)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+    for route in ("/v1/models", "/v1/stats", "/openapi.json"):
+        assert requests.get(f"{endpoint}/keyed{route}", headers=key, timeout=30).status_code == 200, route
+    model = requests.get(f"{endpoint}/keyed/v1/models", headers=key, timeout=30).json()["data"][0]
+    assert "/" not in model["target"] and "/" not in model["draft"]  # names, not the server's file paths
 
 
 def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
@@ -196,9 +230,8 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     text stays the target's (SD is lossless whatever the draft), and responses turn to the new version."""
     import ray
 
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
 
     expected = {p: target_greedy(tiny_garden, p, 16) for p in PROMPTS}
     store = WeightStore.options(name=weights_name(RUN), namespace=NAMESPACE).remote(RUN)
@@ -241,8 +274,8 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
 def test_served_prompts_reach_the_prompt_log(client):
     import ray
 
-    from actors import PromptLog
     from actors.common import NAMESPACE, prompts_name
+    from actors.prompts import PromptLog
 
     log = PromptLog.options(name=prompts_name(RUN), namespace=NAMESPACE).remote(RUN, 16)
     ray.get(log.stats.remote())
@@ -271,3 +304,13 @@ def test_serve_finds_a_runs_draft_and_its_target(tmp_path, tiny_garden):
         resolve_models(load_config(None, [f"serve.run={tmp_path}"]))
     with pytest.raises(DistillSpecError, match="give its --target too"):
         resolve_models(load_config(None, [f"draft={tiny_garden.draft}"]))
+
+
+def test_the_key_can_come_from_the_environment(monkeypatch):
+    from cluster.serve import API_KEY_ENV, with_api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert with_api_key(load_config(None, [])).serve.api_key is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert with_api_key(load_config(None, [])).serve.api_key == "from-env"
+    assert with_api_key(load_config(None, ["serve.api_key=given"])).serve.api_key == "given"  # the config wins

@@ -31,9 +31,8 @@ def test_replicas_follow_the_load_and_late_ones_serve_the_current_draft(ray_clus
     import ray
     from ray import serve
 
-    from actors import WeightStore
     from actors.common import NAMESPACE, weights_name
-    from actors.stores import publish
+    from actors.weights import WeightStore, publish
     from cluster.serve import bind
     from distillspec.models import load_model
 

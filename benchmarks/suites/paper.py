@@ -24,6 +24,7 @@ from benchmarks.suites.common import (
     distilled_draft,
     draft_steps,
     setting,
+    suite_recipe,
     task_config,
     with_garden,
 )
@@ -120,6 +121,7 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     results = {}
     for name in available(scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
+        source, divergence = suite_recipe(out.parent, name)
         distilled = distilled_draft(cfg, name, task, out.parent)
         target, draft, tokenizer = _pair(cfg)
         grid = replace(cfg, eval=replace(cfg.eval, gammas=[3, 5, 7], temperatures=[0.0, 1.0]))
@@ -131,10 +133,16 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
         plot_tau(
             records,
             out / name / "tau.png",
-            title=f"{name}: tau before / after DistillSpec (on-policy + TVD, {draft_steps(distilled)} steps)",
+            title=f"{name}: tau before / after DistillSpec ({source} data + {divergence.upper()}, "
+            f"{draft_steps(distilled)} steps)",
         )
         print(format_table(records))
-        results[name] = {"records": records, "distilled": distilled, "steps": draft_steps(distilled) or cfg.sweep.steps}
+        results[name] = {
+            "records": records,
+            "distilled": distilled,
+            "steps": draft_steps(distilled) or cfg.sweep.steps,
+            "recipe": {"source": source, "divergence": divergence},
+        }
     return {"tasks": results}
 
 
@@ -187,7 +195,15 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
                 points.append(r)
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_lenience(points, task.metric, out / name / "lenience.png", title=f"{name}: lossy SD, gamma={gamma}, T=1")
-        results[name] = {"points": points, "metric": task.metric, "c": cost.c, "v": cost.v, "gamma": gamma}
+        source, divergence = suite_recipe(out.parent, name)
+        results[name] = {
+            "points": points,
+            "metric": task.metric,
+            "c": cost.c,
+            "v": cost.v,
+            "gamma": gamma,
+            "recipe": {"source": source, "divergence": divergence},
+        }
     return {"tasks": results}
 
 

@@ -1,31 +1,28 @@
-"""The two named actors that hold object references between the pipeline's workers, never the bytes behind them.
+"""The weight store: the one holder of the draft's versions, and how a version is published to it and taken from it.
 
-- :class:`BufferActor`, the sample buffer: rollout actors put :class:`~distillspec.rollout.RolloutBatch` objects
-  into it and the learner takes them. The buffer keeps its own copy of each batch it accepts (it owns it, so a
-  batch outlives a producer that dies). ``put`` waits
-  while the buffer is full, ``take`` while it is empty. Its bookkeeping (capacity, staleness, ledger) is
-  :class:`distillspec.rollout.SampleBuffer`.
-- :class:`WeightStore`, the one holder of the draft's versions: the *latest* (the learner publishes each new
-  version; rollout actors and the evaluator take it) and the *serving* one (a version the evaluator's canary
-  passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where it is loaded.
-  A replica that sees a serving version collapse on live traffic rolls it back here, so the whole deployment returns
-  to the serving version before it.
+:class:`WeightStore` holds object *references*, never the bytes behind them: the *latest* version (the learner
+publishes each new one; rollout actors and the evaluator take it) and the *serving* one (a version the evaluator's
+canary passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where it is loaded.
+A replica that sees a serving version collapse on live traffic rolls it back here, so the whole deployment returns
+to the serving version before it.
+
+The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
+that do); :func:`publish` and :func:`pull` import them where they run.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
-import torch
 
-from actors.common import log, setup_worker
+from actors.common import log
 from actors.metrics import count, gauge
 from distillspec.integrity import TransferRefused, check, checksums
-from distillspec.models import load_arrays, state_arrays
-from distillspec.rollout import RolloutBatch, SampleBuffer
+
+if TYPE_CHECKING:
+    import torch
 
 #: a version held by the store: its number, ``[a reference to its arrays]`` and their checksums
 Held = tuple[int, list[ray.ObjectRef], dict[str, str] | None]
@@ -135,6 +132,8 @@ def publish(
 
     The publisher owns the object; if it dies, pullers keep their weights until its successor publishes again.
     """
+    from distillspec.models import state_arrays
+
     arrays = state_arrays(model)
     refs, sums = [ray.put(arrays)], checksums(arrays)
     ray.get(store.publish.remote(version, refs, record, sums))
@@ -174,116 +173,7 @@ def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, whi
     except TransferRefused:
         return version
     if arrays is not None:
+        from distillspec.models import load_arrays
+
         load_arrays(model, arrays)
     return latest
-
-
-@ray.remote(num_cpus=0, max_concurrency=16)
-class BufferActor:
-    """The sample buffer of one run (see the module docstring). Staleness is measured against the weight store's
-    current version at ``put`` and against the learner's version at ``take``."""
-
-    def __init__(
-        self,
-        *,
-        capacity: int,
-        max_policy_lag: int,
-        max_batch_tokens: int,
-        vocab_size: int,
-        run: str,
-        store: ray.actor.ActorHandle,
-        examples: list[ray.ObjectRef] | None = None,
-    ) -> None:
-        """``examples``: ``[a reference to the training examples]`` the rollout actors sample prompts from (a
-        restarted rollout actor reads them here again)."""
-        setup_worker()
-        self.examples_ref = examples or []
-        self.buffer = SampleBuffer(capacity, max_policy_lag)
-        self.max_batch_tokens, self.vocab_size, self.run, self.store = max_batch_tokens, vocab_size, run, store
-        self.changed = threading.Condition()
-        self.reserved: set[int] = set()  #: producers that were promised a slot
-        self.closed = False
-
-    def reserve(self, producer: int, timeout_s: float) -> bool:
-        """Wait until there is a slot for ``producer``'s next batch and hold it (a producer samples only when its
-        batch has a place, so what it samples is fresh). False once the buffer is closed."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
-            if self._room(producer) > 0 and not self.closed:
-                self.reserved.add(producer)
-            return not self.closed
-
-    def examples(self) -> list[ray.ObjectRef]:
-        return self.examples_ref
-
-    def _room(self, producer: int) -> int:
-        return self.buffer.capacity - len(self.buffer) - len(self.reserved - {producer})
-
-    def put(self, refs: list[ray.ObjectRef], producer: int = -1, timeout_s: float = 600.0) -> str:
-        """Offer the batch ``refs[0]`` (a :class:`RolloutBatch`), waiting while the buffer is full: ``ok``,
-        ``refused: why``, ``closed``, or ``full`` when no room came within ``timeout_s``."""
-        # The content check reads the batch in place (zero-copy from the local object store).
-        batch = ray.get(refs[0])
-        if isinstance(batch, RolloutBatch):
-            owned = ray.put(batch)
-            version, problem = (
-                batch.version,
-                batch.problem(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size),
-            )
-        else:
-            version, problem = -1, f"a batch must be a RolloutBatch, got {type(batch).__name__}"
-            owned = None
-        del batch
-        current = ray.get(self.store.version.remote())
-        with self.changed:
-            self.reserved.discard(producer)
-            self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
-            if self.closed:
-                return "closed"
-            status = self.buffer.put(owned, version=version, current_version=current, problem=problem)
-            self.changed.notify_all()
-        if status.startswith("refused"):
-            log.warning("buffer %s: refused a batch of version %d: %s", self.run, version, status[9:])
-            count("distillspec_samples", run=self.run, column="refused")
-        if status != "full":
-            count("distillspec_samples", run=self.run, column="produced")
-        gauge("distillspec_buffer_size", len(self.buffer), run=self.run)
-        return status
-
-    def take(self, n: int, version: int, timeout_s: float) -> list[ray.ObjectRef] | None:
-        """Up to ``n`` fresh batches for the learner at ``version`` (stale ones are dropped first), waiting up to
-        ``timeout_s`` while there are none: ``[]`` on time-out, None once the buffer is closed."""
-        deadline = time.monotonic() + timeout_s
-        with self.changed:
-            while True:
-                if self.closed:
-                    return None
-                before = self.buffer.ledger.dropped
-                items = self.buffer.take(n, current_version=version)
-                count("distillspec_samples", self.buffer.ledger.dropped - before, run=self.run, column="dropped")
-                if items or not self.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    break
-            self.changed.notify_all()
-        count("distillspec_samples", len(items), run=self.run, column="consumed")
-        gauge("distillspec_buffer_size", len(self.buffer), run=self.run)
-        for made_by, _ in items:
-            gauge("distillspec_policy_lag", version - made_by, run=self.run)
-        return [ref for _, ref in items]
-
-    def close(self) -> dict:
-        """Stop taking batches; what is still held is released and counted as dropped."""
-        with self.changed:
-            self.closed = True
-            self.buffer.ledger.dropped += len(self.buffer)
-            self.buffer.items.clear()
-            self.changed.notify_all()
-        return self.ledger()
-
-    def ledger(self) -> dict:
-        held = len(self.buffer)
-        return {
-            **self.buffer.ledger.to_dict(),
-            "held": held,
-            "balanced": self.buffer.ledger.balanced(held),
-            "refusals": list(self.buffer.refusals),
-        }

@@ -1,0 +1,129 @@
+"""The sample buffer: a named actor between the rollout actors and the learner.
+
+Rollout actors put :class:`~distillspec.batches.RolloutBatch` objects into it and the learner takes them. It holds
+object *references*; it keeps its own copy of each batch it accepts (it owns it, so a batch outlives a producer that
+dies). ``put`` waits while the buffer is full, ``take`` while it is empty. Its bookkeeping (capacity, staleness,
+ledger) is :class:`distillspec.batches.SampleBuffer`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+from actors.common import log, setup_worker
+from actors.metrics import count, gauge
+from distillspec.batches import RolloutBatch, SampleBuffer
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class BufferActor:
+    """The sample buffer of one run (see the module docstring). Staleness is measured against the weight store's
+    current version at ``put`` and against the learner's version at ``take``."""
+
+    def __init__(
+        self,
+        *,
+        capacity: int,
+        max_policy_lag: int,
+        max_batch_tokens: int,
+        vocab_size: int,
+        run: str,
+        store: ray.actor.ActorHandle,
+        examples: list[ray.ObjectRef] | None = None,
+    ) -> None:
+        """``examples``: ``[a reference to the training examples]`` the rollout actors sample prompts from (a
+        restarted rollout actor reads them here again)."""
+        setup_worker()
+        self.examples_ref = examples or []
+        self.buffer = SampleBuffer(capacity, max_policy_lag)
+        self.max_batch_tokens, self.vocab_size, self.run, self.store = max_batch_tokens, vocab_size, run, store
+        self.changed = threading.Condition()
+        self.reserved: set[int] = set()  #: producers that were promised a slot
+        self.closed = False
+
+    def reserve(self, producer: int, timeout_s: float) -> bool:
+        """Wait until there is a slot for ``producer``'s next batch and hold it (a producer samples only when its
+        batch has a place, so what it samples is fresh). False once the buffer is closed."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
+            if self._room(producer) > 0 and not self.closed:
+                self.reserved.add(producer)
+            return not self.closed
+
+    def examples(self) -> list[ray.ObjectRef]:
+        return self.examples_ref
+
+    def _room(self, producer: int) -> int:
+        return self.buffer.capacity - len(self.buffer) - len(self.reserved - {producer})
+
+    def put(self, refs: list[ray.ObjectRef], producer: int = -1, timeout_s: float = 600.0) -> str:
+        """Offer the batch ``refs[0]`` (a :class:`RolloutBatch`), waiting while the buffer is full: ``ok``,
+        ``refused: why``, ``closed``, or ``full`` when no room came within ``timeout_s``."""
+        # The content check reads the batch in place (zero-copy from the local object store).
+        batch = ray.get(refs[0])
+        if isinstance(batch, RolloutBatch):
+            owned = ray.put(batch)
+            version, problem = (
+                batch.version,
+                batch.problem(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size),
+            )
+        else:
+            version, problem = -1, f"a batch must be a RolloutBatch, got {type(batch).__name__}"
+            owned = None
+        del batch
+        current = ray.get(self.store.version.remote())
+        with self.changed:
+            self.reserved.discard(producer)
+            self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
+            if self.closed:
+                return "closed"
+            status = self.buffer.put(owned, version=version, current_version=current, problem=problem)
+            self.changed.notify_all()
+        if status.startswith("refused"):
+            log.warning("buffer %s: refused a batch of version %d: %s", self.run, version, status[9:])
+            count("distillspec_samples", run=self.run, column="refused")
+        if status != "full":
+            count("distillspec_samples", run=self.run, column="produced")
+        gauge("distillspec_buffer_size", len(self.buffer), run=self.run)
+        return status
+
+    def take(self, n: int, version: int, timeout_s: float) -> list[ray.ObjectRef] | None:
+        """Up to ``n`` fresh batches for the learner at ``version`` (stale ones are dropped first), waiting up to
+        ``timeout_s`` while there are none: ``[]`` on time-out, None once the buffer is closed."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while True:
+                if self.closed:
+                    return None
+                before = self.buffer.ledger.dropped
+                items = self.buffer.take(n, current_version=version)
+                count("distillspec_samples", self.buffer.ledger.dropped - before, run=self.run, column="dropped")
+                if items or not self.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    break
+            self.changed.notify_all()
+        count("distillspec_samples", len(items), run=self.run, column="consumed")
+        gauge("distillspec_buffer_size", len(self.buffer), run=self.run)
+        for made_by, _ in items:
+            gauge("distillspec_policy_lag", version - made_by, run=self.run)
+        return [ref for _, ref in items]
+
+    def close(self) -> dict:
+        """Stop taking batches; what is still held is released and counted as dropped."""
+        with self.changed:
+            self.closed = True
+            self.buffer.ledger.dropped += len(self.buffer)
+            self.buffer.items.clear()
+            self.changed.notify_all()
+        return self.ledger()
+
+    def ledger(self) -> dict:
+        held = len(self.buffer)
+        return {
+            **self.buffer.ledger.to_dict(),
+            "held": held,
+            "balanced": self.buffer.ledger.balanced(held),
+            "refusals": list(self.buffer.refusals),
+        }

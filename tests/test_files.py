@@ -1,0 +1,126 @@
+"""A run's files are written whole or not at all: a crash (kill -9) mid-write leaves the previous version."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distillspec.config import DistillConfig, load_config
+from distillspec.files import read_json, write_atomic, write_folder, write_json
+from distillspec.learner import Learner, load_checkpoint, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_an_atomic_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):
+    path = write_json(tmp_path / "results.json", {"a": 1})
+    write_atomic(path, "x" * 1000)
+    assert path.read_text() == "x" * 1000
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+    assert read_json(path) is None  # not JSON
+    write_json(path, [1, 2])
+    assert read_json(path) == [1, 2] and read_json(tmp_path / "missing.json") is None
+
+
+def test_a_folder_whose_writing_fails_stays_as_it_was(tmp_path):
+    folder = tmp_path / "draft"
+    write_folder(folder, lambda tmp: (tmp / "weights").write_text("v1"))
+
+    def broken(tmp: Path) -> None:
+        (tmp / "weights").write_text("half of v2")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_folder(folder, broken)
+    assert (folder / "weights").read_text() == "v1"
+    assert [p.name for p in tmp_path.iterdir()] == ["draft"]
+    # a crash between the two renames leaves the old folder aside: the next write brings it back first
+    os.replace(folder, tmp_path / ".draft.old")
+    with pytest.raises(OSError):
+        write_folder(folder, broken)
+    assert (folder / "weights").read_text() == "v1"
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_kill_9_while_writing_leaves_the_previous_version(tmp_path, what):
+    target = tmp_path / ("results.json" if what == "file" else "checkpoint")
+    if what == "file":
+        write_json(target, {"version": 1})
+    else:
+        write_folder(target, lambda tmp: (tmp / "step.json").write_text(json.dumps({"step": 1})))
+    started = tmp_path / "started"
+    # The writer is killed while the new version is half written (the file's data written, not yet renamed; the
+    # folder's first file written, the rest to come).
+    script = f"""
+import json, time
+from pathlib import Path
+from distillspec.files import write_atomic, write_folder
+
+def slow(tmp):
+    (tmp / "step.json").write_text(json.dumps({{"step": 2}}))
+    Path({str(started)!r}).touch()
+    time.sleep(60)
+
+class Slow(str):
+    def encode(self):
+        Path({str(started)!r}).touch()
+        time.sleep(60)
+
+if {what!r} == "file":
+    write_atomic({str(target)!r}, Slow('{{"version": 2}}'))
+else:
+    write_folder({str(target)!r}, slow)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists(), "the writer never started"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if what == "file":
+        assert read_json(target) == {"version": 1}
+    else:
+        assert read_json(target / "step.json") == {"step": 1}
+        write_folder(target, lambda tmp: (tmp / "step.json").write_text(json.dumps({"step": 3})))
+        assert read_json(target / "step.json") == {"step": 3}
+
+
+def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, text_pair, tokenizer, task):
+    """The learner's state (weights, optimizer, scheduler, step) comes back as saved, through ``torch.load`` with
+    ``weights_only=True`` (a checkpoint cannot run code when a run resumes from it)."""
+    from distillspec.distill import encode_examples
+
+    target, draft = text_pair
+    cfg = DistillConfig(steps=4, batch_size=2, max_new_tokens=4, recipe="supkd")
+    learner = Learner(copy.deepcopy(draft), target, cfg)
+    learner.step(encode_examples(tokenizer, task.train[:2], max_len=32))
+    save_checkpoint(tmp_path / "ckpt", learner, tokenizer, [{"step": 1}], seconds=1.5, extra={"ledger": {"a": 1}})
+    other = Learner(copy.deepcopy(draft), target, cfg)
+    log, seconds = load_checkpoint(tmp_path / "ckpt", other)
+    assert (log, seconds, other.step_count) == ([{"step": 1}], 1.5, learner.step_count)
+    for a, b in zip(learner.draft.parameters(), other.draft.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert read_json(tmp_path / "ckpt" / "ledger.json") == {"a": 1}
+
+
+def test_a_cut_off_results_file_does_not_stop_the_rerun(tmp_path, capsys):
+    from cluster.distill_job import check_rerun
+    from distillspec.errors import DistillSpecError
+
+    cfg = load_config(None, [f"output_dir={tmp_path}"])
+    (tmp_path / "results.json").write_text('{"records": [')
+    check_rerun(cfg, tmp_path)
+    assert "does not parse" in capsys.readouterr().out
+    write_json(tmp_path / "results.json", {"records": []})
+    with pytest.raises(DistillSpecError, match="holds a finished run"):
+        check_rerun(cfg, tmp_path)
