@@ -337,8 +337,9 @@ def _trl(page: Page, data: dict) -> None:
                 + ("-" if b is None else f"**{b:.2f}x** at alpha {r['best_goal_alpha']:.3f}")
                 + " |"
             )
-        page.image(f"trl/{task}/trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
     page.add("")
+    for task in data["tasks"]:
+        page.image(f"trl/{task}/trl.png", f"trl-{task}.png", f"alpha vs time on {task}")
 
 
 def _async(page: Page, data: dict) -> None:
