@@ -12,6 +12,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from actors.evaluator import measure_on_cluster
+from actors.learner import checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
@@ -109,6 +110,38 @@ def check_rerun(cfg: JobConfig, out: Path) -> None:
         )
 
 
+#: What a resumed run must share with the checkpoint it resumes: the pair, the data and the recipe.
+RESUME_KEYS = ("target", "draft", "dataset", "distill.recipe", "distill.divergence", "distill.lambda1",
+               "distill.lambda2", "distill.train")  # fmt: skip
+
+
+def check_resume(cfg: JobConfig, out: Path) -> None:
+    """A run that would resume a checkpoint in ``out`` distils what that checkpoint was distilling (its
+    ``config.yaml``), or stops with what changed; a run that starts afresh is not checked."""
+    sync = cfg.ray.mode == "sync"
+    checkpoint = (out / SYNC_CHECKPOINT / "state.pt").exists() if sync else bool(checkpoint_steps(out))
+    if not (cfg.ray.resume and checkpoint and (out / "config.yaml").exists()):
+        return
+    try:
+        before, now = yaml.safe_load((out / "config.yaml").read_text()) or {}, to_dict(cfg)
+    except yaml.YAMLError:
+        return  # not what this project wrote: nothing to compare with
+
+    def value(tree: dict, key: str):
+        for part in key.split("."):
+            tree = tree.get(part) if isinstance(tree, dict) else None
+        return tree
+
+    changed = [
+        f"{k} {value(before, k)!r} -> {value(now, k)!r}" for k in RESUME_KEYS if value(before, k) != value(now, k)
+    ]
+    if changed:
+        raise DistillSpecError(
+            f"{out} holds a checkpoint of another run ({'; '.join(changed)}): resuming it would mix the two; give "
+            "another --output-dir"
+        )
+
+
 def run(cfg: JobConfig) -> list[dict]:
     """The main job: measure, distill, measure again, write results (see ``jobs/distill.py``)."""
     start = time.perf_counter()
@@ -118,6 +151,7 @@ def run(cfg: JobConfig) -> list[dict]:
     task = load_task(cfg.dataset, seed=cfg.seed)  # fails early on a missing or empty data set
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")
     cfg, task = prepare_pair(cfg, task)
+    check_resume(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     saved = to_dict(replace(cfg, serve=replace(cfg.serve, api_key=None)))  # the run's folder never holds the key
     write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))

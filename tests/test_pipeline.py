@@ -254,6 +254,11 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
             saved, quiet_since = now, time.time()
     assert saved is not None and 3 <= saved < 60, saved
 
+    # A rerun that changed the recipe would mix two runs in one checkpoint: refused in one line, the checkpoint kept.
+    other, _ = run_job(*args, "distill.divergence=fkl").communicate(timeout=300)
+    assert "holds a checkpoint of another run (distill.divergence" in other and "Traceback" not in other, other[-2000:]
+    assert latest_step(out) == saved
+
     second = run_job(*args)
     output, _ = second.communicate(timeout=900)
     assert second.returncode == 0, output[-3000:]
