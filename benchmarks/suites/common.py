@@ -173,11 +173,12 @@ def distilled_draft(
 
     Reuses the recipe suite's draft when it exists (``out/recipes/<key>/drafts``), else distils one.
     """
-    if source is None or divergence is None:
-        source, divergence = suite_recipe(out, key)
     from distillspec.config import cell_config
     from distillspec.models import load_pair
     from distillspec.study import run_cell
+
+    if source is None or divergence is None:
+        source, divergence = suite_recipe(out, key)
 
     name = f"{source}-{divergence}-s0"
     for folder in (out / "recipes" / key / "drafts" / name, out / "drafts" / key / name):

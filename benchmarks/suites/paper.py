@@ -122,7 +122,7 @@ def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     for name in available(scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
         source, divergence = suite_recipe(out.parent, name)
-        distilled = distilled_draft(cfg, name, task, out.parent)
+        distilled = distilled_draft(cfg, name, task, out.parent, source, divergence)
         target, draft, tokenizer = _pair(cfg)
         grid = replace(cfg, eval=replace(cfg.eval, gammas=[3, 5, 7], temperatures=[0.0, 1.0]))
         records = []
@@ -167,7 +167,8 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
         if task.metric is None:
             print(f"skipping {name} in the lenience suite: a language-modelling task has no quality score")
             continue
-        distilled = distilled_draft(cfg, name, task, out.parent)
+        source, divergence = suite_recipe(out.parent, name)
+        distilled = distilled_draft(cfg, name, task, out.parent, source, divergence)
         target, draft, tokenizer = _pair(cfg)
         gamma = cfg.eval.speedup_gamma
         ids, _ = encode_prompts(tokenizer, [task.test[0].prompt])
@@ -195,7 +196,6 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
                 points.append(r)
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_lenience(points, task.metric, out / name / "lenience.png", title=f"{name}: lossy SD, gamma={gamma}, T=1")
-        source, divergence = suite_recipe(out.parent, name)
         results[name] = {
             "points": points,
             "metric": task.metric,
