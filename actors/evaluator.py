@@ -49,7 +49,7 @@ class EvalActor:
                 self.tokenizer,
                 max_new_tokens=cfg.eval.max_new_tokens,
                 temperature=cfg.canary_temperature,
-                gamma=cfg.serve.gamma,
+                gamma=cfg.serve.fixed_gamma,
                 seed=cfg.seed,
             )
         self.stopped = threading.Event()
@@ -92,10 +92,10 @@ class EvalActor:
         )
 
     def measure_canary(self, rec: dict) -> dict:
-        """Alpha of the evaluated version decoded as the replicas decode: at ``serve.gamma`` and the canary's
+        """Alpha of the evaluated version decoded as the replicas decode: at ``serve.fixed_gamma`` and the canary's
         temperature (:attr:`~distillspec.config.JobConfig.canary_temperature`), with this project's decoder or,
         with ``serve.backend=vllm``, vLLM's engine."""
-        gamma, temperature = self.cfg.serve.gamma, self.cfg.canary_temperature
+        gamma, temperature = self.cfg.serve.fixed_gamma, self.cfg.canary_temperature
         if self.canary is not None:
             self.canary.load_draft(state_arrays(self.draft))
             counts = self.canary.measure([Example(prompt=p, reference="") for p in self.prompts])
@@ -113,7 +113,7 @@ class EvalActor:
             ray.get(self.store.refuse.remote(self.version, reason))
             return False
         arrays = state_arrays(self.draft)
-        ray.get(self.store.promote.remote(self.version, [ray.put(arrays)], checksums(arrays)))
+        ray.get(self.store.promote.remote(self.version, [ray.put(arrays)], checksums(arrays), alpha))
         self.serving_alpha = alpha
         return True
 

@@ -43,6 +43,14 @@ class WeightStore:
         self.record: dict | None = None
         self.refused: list[dict] = []  #: versions the serving gate refused or serving rolled back, with the reason
         self.rolled_back: set[int] = set()
+        self.canary: dict[int, float] = {}  #: the canary's alpha of each serving version kept
+
+    def kept(self) -> set[int]:
+        return {held[0] for held in (self.current, self.serving, *self.earlier) if held is not None}
+
+    def canary_alpha(self, version: int) -> float | None:
+        """The alpha the serving gate's canary measured for ``version`` (None: not measured, or not kept)."""
+        return self.canary.get(version)
 
     def publish(
         self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
@@ -56,11 +64,16 @@ class WeightStore:
     def run_name(self) -> str:
         return self.run
 
-    def promote(self, version: int, refs: list[ray.ObjectRef], sums: dict[str, str] | None = None) -> None:
-        """Make version ``version`` (weights ``refs[0]``) the serving version: it passed the gate."""
+    def promote(
+        self, version: int, refs: list[ray.ObjectRef], sums: dict[str, str] | None = None, alpha: float | None = None
+    ) -> None:
+        """Make version ``version`` (weights ``refs[0]``) the serving version: it passed the gate, whose canary
+        measured ``alpha``."""
         if self.serving is not None:
             self.earlier = [*self.earlier, self.serving][-KEEP_EARLIER:]
         self.serving = (version, refs, sums)
+        if alpha is not None:
+            self.canary = {v: a for v, a in self.canary.items() if v in self.kept()} | {version: alpha}
         gauge("distillspec_serving_version", version, run=self.run)
 
     def refuse(self, version: int, reason: str) -> None:

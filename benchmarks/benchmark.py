@@ -351,6 +351,230 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
     return rows
 
 
+def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
+    """Gamma chosen live against fixed gammas: tokens/s at the endpoint (one replica, batches up to 16 requests) at
+    concurrency 1, 4, 8 and 16, for gamma 0 (speculation off), 1, 3, 5, 7 and auto, on the task's test prompts at
+    ``serve.temperature``. Each concurrency runs every setting in turn, ``rounds`` times in rotated order, so that
+    each ratio compares settings measured side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import ray
+    import requests
+    from ray import serve
+
+    from cluster.connect import connect
+    from distillspec.data import load_task
+    from distillspec.serving import merge_stats
+    from jobs.serve import start
+
+    del budget
+    cfg = load_config(None, ["ray.run_name=gamma-bench", "serve.sync_every_s=0", "serve.max_batch_size=16", *overrides])
+    connect(cfg.ray)
+    url = start(cfg)
+    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
+    settings: list[int | str] = [0, 1, 3, 5, 7, "auto"]
+    concurrencies, rounds = [1, 4, 8, 16], 3
+    body = {"max_tokens": cfg.eval.max_new_tokens}
+    table: dict[str, dict[str, dict]] = {}
+
+    def summary(cell: dict) -> dict:
+        sd = merge_stats(cell["sd"]) if cell["sd"] else {"drafted": 0, "target_calls": 1, "alpha": None}
+        mean_gamma = sd["drafted"] / sd["target_calls"]  # draft tokens per target call
+        return {"tokens_per_s": cell["tokens"] / cell["seconds"], "mean_gamma": mean_gamma, "alpha": sd["alpha"]}
+
+    try:
+        _load(url, prompts, 32, 8, {**body, "gamma": "auto"})  # warm-up: compiles nothing, measures first costs
+        for c in concurrencies:
+            sums = {str(g): {"tokens": 0, "seconds": 0.0, "sd": []} for g in settings}
+            for r in range(rounds):
+                for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
+                    extra = {"speculative": False} if g == 0 else {"gamma": g}
+                    rows, errors, seconds = _send(url, prompts, {**body, **extra}, c, lambda i, n=8 * c: i < n)
+                    if errors:
+                        raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
+                    cell = sums[str(g)]
+                    cell["tokens"] += sum(x["tokens"] for x in rows)
+                    cell["seconds"] += seconds
+                    cell["sd"] += [x["sd"] for x in rows]
+            table[str(c)] = {g: summary(v) for g, v in sums.items()}
+            print(
+                f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
+            )
+        chosen = requests.get(f"{url}/stats", timeout=10).json().get("auto_gamma", {})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(
+        f"\ntokens/s at the endpoint, {body['max_tokens']} tokens, T = {cfg.serve.temperature:g}, "
+        f"{cfg.dataset} prompts:"
+    )
+    print(
+        f"{'concurrency':>11} "
+        + " ".join(f"{'g=' + str(g):>8}" for g in settings)
+        + "  auto/best  auto/g=5  auto's mean gamma"
+    )
+    for c, row in table.items():
+        fixed = {g: row[str(g)]["tokens_per_s"] for g in settings if g != "auto"}
+        best = max(fixed, key=fixed.get)
+        auto = row["auto"]["tokens_per_s"]
+        row["auto_vs_best"], row["best_fixed"], row["auto_vs_default"] = auto / fixed[best], best, auto / fixed[5]
+        cells = " ".join(f"{row[str(g)]['tokens_per_s']:>8.1f}" for g in settings)
+        mean = row["auto"]["mean_gamma"]
+        print(
+            f"{c:>11} {cells}  {row['auto_vs_best']:>8.2f}x {row['auto_vs_default']:>8.2f}x  "
+            f"{mean:.2f} (best fixed: {best})"
+        )
+    nan = float("nan")
+    expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))
+    print(
+        f"gamma=auto over the run: chosen {chosen.get('chosen')}, tokens/s expected {expected:.1f}, "
+        f"measured {measured:.1f}"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for g in settings:
+        ax.plot(
+            concurrencies,
+            [table[str(c)][str(g)]["tokens_per_s"] for c in concurrencies],
+            marker="o",
+            label=f"gamma {g}" if g else "no speculation",
+            lw=2.5 if g == "auto" else 1.2,
+        )
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
+    ax.legend(fontsize=8)
+    ax.set_title(f"fixed gamma vs gamma chosen live ({cfg.dataset}, T = {cfg.serve.temperature:g})")
+    fig.tight_layout()
+    fig.savefig(out / "gamma_tokens_per_s.png", dpi=120)
+    print(f"wrote {out / 'gamma_tokens_per_s.png'}")
+    return {
+        "table": table,
+        "auto_gamma": chosen,
+        "max_tokens": body["max_tokens"],
+        "temperature": cfg.serve.temperature,
+    }
+
+
+def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
+    """Mixed traffic for ``--budget`` seconds at concurrency 8 on one replica: temperatures 0, 0.7 and 1, one request
+    in three streamed, gamma auto, fixed or speculation off, and a new draft version published every minute (the
+    draft plus a little noise). Reports errors (a non-200 answer, a stream without ``[DONE]`` or with an error
+    event) and the replica's resident memory over time."""
+    import itertools
+    import threading
+
+    import psutil
+    import ray
+    import requests
+    import torch
+    from ray import serve
+    from ray.util.state import list_actors
+
+    from actors.common import NAMESPACE, weights_name
+    from actors.weights import WeightStore, publish
+    from cluster.connect import connect
+    from cluster.serve import resolve_models
+    from distillspec.data import load_task
+    from distillspec.models import load_model
+    from jobs.serve import start
+
+    cfg = resolve_models(load_config(None, ["ray.run_name=soak", "serve.sync_every_s=0.5", *overrides]))
+    connect(cfg.ray)
+    url = start(cfg)
+    store = WeightStore.options(name=weights_name("soak"), namespace=NAMESPACE).remote("soak")
+    draft = load_model(cfg.draft)[0]
+    original = {k: v.clone() for k, v in draft.state_dict().items()}
+    replica = next(a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "Completions" in a.class_name)
+    memory = psutil.Process(replica.pid)
+    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
+    lock, issued, stop = threading.Lock(), itertools.count(), threading.Event()
+    counts = {"ok": 0, "streams": 0, "errors": 0}
+    errors: list[str] = []
+    versions: set = set()
+
+    def one(i: int, session: requests.Session) -> None:
+        body = {"prompt": prompts[i % len(prompts)], "max_tokens": 32, "temperature": [0.0, 0.7, 1.0][i % 3]}
+        body.update([{"gamma": "auto"}, {"gamma": 3}, {"speculative": False}][(i // 3) % 3])
+        if i % 3 == 1:
+            with session.post(f"{url}/completions", json={**body, "stream": True}, stream=True, timeout=120) as r:
+                events = [x for x in r.iter_lines(decode_unicode=True) if x.startswith("data: ")]
+            if r.status_code != 200 or events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events):
+                raise RuntimeError(f"stream: status {r.status_code}, last events {events[-2:]}")
+            with lock:
+                counts["streams"] += 1
+            return
+        r = session.post(f"{url}/completions", json=body, timeout=120)
+        if r.status_code != 200:
+            raise RuntimeError(f"status {r.status_code}: {r.text[:200]}")
+        with lock:
+            versions.add(r.json()["distillspec"]["draft_version"])
+
+    def worker() -> None:
+        session = requests.Session()
+        while not stop.is_set():
+            i = next(issued)
+            try:
+                one(i, session)
+                with lock:
+                    counts["ok"] += 1
+            except Exception as exc:
+                with lock:
+                    counts["errors"] += 1
+                    errors.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    start_time = time.perf_counter()
+    rss = [(0.0, memory.memory_info().rss)]
+    for t in threads:
+        t.start()
+    version, minute = 0, 0
+    try:
+        while (elapsed := time.perf_counter() - start_time) < budget:
+            time.sleep(min(10.0, budget - elapsed))
+            elapsed = time.perf_counter() - start_time
+            rss.append((elapsed, memory.memory_info().rss))
+            if elapsed // 60 > minute:  # a new draft version every minute
+                minute, version = int(elapsed // 60), version + 1
+                with torch.no_grad():
+                    for name, p in draft.state_dict().items():
+                        p.copy_(original[name] + 0.002 * torch.randn_like(p))
+                publish(store, draft, version, serving=True)
+            print(f"  {elapsed:5.0f}s: {counts} replica RSS {rss[-1][1] / 2**20:.0f} MiB, version {version}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        stats = requests.get(f"{url}/stats", timeout=10).json()
+        serve.shutdown()
+        ray.kill(store)
+    warm = next((m for t, m in rss if t >= 60), rss[0][1])  # after the first minute: models loaded, caches warm
+    result = {
+        "seconds": budget,
+        **counts,
+        "error_samples": errors[:5],
+        "versions_published": version,
+        "versions_served": sorted(versions),
+        "swaps": len(stats["swaps"]),
+        "rollbacks": len(stats["rollbacks"]),
+        "rss_mib": [(round(t), round(m / 2**20, 1)) for t, m in rss],
+        "rss_end_over_warm": rss[-1][1] / warm,
+    }
+    print(
+        f"\nsoak: {budget:.0f}s at concurrency 8: {counts['ok']} answers ({counts['streams']} streams), "
+        f"{counts['errors']} errors; {version} versions published, {len(stats['swaps'])} swaps, "
+        f"{len(stats['rollbacks'])} rollbacks; replica RSS {rss[0][1] / 2**20:.0f} MiB at the start, "
+        f"{warm / 2**20:.0f} MiB after the first minute, {rss[-1][1] / 2**20:.0f} MiB at the end "
+        f"({result['rss_end_over_warm']:.3f}x)"
+    )
+    for e in errors[:5]:
+        print(f"  error: {e}")
+    return result
+
+
 def _vllm_server(cfg, port: int, speculative: bool):
     """vLLM's own OpenAI server on the pair (a subprocess); returns it once it answers."""
     import subprocess
@@ -361,7 +585,7 @@ def _vllm_server(cfg, port: int, speculative: bool):
     from distillspec.vllm_backend import engine_args, prepare_environment
 
     prepare_environment(cfg.vllm)
-    args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft if speculative else None, gamma=cfg.serve.gamma)
+    args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft if speculative else None, gamma=cfg.serve.fixed_gamma)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--model", args["model"], "--dtype", args["dtype"], "--max-model-len", str(args["max_model_len"])]
     cmd += ["--served-model-name", "distillspec", "--enforce-eager"] if args["enforce_eager"] else []
@@ -440,7 +664,7 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
         finally:
             proc.kill()
             proc.wait()
-    print(f"\ntokens/s, {body['max_tokens']} tokens at T = 0, gamma {cfg.serve.gamma}, requests {loads}:")
+    print(f"\ntokens/s, {body['max_tokens']} tokens at T = 0, gamma {cfg.serve.fixed_gamma}, requests {loads}:")
     print(f"{'endpoint':>20} {'conc 1':>8} {'conc 8':>8} {'errors':>6} {'alpha':>6} {'tau':>5}")
     for key, by in rows.items():
         r8 = by[8]
@@ -519,28 +743,30 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     serve.shutdown()
     if proc.returncode != 0:
         raise DistillSpecError(f"the online distill job failed (exit {proc.returncode}); see {out / 'distill.log'}")
-    windows = [  # alpha pooled over each 20 responses
-        {
-            "time": w[-1]["time"],
-            "alpha": merge_stats([r["sd"] for r in w])["alpha"],
-            "draft_version": max(r["sd"]["draft_version"] for r in w),
-        }
-        for w in (rows[j : j + 20] for j in range(0, len(rows) - 19, 20))
-    ]
+    windows = []  # alpha, and the gamma the endpoint chose (draft tokens per target call), over each 20 responses
+    for w in (rows[j : j + 20] for j in range(0, len(rows) - 19, 20)):
+        sd = merge_stats([r["sd"] for r in w])
+        version = max(r["sd"]["draft_version"] for r in w)
+        gamma = sd["drafted"] / sd["target_calls"]
+        windows.append({"time": w[-1]["time"], "alpha": sd["alpha"], "gamma": gamma, "draft_version": version})
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([w["time"] for w in windows], [w["alpha"] for w in windows], marker="o")
-    ax.set_xlabel("seconds since the endpoint started serving")
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    times = [w["time"] for w in windows]
+    ax.plot(times, [w["alpha"] for w in windows], marker="o")
     ax.set_ylabel("alpha at the endpoint (20 responses)")
     ax.set_title(f"online distillation on served {cfg.dataset} prompts")
     ax2 = ax.twinx()
-    ax2.step([w["time"] for w in windows], [w["draft_version"] for w in windows], color="grey", where="post")
+    ax2.step(times, [w["draft_version"] for w in windows], color="grey", where="post")
     ax2.set_ylabel("draft version", color="grey")
+    below.plot(times, [w["gamma"] for w in windows], marker="o", color="tab:green")
+    below.set_ylabel(f"mean gamma (serve.gamma={cfg.serve.gamma})")
+    below.set_xlabel("seconds since the endpoint started serving")
     fig.tight_layout()
     fig.savefig(out / "online_alpha.png", dpi=120)
     print(f"\nonline distillation: {len(rows)} responses, {len(errors)} errors; alpha at the endpoint over time:")
     for w in windows[:: max(1, len(windows) // 12)] + windows[-1:]:
-        print(f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {w['alpha']:.3f}")
+        alpha = "-" if w["alpha"] is None else f"{w['alpha']:.3f}"
+        print(f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {alpha}  mean gamma {w['gamma']:.2f}")
     print(f"wrote {out / 'online_alpha.png'}")
     return result
 
@@ -825,6 +1051,8 @@ SUITES = {
     "async": suite_async,
     "serve": suite_serve,
     "online": suite_online,
+    "gamma": suite_gamma,
+    "soak": suite_soak,
     "precision": suite_precision,
     "vllm": suite_vllm,
 }
@@ -879,7 +1107,9 @@ def main() -> None:
 
     names = sorted([*SUITES, *PAPER, *PEERS, *GROUPS, "report"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suites", nargs="+", choices=names, metavar="SUITE", help=f"one or more of {names}")
+    parser.add_argument(
+        "suites", nargs="+", metavar="SUITE", help=f"one or more of {names}, then config overrides (section.key=value)"
+    )
     parser.add_argument(
         "--scale",
         choices=["quick", "full", "real"],
@@ -903,8 +1133,11 @@ def main() -> None:
     parser.add_argument(
         "--distilled", help="suites serve, online, vllm, latency: a distilled draft (a distill run's out/draft)"
     )
-    parser.add_argument("overrides", nargs="*", default=[], help="config overrides, e.g. garden.cache_dir=...")
     args, extra = parser.parse_known_args()
+    args.overrides = [x for x in args.suites if "=" in x]  # suites and overrides in any order: one has a "="
+    args.suites = [x for x in args.suites if "=" not in x]
+    if unknown := [x for x in args.suites if x not in names]:
+        parser.error(f"unknown suite(s) {unknown}: choose from {names}")
     out = Path(args.output_dir).resolve()
     suites = [s for name in args.suites for s in GROUPS.get(name, [name])]
     scale = args.scale or next((g for g in ("full", "real") if g in args.suites), "quick")

@@ -18,7 +18,7 @@ from cluster.pipeline import Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
-from distillspec.files import read_json, write_atomic, write_folder, write_json
+from distillspec.files import exclusive, read_json, write_atomic, write_folder, write_json
 from distillspec.learner import Distiller, load_checkpoint, save_checkpoint
 from distillspec.models import load_pair
 from distillspec.pretrained import prepare_pair
@@ -147,6 +147,11 @@ def run(cfg: JobConfig) -> list[dict]:
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir).resolve()
+    with exclusive(out):
+        return _run(cfg, out, start)
+
+
+def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
     check_rerun(cfg, out)
     task = load_task(cfg.dataset, seed=cfg.seed)  # fails early on a missing or empty data set
     print(f"task {task.name}: {len(task.train)} train / {len(task.test)} test examples, metric {task.metric}")

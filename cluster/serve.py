@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import ray
 import torch
@@ -66,6 +66,17 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_serve_latency_s": (metrics.Histogram, "request latency in seconds", ()),
     "distillspec_serve_draft_version": (metrics.Gauge, "draft weight version the replica serves", ()),
     "distillspec_serve_rollbacks": (metrics.Counter, "draft versions the replica rolled back (live alpha fell)", ()),
+    "distillspec_serve_gamma": (metrics.Histogram, "draft tokens per block chosen by gamma=auto", ()),
+    "distillspec_serve_expected_tokens_per_s": (
+        metrics.Gauge,
+        "gamma=auto: tokens/s its choices were expected to reach (moving average over blocks)",
+        (),
+    ),
+    "distillspec_serve_measured_tokens_per_s": (
+        metrics.Gauge,
+        "gamma=auto: tokens/s the blocks reached (moving average over blocks)",
+        (),
+    ),
 }
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -85,7 +96,9 @@ class DecodingRequest(BaseModel):
     seed: int | None = Field(None, strict=True, ge=-(2**63), le=2**64 - 1, description="as torch.manual_seed takes")
     stop: str | list[str] | None = None
     user: str | None = None
-    gamma: int | None = Field(None, ge=1, le=32, strict=True, description="draft tokens per target call")
+    gamma: Annotated[int, Field(ge=1, le=32, strict=True)] | Literal["auto"] | None = Field(
+        None, description="draft tokens per target call; auto: chosen per block (unset: serve.gamma)"
+    )
     lenience: Literal["lin", "sq", "exp"] | None = None
     epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
     speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
@@ -130,14 +143,21 @@ class ChatMessage(BaseModel):
 class ChatRequest(DecodingRequest):
     """OpenAI's chat completion request (text messages)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True, description="the newer name of max_tokens")
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
 
 def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
@@ -145,20 +165,68 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
 
 
 app = FastAPI(title="DistillSpec speculative decoding", version="1")
-_auth: dict[str, str | None] = {"key": None}  #: this replica's ``serve.api_key`` (one replica per process)
+#: this replica's ``serve.api_key`` and ``serve.max_body_bytes`` (one replica per process)
+_guard: dict[str, Any] = {"key": None, "max_body_bytes": None}
 
 
-def require_key(key: str | None) -> None:
-    """Make this process's routes answer only requests with ``key`` (None: every request). A function of this
-    module, so that the deployment, which Ray ships to its replica by value, sets the global the middleware reads."""
-    _auth["key"] = key or None
+def guard(key: str | None, max_body_bytes: int | None = None) -> None:
+    """Make this process's routes answer only requests with ``key`` (None: every request) and bodies of at most
+    ``max_body_bytes``. A function of this module, so that the deployment, which Ray ships to its replica by value,
+    sets the globals the middleware reads."""
+    _guard.update(key=key or None, max_body_bytes=max_body_bytes)
+
+
+class _BodyLimit:
+    """A body over ``serve.max_body_bytes`` gets a 413: by its Content-Length before a byte of it is read, or, sent
+    without one (chunked), as soon as what arrived passes the limit (what arrives before is buffered, then replayed
+    to the route). Runs after the key check."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        limit = _guard["max_body_bytes"]
+        if scope["type"] != "http" or not limit:
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit():
+            if int(length) > limit:
+                return await _too_large(limit)(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > limit:
+                return await _too_large(limit)(scope, receive, send)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    message = f"the request body is larger than this server's limit of {limit} bytes (serve.max_body_bytes)"
+    return JSONResponse(status_code=413, content=error_body(message, None))
+
+
+app.add_middleware(_BodyLimit)  # added first: it runs inside the key check below
 
 
 @app.middleware("http")
 async def _require_key(request: Request, call_next):
     """With ``serve.api_key``, every route (``/docs`` and ``/openapi.json`` too) answers 401 to a request without the
     key, before its body is read: an unauthenticated client learns nothing of the schema and costs no parsing."""
-    if (key := _auth["key"]) is not None:
+    if (key := _guard["key"]) is not None:
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, f"Bearer {key}".encode()):
             message = "missing or wrong API key (Authorization: Bearer ...)"
@@ -197,7 +265,8 @@ async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONR
 
 @app.exception_handler(HTTPError)
 async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content=error_body(exc.message, exc.param, exc.kind))
+    content = error_body(exc.message, exc.param, exc.kind)
+    return JSONResponse(status_code=exc.status, content=content, headers=exc.headers)
 
 
 def _param_of(message: str) -> str | None:
@@ -230,7 +299,7 @@ class Completions:
 
     def __init__(self, cfg: JobConfig) -> None:
         s = cfg.serve
-        require_key(s.api_key)
+        guard(s.api_key, s.max_body_bytes)
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
@@ -242,7 +311,7 @@ class Completions:
                 cfg.target,
                 cfg.draft,
                 load_tokenizer(cfg.target),
-                gamma=s.gamma,
+                gamma=s.fixed_gamma,
                 max_prompt_tokens=s.max_prompt_tokens,
                 seed=seed,
             )
@@ -250,15 +319,21 @@ class Completions:
             target, draft, tokenizer = load_pair(
                 cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
             )
-            self.completer = Completer(target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed)
+            self.completer = Completer(
+                target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
+            )
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
         self._batched.set_max_batch_size(s.max_batch_size)
         self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.run = s.follow_run or cfg.ray.run_name
+        boundaries = {
+            "distillspec_serve_latency_s": LATENCY_BOUNDARIES,
+            "distillspec_serve_gamma": [g + 0.5 for g in range(s.max_gamma)],  # one bucket per gamma
+        }
         self.metrics = {
             name: kind(
-                name, description=d, tag_keys=tags, **({"boundaries": LATENCY_BOUNDARIES} if "latency" in name else {})
+                name, description=d, tag_keys=tags, **({"boundaries": boundaries[name]} if name in boundaries else {})
             )
             for name, (kind, d, tags) in SERVE_SPECS.items()
         }
@@ -267,6 +342,7 @@ class Completions:
         self.store, self.warned = None, False
         self.lock = threading.Lock()  #: one change of the draft at a time (the sync thread, a rollback)
         self.live = LiveAcceptance(s.rollback_window, s.rollback_margin)
+        self.held = 0  #: prompts of requests in progress on this replica (``serve.max_queued_prompts``)
         self.rolled_back: set[int] = set()  #: versions the deployment rolled back: never served again
         self.refused: dict[int, str] = {}  #: versions this replica refused to load, with the reason
         self.rollbacks: list[dict] = []
@@ -336,7 +412,8 @@ class Completions:
                 load_arrays(model, arrays)
                 return version
 
-            version = self.completer.swap_draft(load)
+            alpha = ray.get(self.store.canary_alpha.remote(version), timeout=10)
+            version = self.completer.swap_draft(load, alpha)
         self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
         self.swaps.append({"from": before, "to": version, "time": time.time()})
         self.metrics["distillspec_serve_draft_version"].set(version)
@@ -412,6 +489,7 @@ class Completions:
             "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
             "rollbacks": self.rollbacks,
             "live_alpha": {str(v): self.live.alpha(v) for v in self.live.versions()},
+            **({"auto_gamma": self.completer.auto.summary()} if not self.vllm else {}),
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -441,14 +519,17 @@ class Completions:
             raise HTTPError(400, f"messages: the chat template refused them: {exc}", "messages") from None
 
     async def _serve(self, body: DecodingRequest, prompts, *, chat: bool) -> dict | StreamingResponse:
-        start = time.perf_counter()
+        start, held = time.perf_counter(), 0
         try:
-            jobs = self._jobs(body, prompts())
+            # The chat template and the tokenizer run in a thread: a long prompt never stalls the other streams.
+            jobs = await asyncio.to_thread(lambda: self._jobs(body, prompts()))
+            held = self._hold(len(jobs))
             if body.stream:
                 if len(jobs) != 1:
                     raise HTTPError(400, "prompt: streaming takes one prompt", "prompt")
                 self._count("ok")
                 self._record([jobs[0].prompt])
+                held = 0  # the stream lets go of its prompt when it ends
                 return StreamingResponse(self._stream(jobs[0], start, chat), media_type="text/event-stream")
             if self.vllm:  # the engine batches concurrent requests itself
                 done = await asyncio.gather(*[self.completer.complete(job) for job in jobs])
@@ -466,6 +547,8 @@ class Completions:
         except Exception:
             self._count("server_error")
             raise
+        finally:
+            self.held -= held
         self._count("ok")
         self._record([j.prompt for j in jobs])
         self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
@@ -474,7 +557,29 @@ class Completions:
     def _count(self, status: str) -> None:
         self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
 
+    def _hold(self, prompts: int) -> int:
+        """Count ``prompts`` as held by this replica (queued or decoding), or answer 429 when they would pass
+        ``serve.max_queued_prompts``; returns the count to let go of when the request ends."""
+        if self.held + prompts > self.s.max_queued_prompts:
+            raise HTTPError(
+                429,
+                f"this replica holds {self.held} prompts, its limit is {self.s.max_queued_prompts} "
+                "(serve.max_queued_prompts): retry shortly",
+                None,
+                "rate_limit_error",
+                {"Retry-After": "1"},
+            )
+        self.held += prompts
+        return prompts
+
     def _jobs(self, body: DecodingRequest, prompts: list[str]) -> list[CompletionJob]:
+        if len(prompts) > self.s.max_prompts:
+            raise HTTPError(
+                413,
+                f"prompt: {len(prompts)} prompts, more than this server's limit of {self.s.max_prompts} per request "
+                "(serve.max_prompts)",
+                "prompt",
+            )
         if body.model not in (None, self.s.model_name):
             raise HTTPError(
                 404, f"model: {body.model!r} is not served here (this serves {self.s.model_name!r})", "model"
@@ -483,8 +588,9 @@ class Completions:
             raise HTTPError(
                 400, f"max_tokens: {body.max_tokens} is above this server's limit {self.s.max_tokens}", "max_tokens"
             )
+        gamma = (body.gamma or self.s.gamma) if body.speculative else 0
         args = DecodingArgs(
-            gamma=(body.gamma or self.s.gamma) if body.speculative else 0,
+            gamma=self.s.fixed_gamma if gamma == "auto" and self.vllm else gamma,  # vLLM drafts a fixed gamma
             temperature=self.s.temperature if body.temperature is None else body.temperature,
             lenience=body.lenience,
             epsilon=body.epsilon,
@@ -515,6 +621,13 @@ class Completions:
             self.metrics["distillspec_serve_block_efficiency"].set(sd["tau"])
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
+        if not self.vllm:
+            auto = self.completer.auto
+            for gamma in auto.drain():
+                self.metrics["distillspec_serve_gamma"].observe(gamma)
+            if auto.expected_tps is not None:
+                self.metrics["distillspec_serve_expected_tokens_per_s"].set(auto.expected_tps)
+                self.metrics["distillspec_serve_measured_tokens_per_s"].set(auto.measured_tps)
 
     async def _stream(self, job: CompletionJob, start: float, chat: bool):
         """Server-sent events: text deltas as tokens are accepted, then a final chunk with usage and SD stats."""
@@ -530,19 +643,28 @@ class Completions:
             data = {"id": rid, "object": kind, "created": created, "model": self.s.model_name}
             return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
 
-        if chat:
-            yield chunk(None)  # the role comes first, as OpenAI sends it
-        source = self.completer.stream(job) if self.vllm else self._hf_stream(job)
-        async for item in source:
-            if isinstance(item, str):
-                yield chunk(item)
-                continue
-            self._observe([item])
-            self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-            yield chunk(
-                "", item.finish_reason, usage=_usage([item]), distillspec={**_sd([item]), "replica": self.replica}
-            )
-            yield "data: [DONE]\n\n"
+        try:
+            if chat:
+                yield chunk(None)  # the role comes first, as OpenAI sends it
+            source = self.completer.stream(job) if self.vllm else self._hf_stream(job)
+            async for item in source:
+                if isinstance(item, str):
+                    yield chunk(item)
+                    continue
+                self._observe([item])
+                self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
+                sd = {**_sd([item]), "replica": self.replica}
+                yield chunk("", item.finish_reason, usage=_usage([item]), distillspec=sd)
+        except Exception as exc:  # the headers are sent: the error travels as an event, as OpenAI sends one
+            log.exception("a stream failed")
+            self._count("server_error")
+            client = isinstance(exc, DistillSpecError)
+            kind = "invalid_request_error" if client else "server_error"
+            message = str(exc) if client else f"decoding failed ({type(exc).__name__}); the completion is incomplete"
+            yield f"data: {json.dumps(error_body(message, None, kind))}\n\n"
+        finally:
+            self.held -= 1
+        yield "data: [DONE]\n\n"
 
     async def _hf_stream(self, job: CompletionJob):
         """Text deltas from this project's decoder block by block (a thread), then the completion."""
@@ -679,5 +801,6 @@ def bind(cfg: JobConfig) -> serve.Application:
     }
     return Completions.options(
         autoscaling_config=autoscaling,
+        max_ongoing_requests=s.max_queued_prompts,  # requests reach the replica, which answers 429 past its limit
         ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": s.replica_gpus},
     ).bind(cfg)

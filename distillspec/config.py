@@ -253,13 +253,23 @@ class ServeConfig:
         None, 'when set, requests need "Authorization: Bearer <api_key>"'
     )
     model_name: str = knob("distillspec", "the model id /v1/models reports and requests may name")
-    gamma: PosInt = knob(5, "draft tokens per block when a request gives none")
+    gamma: PosInt | Literal["auto"] = knob(
+        "auto",
+        "draft tokens per block when a request gives none; auto (backend hf): chosen per block, 0 to max_gamma, for "
+        "the most tokens/s at the live alpha and the measured step costs (backend vllm: the engine drafts max_gamma)",
+    )
+    max_gamma: PosInt = knob(7, "the most draft tokens per block gamma=auto chooses")
     temperature: Annotated[float, Field(ge=0, le=2)] = knob(
         1.0, "sampling temperature when a request gives none (1, as in OpenAI's API; 0 = greedy)"
     )
     max_prompt_tokens: PosInt = knob(512, "longer prompts get a 400")
     max_tokens: PosInt = knob(512, "the largest max_tokens a request may ask for")
     max_batch_size: PosInt = knob(8, "concurrent requests batched into one decoding call")
+    max_prompts: PosInt = knob(64, "prompts one /v1/completions request may carry (more: 413)")
+    max_body_bytes: PosInt = knob(1 << 20, "larger request bodies get a 413 before they are read")
+    max_queued_prompts: PosInt = knob(
+        256, "prompts a replica holds at once, queued or decoding; past it a request gets a 429 with Retry-After"
+    )
     batch_wait_timeout_s: NonNegFloat = knob(0.01, "how long a batch waits to fill")
     min_replicas: PosInt = knob(1, "autoscaling: fewest replicas")
     max_replicas: PosInt = knob(1, "autoscaling: most replicas")
@@ -290,6 +300,11 @@ class ServeConfig:
         0.15, "rollback: return to the previous version when the new one's live alpha is more than this below it"
     )
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
+
+    @property
+    def fixed_gamma(self) -> int:
+        """Gamma where one number is needed (the vLLM engine, the canary): ``gamma``, or ``max_gamma`` for auto."""
+        return self.max_gamma if self.gamma == "auto" else self.gamma
 
     def validate(self) -> None:
         if self.min_replicas > self.max_replicas:

@@ -1,16 +1,46 @@
 """Writing a run's files so that a crash never leaves half of one: each file or folder is written beside its place
 under a temporary name, then renamed into it (a rename within one file system is atomic), so a reader finds the old
-version or the new one, never a mix."""
+version or the new one, never a mix. One job at a time writes into a folder (:func:`exclusive`)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from distillspec.errors import DistillSpecError
+
+LOCK = ".lock"  #: the file :func:`exclusive` locks in a run's folder
+
+
+@contextmanager
+def exclusive(folder: str | Path) -> Iterator[Path]:
+    """Hold ``folder``'s lock while the block runs: a second job pointed at the same folder stops at once with the
+    holder's process id, instead of writing its files among this one's. The operating system releases the lock when
+    the holder exits, however it exits (a killed job leaves no stale lock)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DistillSpecError(
+            f"{folder} is in use by another job (process {holder}): give this one another --output-dir, or wait"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield folder
+    finally:
+        os.close(fd)
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

@@ -15,10 +15,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec.auto_gamma import AutoGamma
 from distillspec.errors import DistillSpecError
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts
@@ -27,14 +29,19 @@ from distillspec.speculative import GenerationOutput, autoregressive_generate, c
 
 @dataclass(frozen=True)
 class DecodingArgs:
-    """What a batch must share. ``gamma=0`` turns speculation off (plain decoding with the target)."""
+    """What a batch must share. ``gamma=0`` turns speculation off (plain decoding with the target); ``"auto"``
+    chooses it per block (:class:`distillspec.auto_gamma.AutoGamma`)."""
 
-    gamma: int = 5
+    gamma: int | Literal["auto"] = 5
     temperature: float = 1.0
     lenience: str | None = None
     epsilon: float = 1.0
 
     def check(self) -> None:
+        if self.gamma == "auto":
+            return check_decoding_args(
+                max_new_tokens=1, temperature=self.temperature, lenience=self.lenience, epsilon=self.epsilon
+            )
         check_decoding_args(
             gamma=max(1, self.gamma),
             max_new_tokens=1,
@@ -91,12 +98,13 @@ class StreamText:
         return delta, hit
 
 
-def counts_stats(counts: AcceptanceCounts, gamma: int) -> dict:
-    """The SD statistics of a completion (the keys :func:`merge_stats` pools) from its acceptance counts."""
+def counts_stats(counts: AcceptanceCounts, gamma: int | str, drafted: int | None = None) -> dict:
+    """The SD statistics of a completion (the keys :func:`merge_stats` pools) from its acceptance counts (``drafted``:
+    draft tokens proposed, when blocks did not all propose ``gamma``)."""
     judged = counts.accepted + counts.rejected
     return {
         "gamma": gamma,
-        "drafted": counts.blocks * gamma,
+        "drafted": counts.blocks * gamma if drafted is None else drafted,
         "accepted": counts.accepted,
         "rejected": counts.rejected,
         "alpha": counts.accepted / judged if judged else None,
@@ -105,14 +113,14 @@ def counts_stats(counts: AcceptanceCounts, gamma: int) -> dict:
     }
 
 
-def row_stats(out: GenerationOutput, row: int, gamma: int) -> dict:
+def row_stats(out: GenerationOutput, row: int, gamma: int | str) -> dict:
     """SD statistics of one row of a batched call (``gamma=0``: plain decoding)."""
     if out.stats is None:
         n = int(out.num_new_tokens[row])
         return {"gamma": 0, "drafted": 0, "accepted": 0, "rejected": 0, "alpha": None, "tau": 1.0, "target_calls": n}
     s = out.stats
     counts = AcceptanceCounts(int(s.blocks[row]), int(s.accepted[row].sum()), int(s.rejected[row]))
-    return counts_stats(counts, gamma)
+    return counts_stats(counts, gamma, int(s.drafted[row]))
 
 
 def merge_stats(stats: list[dict]) -> dict:
@@ -157,9 +165,11 @@ class Completer:
         max_prompt_tokens: int = 512,
         version: int = -1,
         seed: int = 0,
+        max_gamma: int = 7,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
         self.max_prompt_tokens = max_prompt_tokens
+        self.auto = AutoGamma(max_gamma)  #: chooses gamma per block for jobs with ``gamma="auto"``
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.previous: tuple[PreTrainedModel, int] | None = None  #: the draft the last swap replaced
 
@@ -171,14 +181,17 @@ class Completer:
     def check_health(self) -> None:
         """Nothing to probe: the models live in this process."""
 
-    def swap_draft(self, load: Callable[[PreTrainedModel], int]) -> int:
+    def swap_draft(self, load: Callable[[PreTrainedModel], int], alpha: float | None = None) -> int:
         """Load new weights into a copy of the draft (``load(model) -> version``), then make it current; the draft
-        it replaces is kept for :meth:`roll_back`. Calls already running keep the draft object they started with."""
+        it replaces is kept for :meth:`roll_back`. Calls already running keep the draft object they started with.
+        ``alpha`` (the version's canary alpha) is where gamma's choice starts for it."""
         fresh = copy.deepcopy(self.draft)
         version = load(fresh)
         if version != self.version:
+            self.auto.start_version(version, alpha)
             self.previous = (self.draft, self.version)
             self.draft, self.version = fresh.eval(), version
+            self.auto.forget({self.previous[1], version})
         return self.version
 
     def roll_back(self) -> int:
@@ -230,8 +243,17 @@ class Completer:
         if args.gamma == 0:
             out = autoregressive_generate(self.target, ids, **common)
         else:
+            auto = args.gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
+            key = (version, args.temperature, args.lenience, args.epsilon)
             out = speculative_generate(
-                self.target, draft, ids, gamma=args.gamma, lenience=args.lenience, epsilon=args.epsilon, **common
+                self.target,
+                draft,
+                ids,
+                gamma=self.auto.max_gamma if auto else args.gamma,
+                schedule=self.auto.for_call(key, None if auto else args.gamma),
+                lenience=args.lenience,
+                epsilon=args.epsilon,
+                **common,
             )
         seconds = time.perf_counter() - start
         done = []

@@ -7,8 +7,10 @@ its own position counter, so each row of a batch accepts its own number of token
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -73,18 +75,15 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 class SpecStats:
     """Per-row statistics of a speculative decoding run (tensors on CPU)."""
 
-    gamma: int
+    gamma: int  # the most draft tokens a block proposed (with a schedule, blocks may propose fewer)
     blocks: Tensor  # [B] target calls (draft-and-verify blocks) in which the row took part
+    drafted: Tensor  # [B] draft tokens proposed
     accepted: Tensor  # [B, gamma] accepted draft tokens, by draft position
     rejected: Tensor  # [B] blocks that ended in a rejection
     new_tokens: Tensor  # [B] tokens emitted after EOS / max_new_tokens truncation
     target_calls: int  # target forward passes for the whole batch (prefill excluded)
     draft_calls: int  # draft forward passes for the whole batch (prefill excluded)
-
-    @property
-    def drafted(self) -> Tensor:
-        """[B] draft tokens proposed."""
-        return self.blocks * self.gamma
+    gammas: list[int] = field(default_factory=list)  # draft tokens of each block, in order
 
     @property
     def alpha(self) -> float:
@@ -119,6 +118,25 @@ class GenerationOutput:
     sequences: Tensor  # [B, prompt_len + max(num_new_tokens)]: prompt, then new tokens, padded after EOS
     num_new_tokens: Tensor  # [B]
     stats: SpecStats | None = None
+
+
+class GammaSchedule(Protocol):
+    """Gamma chosen per block (e.g. :class:`distillspec.auto_gamma.AutoGamma` for one call): ``choose`` gives the
+    next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows, at most the call's
+    ``gamma``; ``observe`` gets what the block cost and yielded (all rows together)."""
+
+    def choose(self, batch: int) -> int: ...
+
+    def observe(
+        self, batch: int, gamma: int, draft_s: float, verify_s: float, accepted: int, judged: int, tokens: int
+    ) -> None: ...
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds, after the device finished the work queued so far (a GPU runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 #: ``on_block(tokens, counts)`` is called after each decoding block with the new tokens so far ([B, max], padded)
@@ -237,6 +255,46 @@ def autoregressive_generate(
     return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone())
 
 
+def verify(
+    target_logits: Tensor,
+    drafts: Tensor,
+    q: Tensor | None,
+    temperature: float,
+    lenience: str | None = None,
+    epsilon: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The accept/reject step of speculative decoding for one block.
+
+    ``target_logits`` [b, gamma+1, V] are the target's logits at the ``gamma`` draft positions and the one after;
+    ``drafts`` [b, gamma] the draft tokens, sampled from ``q`` [b, gamma, V] (the draft's probabilities at
+    ``temperature``; None when ``temperature == 0``). Draft ``j`` is accepted with probability
+    ``min(1, f(p_j(d_j), epsilon) / q_j(d_j))``, while all before it were; after ``n`` accepted, the next token is
+    drawn from ``norm(max(0, p_{n+1} - q_{n+1}))`` (``p_{gamma+1}`` when all were). Greedy: accept while the argmaxes
+    agree, then the target's argmax. Returns ``n`` [b] (drafts accepted) and the next token [b]."""
+    gamma = drafts.shape[1]
+    if temperature == 0:  # p and q are one-hot (lenience has no effect)
+        best = target_logits.argmax(-1)
+        n = (drafts == best[:, :gamma]).long().cumprod(1).sum(1)
+        return n, best.gather(1, n[:, None]).squeeze(1)
+    p = torch.softmax(target_logits / temperature, dim=-1)
+    if gamma == 0:
+        return drafts.new_zeros(len(drafts)), sample(p[:, 0], generator)
+    f = LENIENCES[lenience] if lenience is not None else (lambda p, _eps: p)
+    p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    r = torch.rand(drafts.shape, generator=generator, device=drafts.device)
+    ok = r < (f(p_d, epsilon) / q_d).clamp(max=1.0)  # q_d > 0: d was sampled from q
+    n = ok.long().cumprod(1).sum(1)  # leading accepted drafts per row
+    idx = n[:, None, None].expand(-1, 1, p.shape[-1])
+    p_next = p.gather(1, idx).squeeze(1)
+    q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx).squeeze(1)
+    residual = (p_next - q_next).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
+    return n, sample(residual, generator)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: PreTrainedModel,
@@ -254,15 +312,17 @@ def speculative_generate(
     pad_token_id: int | None = None,
     on_block: BlockCallback | None = None,
     compile: bool = False,
+    schedule: GammaSchedule | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
     Lossless when ``lenience`` is None: the output follows the target's distribution at ``temperature``
     exactly (``temperature=0`` reproduces the target's greedy output). Lossy with ``lenience`` in
-    ``{"lin", "sq", "exp"}``: a draft token ``x`` is accepted with probability
-    ``min(1, f(p(x), epsilon) / q(x))``; on rejection the token is resampled from ``norm(max(0, p - q))``.
-    ``max_new_tokens`` is one budget or one per row; ``on_block`` streams (see :data:`BlockCallback`).
-    ``compile`` runs both models' decoding steps through ``torch.compile`` (see :func:`cached_lm`).
+    ``{"lin", "sq", "exp"}``: see :func:`verify`. ``max_new_tokens`` is one budget or one per row; ``on_block``
+    streams (see :data:`BlockCallback`). ``compile`` runs both models' decoding steps through ``torch.compile`` (see
+    :func:`cached_lm`). With a ``schedule``, each block drafts the number of tokens it chooses, 0 to ``gamma``
+    (0: the target alone emits one token; the draft catches up at its next block), and the schedule is told what
+    each block cost and yielded.
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -270,15 +330,13 @@ def speculative_generate(
     check_pair(target, draft)
     mask = _prepare(input_ids, attention_mask)
     dev, batch = input_ids.device, len(input_ids)
-    f = LENIENCES[lenience] if lenience is not None else (lambda p, _eps: p)
-    greedy = temperature == 0  # lenience has no effect on greedy decoding: p is one-hot
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
     emitter = _Emitter(batch, max_new_tokens, eos, pad, dev)
-    blocks = torch.zeros(batch, dtype=torch.long, device=dev)
+    blocks, drafted, rejected = (torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(3))
     accepted = torch.zeros(batch, gamma, dtype=torch.long, device=dev)
-    rejected = torch.zeros(batch, dtype=torch.long, device=dev)
+    gammas: list[int] = []
     rows = torch.arange(batch, device=dev)
 
     # Both models see the prompt but its last token; that token is the first input of each.
@@ -290,85 +348,82 @@ def speculative_generate(
             lm.mask = input_ids.new_zeros(batch, 0)
             lm.next_pos = input_ids.new_zeros(batch)
     target_in = input_ids[:, -1:]
-    # The draft's input: the last emitted token, preceded after a fully accepted block by d_gamma
-    # (which the draft has not seen yet); after a rejection that column is a hole.
+    # The draft's input: the tokens it has not seen yet (the last emitted one; before it, after a fully accepted
+    # block, d_gamma, and after blocks without drafts, their tokens). A rejected d_gamma is a hole (valid 0).
     draft_in, draft_valid = input_ids[:, -1:], torch.ones_like(input_ids[:, -1:])
     tgt.calls = drf.calls = 0
 
     while True:
-        # 1. Draft gamma tokens autoregressively.
+        b = len(rows)
+        g = gamma if schedule is None else schedule.choose(b)
+        gammas.append(g)
+        start = _clock(dev) if schedule is not None else 0.0
+
+        # 1. Draft g tokens autoregressively.
         q, drafts = [], []
         x, valid = draft_in, draft_valid
-        for _ in range(gamma):
+        for _ in range(g):
             logits = drf.step(x, valid)[:, -1]
-            if greedy:
+            if temperature == 0:
                 d_j = logits.argmax(-1)
             else:
                 q.append(torch.softmax(logits / temperature, dim=-1))
                 d_j = sample(q[-1], generator)
             drafts.append(d_j)
             x, valid = d_j[:, None], None
-        drafts = torch.stack(drafts, 1)  # [b, gamma]
+        drafts = torch.stack(drafts, 1) if g else target_in[:, :0]  # [b, g]
+        drafted_at = _clock(dev) if schedule is not None else 0.0
 
-        # 2. One target call scores all gamma drafts and the bonus position.
-        target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, gamma+1, V]
-
-        if greedy:  # p and q are one-hot: accept while the argmaxes agree, then the target's argmax
-            best = target_logits.argmax(-1)
-            n = (drafts == best[:, :gamma]).long().cumprod(1).sum(1)
-            new = best.gather(1, n[:, None]).squeeze(1)
-        else:
-            # 3. Accept draft j with probability min(1, f(p_j(d_j), eps) / q_j(d_j)).
-            p = torch.softmax(target_logits / temperature, dim=-1)
-            q = torch.stack(q, 1)  # [b, gamma, V]
-            p_d = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
-            q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
-            r = torch.rand(drafts.shape, generator=generator, device=dev)
-            ok = r < (f(p_d, epsilon) / q_d).clamp(max=1.0)  # q_d > 0: d was sampled from q
-            n = ok.long().cumprod(1).sum(1)  # leading accepted drafts per row
-
-            # 4. Next token: bonus from p_{gamma+1} if all accepted, else from norm(max(0, p_{n+1} - q_{n+1})).
-            idx = n[:, None, None].expand(-1, 1, p.shape[-1])
-            p_next = p.gather(1, idx).squeeze(1)
-            q_next = torch.cat([q, torch.zeros_like(q[:, :1])], 1).gather(1, idx).squeeze(1)
-            residual = (p_next - q_next).clamp(min=0)
-            mass = residual.sum(-1, keepdim=True)
-            residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_next)
-            new = sample(residual, generator)
+        # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
+        target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, g+1, V]
+        n, new = verify(
+            target_logits, drafts, torch.stack(q, 1) if q else None, temperature, lenience, epsilon, generator
+        )
 
         # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts. Every draft the target judged
         # counts, also past the row's budget in its last block (as vLLM counts them).
         blocks[rows] += 1
-        accepted[rows] += (torch.arange(gamma, device=dev)[None, :] < n[:, None]).long()
-        rejected[rows] += (n < gamma).long()
+        drafted[rows] += g
+        accepted[rows, :g] += (torch.arange(g, device=dev)[None, :] < n[:, None]).long()
+        rejected[rows] += (n < g).long()
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
         done = emitter.emit(rows, emitted, n + 1)
         if on_block is not None and on_block(emitter.out, emitter.count):
             done = torch.ones_like(done)
 
-        tgt.reject_tail(gamma - n)  # target saw target_in, d_1..d_gamma; keep through d_n
-        drf.reject_tail((gamma - 1 - n).clamp(min=0))  # draft saw .., d_1..d_{gamma-1}
-        full = n == gamma
+        tgt.reject_tail(g - n)  # target saw target_in, d_1..d_g; keep through d_n
         target_in = new[:, None]
-        draft_in = torch.stack([drafts[:, -1], new], 1)
-        draft_valid = torch.stack([full.long(), torch.ones_like(n)], 1)
+        if g:
+            drf.reject_tail((g - 1 - n).clamp(min=0))  # draft saw .., d_1..d_{g-1}
+            draft_in = torch.stack([drafts[:, -1], new], 1)
+            draft_valid = torch.stack([(n == g).long(), torch.ones_like(n)], 1)
+        else:
+            draft_in = torch.cat([draft_in, target_in], 1)
+            draft_valid = torch.cat([draft_valid, torch.ones_like(target_in)], 1)
 
-        if bool(done.all()):
-            break
-        if bool(done.any()):
+        finished = bool(done.all())
+        if not finished and bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
             rows, target_in, draft_in, draft_valid = rows[keep], target_in[keep], draft_in[keep], draft_valid[keep]
             tgt.select_rows(keep)
             drf.select_rows(keep)
+        if schedule is not None:  # the whole block: drafting, then verifying and its bookkeeping
+            took = int(n.sum())
+            judged = took + int((n < g).sum())
+            schedule.observe(b, g, drafted_at - start, _clock(dev) - drafted_at, took, judged, took + b)
+        if finished:
+            break
 
     stats = SpecStats(
         gamma=gamma,
         blocks=blocks.cpu(),
+        drafted=drafted.cpu(),
         accepted=accepted.cpu(),
         rejected=rejected.cpu(),
         new_tokens=emitter.count.cpu(),
         target_calls=tgt.calls,
         draft_calls=drf.calls,
+        gammas=gammas,
     )
     return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone(), stats)

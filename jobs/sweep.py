@@ -24,7 +24,7 @@ from pathlib import Path
 from distillspec.cli import parse_job_args, run_main
 from distillspec.config import JobConfig
 from distillspec.errors import DistillSpecError
-from distillspec.files import write_json
+from distillspec.files import exclusive, write_json
 
 
 def _key(t: float) -> str:
@@ -236,10 +236,10 @@ def main(cfg: JobConfig) -> dict:
     from distillspec.report import plot_recipe_grid
 
     out = Path(cfg.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    result = run_sweep(cfg, out)
-    write_json(out / "sweep.json", result, indent=2)
-    plot_recipe_grid(result, out / "recipes.png")
+    with exclusive(out):
+        result = run_sweep(cfg, out)
+        write_json(out / "sweep.json", result, indent=2)
+        plot_recipe_grid(result, out / "recipes.png")
     print(format_sweep(result))
     for f in result["failed"]:
         print(f"trial failed: {f}")

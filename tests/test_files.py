@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from distillspec.config import DistillConfig, load_config
-from distillspec.files import read_json, write_atomic, write_folder, write_json
+from distillspec.errors import DistillSpecError
+from distillspec.files import exclusive, read_json, write_atomic, write_folder, write_json
 from distillspec.learner import Learner, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,3 +125,24 @@ def test_a_cut_off_results_file_does_not_stop_the_rerun(tmp_path, capsys):
     write_json(tmp_path / "results.json", {"records": []})
     with pytest.raises(DistillSpecError, match="holds a finished run"):
         check_rerun(cfg, tmp_path)
+
+
+def test_one_job_at_a_time_writes_into_a_folder(tmp_path):
+    """A second job on a held folder stops at once naming the holder; a holder killed with SIGKILL leaves no lock."""
+    from cluster.distill_job import run
+
+    code = "import sys, time; from distillspec.files import exclusive\nwith exclusive(sys.argv[1]):\n"
+    code += "    print('held', flush=True)\n    time.sleep(120)"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DistillSpecError, match=f"in use by another job \\(process {holder.pid}\\)"):
+            run(load_config(None, [f"output_dir={tmp_path}"]))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with exclusive(tmp_path):
+        with pytest.raises(DistillSpecError, match="in use"), exclusive(tmp_path):
+            pass
+    with exclusive(tmp_path):
+        pass

@@ -46,6 +46,9 @@ def endpoint(ray_cluster, tiny_garden, tmp_path_factory):
         "serve.sync_every_s=0.2",
         "serve.record_prompts=true",
         "serve.gamma=3",
+        "serve.max_body_bytes=65536",
+        "serve.max_prompts=16",
+        "serve.max_queued_prompts=40",
     ]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(bind(load_config(None, common)), name="sd", route_prefix="/")
@@ -162,6 +165,7 @@ def test_sampling_lossy_and_no_speculation_fields(client):
         ({"prompt": ""}, "prompt"),
         ({"prompt": "1+1=" * 60}, "prompt"),  # longer than serve.max_prompt_tokens
         ({"prompt": "1+1=", "gamma": 0}, "gamma"),
+        ({"prompt": "1+1=", "gamma": "some"}, "gamma"),
         ({"prompt": "1+1=", "epsilon": 0}, "epsilon"),
         ({"prompt": "1+1=", "epsilon": 1.5}, "epsilon"),
         ({"prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
@@ -226,8 +230,9 @@ def test_api_key(endpoint):
 
 
 def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
-    """Requests from 8 threads while the learner's weight store publishes a new version: none fails, greedy
-    text stays the target's (SD is lossless whatever the draft), and responses turn to the new version."""
+    """Requests from 8 threads (half with gamma chosen live) while the learner's weight store publishes a new
+    version: none fails, greedy text stays the target's (SD is lossless whatever the draft and gamma), and responses
+    turn to the new version."""
     import ray
 
     from actors.common import NAMESPACE, weights_name
@@ -245,7 +250,10 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
         while not stop.is_set():
             prompt = PROMPTS[i % len(PROMPTS)]
             try:
-                r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=16, temperature=0)
+                extra = {"gamma": "auto"} if i % 2 else {}
+                r = client.completions.create(
+                    model="distillspec", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra
+                )
                 results.append((prompt, r.choices[0].text, r.model_extra["distillspec"]["draft_version"]))
             except Exception as exc:
                 errors.append(repr(exc))
@@ -268,6 +276,7 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     assert all(text == expected[prompt] for prompt, text, _ in results)
     stats = requests.get(f"{endpoint}/v1/stats", timeout=10).json()
     assert stats["draft_version"] == 7 and stats["swaps"][-1]["to"] == 7
+    assert sum(stats["auto_gamma"]["chosen"].values()) > 0 and stats["auto_gamma"]["measured_tokens_per_s"] > 0
     ray.kill(store)
 
 
@@ -314,3 +323,46 @@ def test_the_key_can_come_from_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert with_api_key(load_config(None, [])).serve.api_key == "from-env"
     assert with_api_key(load_config(None, ["serve.api_key=given"])).serve.api_key == "given"  # the config wins
+
+
+def test_limits_answer_413_and_429_in_openais_shape(endpoint):
+    """A body over serve.max_body_bytes (with a Content-Length or chunked), more prompts than serve.max_prompts,
+    and prompts past what the replica holds (serve.max_queued_prompts): each gets its 4xx, the others their answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{endpoint}/v1/completions"
+    big = requests.post(url, json={"prompt": "1+1=" * 20_000}, timeout=30)
+    assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+    chunks = iter([b'{"prompt": "', b"1" * 70_000, b'"}'])
+    chunked = requests.post(url, data=chunks, headers={"Content-Type": "application/json"}, timeout=30)
+    assert chunked.status_code == 413, chunked.text
+    many = requests.post(url, json={"prompt": ["1+1="] * 10_000}, timeout=30)  # 70 KB: the body limit answers
+    assert many.status_code == 413
+    many = requests.post(url, json={"prompt": ["1+1="] * 1_000}, timeout=30)
+    assert many.status_code == 413 and many.json()["error"]["param"] == "prompt"
+
+    body = {"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(16)], "max_tokens": 48, "temperature": 1.0}
+    with ThreadPoolExecutor(3) as pool:  # 3 x 16 prompts at once; the replica holds at most 40
+        answers = list(pool.map(lambda _: requests.post(url, json=body, timeout=120), range(3)))
+    assert sorted(r.status_code for r in answers) == [200, 200, 429], [r.text[:200] for r in answers]
+    refused = next(r for r in answers if r.status_code == 429)
+    assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["type"] == "rate_limit_error"
+    assert requests.post(url, json=body, timeout=120).status_code == 200  # the holds were let go
+
+
+def test_an_8_mb_request_while_8_streams_flow(endpoint, client):
+    """An 8 MB body is refused (413) without stalling the replica: 8 streams running meanwhile all finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stream(i: int) -> str:
+        chunks = client.completions.create(
+            model="distillspec", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=48, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, i) for i in range(8)]
+        huge = requests.post(f"{endpoint}/v1/completions", json={"prompt": "x" * (8 << 20)}, timeout=60)
+        texts = [s.result(timeout=120) for s in streams]
+    assert huge.status_code == 413
+    assert all(texts)

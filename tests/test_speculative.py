@@ -250,3 +250,53 @@ def test_eos_and_padding_default_from_the_generation_config(close_pair, speculat
     assert int(default.num_new_tokens[1]) <= 5
     assert torch.equal(default.sequences, explicit.sequences)
     assert torch.equal(default.num_new_tokens, explicit.num_new_tokens)
+
+
+class Cycle:
+    """A gamma schedule that drafts the given numbers of tokens in turn and records what it was told."""
+
+    def __init__(self, gammas: list[int]) -> None:
+        self.gammas, self.i, self.seen = gammas, 0, []
+
+    def choose(self, batch: int) -> int:
+        self.i += 1
+        return self.gammas[(self.i - 1) % len(self.gammas)]
+
+    def observe(self, batch, gamma, draft_s, verify_s, accepted, judged, tokens) -> None:
+        self.seen.append((batch, gamma, accepted, judged, tokens))
+        assert draft_s >= 0 and verify_s > 0 and 0 <= accepted <= judged <= batch * gamma
+
+
+def test_gamma_per_block_stays_exact_greedy(close_pair):
+    """Blocks of 0 to 3 drafts in turn (0: the target alone; the draft catches up at its next block)."""
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    schedule = Cycle([0, 0, 3, 1, 0, 2])
+    sd = speculative_generate(
+        target, draft, ids, gamma=3, max_new_tokens=24, temperature=0, attention_mask=mask, schedule=schedule
+    )
+    own = autoregressive_generate(target, ids, max_new_tokens=24, temperature=0, attention_mask=mask)
+    assert torch.equal(sd.sequences, own.sequences)
+    assert sd.stats.gammas == [schedule.gammas[i % 6] for i in range(len(sd.stats.gammas))]
+    assert int(sd.stats.drafted.sum()) == sum(b * g for b, g, *_ in schedule.seen)
+    assert int(sd.stats.accepted.sum()) == sum(a for _, _, a, _, _ in schedule.seen) > 0
+
+
+@pytest.mark.parametrize("gammas", [[0, 2], [2, 0], [1, 0, 3]])
+def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, gammas):
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    n = 12_000
+    out = speculative_generate(
+        target,
+        draft,
+        prompt.repeat(n, 1),
+        gamma=3,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(len(gammas)),
+        schedule=Cycle(gammas),
+    )
+    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
+    expected = exact_joint(target, prompt) * n
+    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3

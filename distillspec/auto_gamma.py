@@ -1,0 +1,245 @@
+"""Gamma chosen live (``gamma: "auto"``): for each decoding block, the number of draft tokens that maximises the
+expected tokens per second, from the live acceptance rate of the draft version being served and the measured cost of
+a draft step and of a verify step at that block's batch size.
+
+With acceptance rate alpha, a block that drafts gamma tokens emits on average (Leviathan et al., 2023, eq. 1)
+
+    E(gamma) = (1 - alpha^(gamma + 1)) / (1 - alpha)
+
+tokens per row and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a batch of ``b`` rows, where
+``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per row. Gamma 0 is plain decoding: one
+token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: a
+moving average per shape where a shape was measured often, and a least-squares line in the number of tokens a forward
+runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens per draft version and
+decoding settings, started from a prior (the serving gate's canary alpha of that version, when known). One block in
+``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+#: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen
+AlphaKey = tuple[int, float, str | None, float]
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens per row of a block drafting ``gamma`` tokens at acceptance rate ``alpha`` (i.i.d. acceptance),
+    the bonus or corrected token included: ``E(0) = 1``, at most ``gamma + 1``."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+class StepCosts:
+    """Seconds of one model forward by its shape (rows, positions per row), learned from measurements.
+
+    A shape measured at least ``trust`` times is predicted by its own moving average (weight ``decay`` on the past);
+    any other by a least-squares line in tokens (rows x positions) through all measurements, older ones weighted down
+    by ``forget`` per measurement, slope and intercept kept non-negative (one size measured only: its cost, flat).
+    Both update and predict in constant time: the choice runs before every decoding block."""
+
+    def __init__(self, decay: float = 0.95, trust: int = 3, forget: float = 0.995) -> None:
+        self.decay, self.trust, self.forget = decay, trust, forget
+        self.cells: dict[tuple[int, int], list[float]] = {}  #: (rows, positions) -> [average seconds, measurements]
+        self.sums = [0.0] * 5  #: decayed sums of 1, x, y, x^2, x*y over measurements (x tokens, y seconds)
+
+    def observe(self, rows: int, positions: int, seconds: float) -> None:
+        cell = self.cells.get((rows, positions))
+        if cell is None:
+            self.cells[(rows, positions)] = [seconds, 1]
+        else:
+            cell[0] = self.decay * cell[0] + (1 - self.decay) * seconds
+            cell[1] += 1
+        x = rows * positions
+        for k, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
+            self.sums[k] = self.forget * self.sums[k] + v
+
+    def predict(self, rows: int, positions: int) -> float | None:
+        """Predicted seconds, or None before any measurement."""
+        cell = self.cells.get((rows, positions))
+        if cell is not None and cell[1] >= self.trust:
+            return cell[0]
+        n, sx, sy, sxx, sxy = self.sums
+        if not n:
+            return None
+        mx, my = sx / n, sy / n
+        var = sxx / n - mx * mx
+        slope = max(0.0, (sxy / n - mx * my) / var) if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        intercept = max(0.0, my - slope * mx)
+        return max(intercept + slope * rows * positions, 1e-9)
+
+
+@dataclass
+class GammaPlan:
+    """The choice for one block: gamma, and the expected tokens per second of each gamma considered."""
+
+    gamma: int
+    tokens_per_s: dict[int, float] = field(default_factory=dict)
+
+
+class AutoGamma:
+    """Chooses gamma per block for every call a server makes, and learns costs and alpha from the blocks.
+
+    Thread-safe: a replica decodes batches and streams in several threads at once, all feeding one instance."""
+
+    def __init__(
+        self,
+        max_gamma: int,
+        *,
+        prior_alpha: float = 0.5,
+        prior_weight: float = 16.0,
+        memory: int = 64,
+        explore_every: int = 10,
+        start_gamma: int | None = None,
+    ) -> None:
+        self.max_gamma, self.prior_alpha, self.prior_weight = max_gamma, prior_alpha, prior_weight
+        self.keep = 1.0 - 1.0 / memory  #: weight of the past in alpha's counts, per block
+        self.explore_every = explore_every
+        self.start_gamma = min(max_gamma, 5) if start_gamma is None else start_gamma
+        self.draft_costs, self.verify_costs = StepCosts(), StepCosts()
+        self.counts: dict[Hashable, list[float]] = {}  #: alpha key -> [accepted, judged], decayed
+        self.priors: dict[int, float] = {}  #: draft version -> its canary alpha
+        self.lock = threading.Lock()
+        self.blocks = 0
+        self.chosen: list[int] = []  #: gammas chosen since the last :meth:`drain`
+        self.histogram: Counter[int] = Counter()  #: every gamma chosen
+        self.expected_tps: float | None = None  #: moving averages over blocks: predicted tokens/s of the choice
+        self.measured_tps: float | None = None  #: and the tokens/s the block reached
+
+    # -- alpha -------------------------------------------------------------------------------------------------
+    def start_version(self, version: int, alpha: float | None) -> None:
+        """A new draft version starts from ``alpha`` (its canary's; None: the prior)."""
+        with self.lock:
+            if alpha is not None and 0.0 <= alpha <= 1.0:
+                self.priors[version] = alpha
+
+    def alpha(self, key: AlphaKey) -> float:
+        with self.lock:
+            accepted, judged = self._counts(key)
+            return accepted / judged
+
+    def _counts(self, key: AlphaKey) -> list[float]:
+        if key not in self.counts:
+            prior = self.priors.get(key[0], self.prior_alpha)
+            self.counts[key] = [prior * self.prior_weight, self.prior_weight]
+        return self.counts[key]
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop alpha of versions other than ``keep``."""
+        with self.lock:
+            for key in [k for k in self.counts if k[0] not in keep]:
+                del self.counts[key]
+
+    # -- the choice ---------------------------------------------------------------------------------------------
+    def plan(self, key: AlphaKey, batch: int) -> GammaPlan:
+        """The gamma with the most expected tokens per second for a block of ``batch`` rows (ties: the smaller),
+        and each gamma's expected tokens per second; before any cost is measured, ``start_gamma``."""
+        with self.lock:
+            accepted, judged = self._counts(key)
+            return self._plan(accepted / judged, batch)
+
+    def _plan(self, alpha: float, batch: int) -> GammaPlan:
+        rates = {}
+        for g in range(self.max_gamma + 1):
+            seconds = self._block_seconds(batch, g)
+            if seconds is None:
+                return GammaPlan(self.start_gamma)
+            rates[g] = batch * expected_tokens(alpha, g) / seconds
+        return GammaPlan(max(rates, key=lambda g: (rates[g], -g)), rates)
+
+    def _block_seconds(self, batch: int, gamma: int) -> float | None:
+        verify = self.verify_costs.predict(batch, gamma + 1)
+        draft = self.draft_costs.predict(batch, 1) if gamma else 0.0
+        return None if verify is None or draft is None else gamma * draft + verify
+
+    def choose(self, key: AlphaKey, batch: int) -> int:
+        """Gamma for the next block of ``batch`` rows: the plan's, or one block in ``explore_every`` a neighbour."""
+        with self.lock:
+            accepted, judged = self._counts(key)
+            plan = self._plan(accepted / judged, batch)
+            self.blocks += 1
+            gamma = plan.gamma
+            if plan.tokens_per_s and self.blocks % self.explore_every == 0:
+                up = gamma == 0 or (gamma < self.max_gamma and (self.blocks // self.explore_every) % 2 == 1)
+                gamma = gamma + 1 if up else gamma - 1
+            self.chosen.append(gamma)
+            self.histogram[gamma] += 1
+            if plan.tokens_per_s:
+                self.expected_tps = _average(self.expected_tps, plan.tokens_per_s[gamma])
+            return gamma
+
+    def observe(
+        self,
+        key: AlphaKey,
+        batch: int,
+        gamma: int,
+        draft_s: float,
+        verify_s: float,
+        accepted: int,
+        judged: int,
+        tokens: int,
+        chosen: bool = True,
+    ) -> None:
+        """What a block of ``batch`` rows drafting ``gamma`` tokens took: seconds drafting and verifying, draft tokens
+        accepted and judged (all rows), tokens emitted (all rows); ``chosen``: gamma was this instance's choice (the
+        tokens/s it reached count against what it expected), not a request's fixed gamma."""
+        with self.lock:
+            if gamma:
+                self.draft_costs.observe(batch, 1, draft_s / gamma)
+            self.verify_costs.observe(batch, gamma + 1, verify_s)
+            if judged:
+                counts = self._counts(key)
+                counts[0] = self.keep * counts[0] + accepted
+                counts[1] = self.keep * counts[1] + judged
+            if chosen:
+                self.measured_tps = _average(self.measured_tps, tokens / max(draft_s + verify_s, 1e-9))
+
+    def for_call(self, key: AlphaKey, fixed: int | None = None) -> BoundGamma:
+        """The schedule one decoding call follows (see :class:`distillspec.speculative.GammaSchedule`): gamma
+        chosen per block, or ``fixed`` (a request that names its gamma), whose blocks are measured all the same."""
+        return BoundGamma(self, key, fixed)
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+    def drain(self) -> list[int]:
+        """The gammas chosen since the last call (for a histogram on the dashboard)."""
+        with self.lock:
+            chosen, self.chosen = self.chosen, []
+            return chosen
+
+    def summary(self) -> dict:
+        with self.lock:
+            return {
+                "max_gamma": self.max_gamma,
+                "chosen": {str(g): n for g, n in sorted(self.histogram.items())},
+                "expected_tokens_per_s": self.expected_tps,
+                "measured_tokens_per_s": self.measured_tps,
+                "alpha": {
+                    f"v{k[0]} T={k[1]:g}" + (f" {k[2]} eps={k[3]:g}" if k[2] else ""): c[0] / c[1]
+                    for k, c in self.counts.items()
+                },
+            }
+
+
+def _average(old: float | None, new: float, keep: float = 0.95) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
+
+
+@dataclass
+class BoundGamma:
+    """:class:`AutoGamma` for one call: its draft version and decoding settings fixed (and its gamma, if fixed)."""
+
+    auto: AutoGamma
+    key: AlphaKey
+    fixed: int | None = None
+
+    def choose(self, batch: int) -> int:
+        return self.auto.choose(self.key, batch) if self.fixed is None else self.fixed
+
+    def observe(
+        self, batch: int, gamma: int, draft_s: float, verify_s: float, accepted: int, judged: int, tokens: int
+    ) -> None:
+        self.auto.observe(self.key, batch, gamma, draft_s, verify_s, accepted, judged, tokens, self.fixed is None)

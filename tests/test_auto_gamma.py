@@ -1,0 +1,91 @@
+"""Gamma chosen live (gamma="auto"): the expected-tokens formula, the cost model, the choice, and the Completer."""
+
+import pytest
+
+from distillspec.auto_gamma import AutoGamma, StepCosts, expected_tokens
+from distillspec.serving import Completer, CompletionJob, DecodingArgs
+
+from .conftest import greedy_text
+
+KEY = (-1, 1.0, None, 1.0)  # draft version, temperature, lenience, epsilon
+
+
+def test_expected_tokens_per_block():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 7) == 1.0
+
+
+def test_step_costs_own_average_where_measured_and_a_line_in_tokens_elsewhere():
+    costs = StepCosts(trust=2)
+    assert costs.predict(1, 1) is None
+    costs.observe(2, 3, 0.5)
+    assert costs.predict(16, 8) == 0.5  # one size measured: flat
+    costs, line = StepCosts(trust=2), lambda rows, positions: 0.01 + 0.002 * rows * positions
+    for rows, positions in [(1, 2), (4, 2), (8, 4), (2, 3)]:
+        costs.observe(rows, positions, line(rows, positions))
+    assert costs.predict(16, 8) == pytest.approx(line(16, 8))
+    for _ in range(3):
+        costs.observe(1, 1, 0.2)  # measured often: its own average, not the line
+    assert costs.predict(1, 1) == pytest.approx(0.2)
+
+
+def feed(auto: AutoGamma, alpha: float, batches: list[int], blocks: int = 4) -> None:
+    """Blocks at every gamma and batch size: a draft step 1 ms, a verify 10 ms + 0.5 ms per token, acceptance alpha."""
+    for batch in batches:
+        for gamma in range(auto.max_gamma + 1):
+            for _ in range(blocks):
+                judged = 100 * gamma
+                verify = 0.010 + 0.0005 * batch * (gamma + 1)
+                auto.observe(KEY, batch, gamma, 0.001 * gamma, verify, round(alpha * judged), judged, batch)
+
+
+def best_by_hand(alpha: float, batch: int, max_gamma: int) -> int:
+    rate = lambda g: batch * expected_tokens(alpha, g) / (0.001 * g + 0.010 + 0.0005 * batch * (g + 1))
+    return max(range(max_gamma + 1), key=rate)
+
+
+def test_the_choice_maximises_expected_tokens_per_second():
+    auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
+    assert auto.choose(KEY, 1) == 5  # nothing measured yet: the start gamma
+    feed(auto, 0.9, [1, 16])
+    assert auto.alpha(KEY) == pytest.approx(0.9, abs=0.01)
+    assert auto.choose(KEY, 1) == best_by_hand(0.9, 1, 7) == 7  # cheap verification: draft the most
+    assert auto.choose(KEY, 16) == best_by_hand(0.9, 16, 7) < 7  # a verify step that grows with the batch
+    feed(auto, 0.05, [1, 16], blocks=200)  # the draft got worse: alpha follows, speculation stops
+    assert auto.alpha(KEY) == pytest.approx(0.05, abs=0.02)
+    assert auto.choose(KEY, 16) == 0
+    plan = auto.plan(KEY, 16)
+    assert plan.gamma == 0 and plan.tokens_per_s[0] == max(plan.tokens_per_s.values())
+
+
+def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored():
+    auto = AutoGamma(7, explore_every=2)
+    auto.start_version(3, 0.8)
+    assert auto.alpha((3, 1.0, None, 1.0)) == pytest.approx(0.8)
+    assert auto.alpha((4, 1.0, None, 1.0)) == pytest.approx(auto.prior_alpha)
+    feed(auto, 0.9, [1])
+    auto.drain()
+    chosen = [auto.choose(KEY, 1) for _ in range(6)]
+    assert chosen.count(7) == 3 and chosen.count(6) == 3  # every second block a neighbour of the best
+    assert auto.drain() == chosen and auto.drain() == []
+    auto.forget({3})
+    assert set(auto.counts) == {(3, 1.0, None, 1.0)}
+
+
+def test_completer_with_auto_gamma(text_pair, tokenizer):
+    target, draft = text_pair
+    completer = Completer(target, draft, tokenizer, max_prompt_tokens=16, max_gamma=4)
+    args = DecodingArgs(gamma="auto", temperature=0.0)
+    prompts = ["12+7=", "3*4=", "100-1="]
+    for _ in range(2):  # the second call chooses from what the first measured
+        done = completer.complete([CompletionJob(p, 12, args) for p in prompts])
+    for prompt, c in zip(prompts, done, strict=True):
+        assert c.text == greedy_text(target, tokenizer, prompt, 12)  # exact, whatever gamma each block drafted
+        assert c.stats["gamma"] == "auto" and c.stats["drafted"] <= 4 * c.stats["target_calls"]
+    chosen = completer.auto.drain()
+    assert chosen and set(chosen) <= set(range(5))
+    summary = completer.auto.summary()
+    assert summary["measured_tokens_per_s"] > 0 and summary["expected_tokens_per_s"] > 0
