@@ -375,7 +375,8 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
     url = start(cfg)
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
     settings: list[int | str] = [0, 1, 3, 5, 7, "auto"]
-    concurrencies, rounds = [1, 4, 8, 16], 3
+    # Each setting: ``rounds`` x ``per_client`` requests per client (a pretrained target: 2 x 2, the garden: 3 x 8).
+    concurrencies, (rounds, per_client) = [1, 4, 8, 16], (2, 2) if cfg.target else (3, 8)
     body = {"max_tokens": cfg.eval.max_new_tokens}
     table: dict[str, dict[str, dict]] = {}
 
@@ -391,7 +392,7 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
             for r in range(rounds):
                 for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
                     extra = {"speculative": False} if g == 0 else {"gamma": g}
-                    rows, errors, seconds = _send(url, prompts, {**body, **extra}, c, lambda i, n=8 * c: i < n)
+                    rows, errors, seconds = _send(url, prompts, {**body, **extra}, c, lambda i, n=per_client * c: i < n)
                     if errors:
                         raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
                     cell = sums[str(g)]

@@ -12,7 +12,9 @@ token per target forward ``verify(b, 0)``. Both costs are measured on the blocks
 moving average per shape where a shape was measured often, and a least-squares line in the number of tokens a forward
 runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens per draft version and
 decoding settings, started from a prior (the serving gate's canary alpha of that version, when known). One block in
-``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured.
+``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured,
+unless that neighbour is expected to reach less than ``explore_within`` of the best's tokens per second (trying a
+clear loser costs more than it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import threading
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+
+from distillspec.config import START_GAMMA
 
 #: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen
 AlphaKey = tuple[int, float, str | None, float]
@@ -94,12 +98,13 @@ class AutoGamma:
         prior_weight: float = 16.0,
         memory: int = 64,
         explore_every: int = 10,
+        explore_within: float = 0.8,
         start_gamma: int | None = None,
     ) -> None:
         self.max_gamma, self.prior_alpha, self.prior_weight = max_gamma, prior_alpha, prior_weight
         self.keep = 1.0 - 1.0 / memory  #: weight of the past in alpha's counts, per block
-        self.explore_every = explore_every
-        self.start_gamma = min(max_gamma, 5) if start_gamma is None else start_gamma
+        self.explore_every, self.explore_within = explore_every, explore_within
+        self.start_gamma = min(max_gamma, START_GAMMA) if start_gamma is None else start_gamma
         self.draft_costs, self.verify_costs = StepCosts(), StepCosts()
         self.counts: dict[Hashable, list[float]] = {}  #: alpha key -> [accepted, judged], decayed
         self.priors: dict[int, float] = {}  #: draft version -> its canary alpha
@@ -165,7 +170,9 @@ class AutoGamma:
             gamma = plan.gamma
             if plan.tokens_per_s and self.blocks % self.explore_every == 0:
                 up = gamma == 0 or (gamma < self.max_gamma and (self.blocks // self.explore_every) % 2 == 1)
-                gamma = gamma + 1 if up else gamma - 1
+                neighbour = gamma + 1 if up else gamma - 1
+                if plan.tokens_per_s[neighbour] >= self.explore_within * plan.tokens_per_s[gamma]:
+                    gamma = neighbour  # a clear loser is not tried (a new draft version's alpha reopens it)
             self.chosen.append(gamma)
             self.histogram[gamma] += 1
             if plan.tokens_per_s:

@@ -30,6 +30,7 @@ Backend = Literal["hf", "vllm"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 PosInt = Annotated[int, Field(ge=1)]
+START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # finite: .inf would mean "never" by accident
 PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -256,7 +257,8 @@ class ServeConfig:
     gamma: PosInt | Literal["auto"] = knob(
         "auto",
         "draft tokens per block when a request gives none; auto (backend hf): chosen per block, 0 to max_gamma, for "
-        "the most tokens/s at the live alpha and the measured step costs (backend vllm: the engine drafts max_gamma)",
+        "the most tokens/s at the live alpha and the measured step costs (backend vllm: the engine drafts 5, or "
+        "max_gamma if lower)",
     )
     max_gamma: PosInt = knob(7, "the most draft tokens per block gamma=auto chooses")
     temperature: Annotated[float, Field(ge=0, le=2)] = knob(
@@ -303,8 +305,9 @@ class ServeConfig:
 
     @property
     def fixed_gamma(self) -> int:
-        """Gamma where one number is needed (the vLLM engine, the canary): ``gamma``, or ``max_gamma`` for auto."""
-        return self.max_gamma if self.gamma == "auto" else self.gamma
+        """Gamma where one number is needed (the vLLM engine, the canary): ``gamma``; for auto, where its choice
+        starts (:class:`distillspec.auto_gamma.AutoGamma`): 5, or ``max_gamma`` if lower."""
+        return min(START_GAMMA, self.max_gamma) if self.gamma == "auto" else self.gamma
 
     def validate(self) -> None:
         if self.min_replicas > self.max_replicas:

@@ -168,13 +168,14 @@ class CachedLM:
         return self._forward(input_ids, positions, last_only=True)[:, -1]
 
     @torch.inference_mode()
-    def step(self, tokens: Tensor, valid: Tensor | None = None) -> Tensor:
-        """Append ``tokens`` [B, k] (``valid`` marks real ones; others become holes); return logits [B, k, V]."""
+    def step(self, tokens: Tensor, valid: Tensor | None = None, last_only: bool = False) -> Tensor:
+        """Append ``tokens`` [B, k] (``valid`` marks real ones; others become holes); return logits [B, k, V] (with
+        ``last_only``, [B, 1, V]: the output layer runs for the last column alone)."""
         valid = torch.ones_like(tokens) if valid is None else valid.long()
         positions = self.next_pos[:, None] + (valid.cumsum(-1) - 1).clamp(min=0)
         self.mask = valid if self.mask is None else torch.cat([self.mask, valid], dim=-1)
         self.next_pos = self.next_pos + valid.sum(-1)
-        return self._forward(tokens, positions)
+        return self._forward(tokens, positions, last_only)
 
     @torch.inference_mode()
     def reject_tail(self, n_rejected: Tensor) -> None:

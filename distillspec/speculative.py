@@ -363,7 +363,7 @@ def speculative_generate(
         q, drafts = [], []
         x, valid = draft_in, draft_valid
         for _ in range(g):
-            logits = drf.step(x, valid)[:, -1]
+            logits = drf.step(x, valid, last_only=not compile)[:, -1]  # (compiled steps run every column)
             if temperature == 0:
                 d_j = logits.argmax(-1)
             else:

@@ -57,6 +57,8 @@ def test_the_choice_maximises_expected_tokens_per_second():
     feed(auto, 0.05, [1, 16], blocks=200)  # the draft got worse: alpha follows, speculation stops
     assert auto.alpha(KEY) == pytest.approx(0.05, abs=0.02)
     assert auto.choose(KEY, 16) == 0
+    auto.explore_every = 1  # every block a candidate for exploring, but gamma 1 is a clear loser here: not tried
+    assert [auto.choose(KEY, 16) for _ in range(4)] == [0, 0, 0, 0]
     plan = auto.plan(KEY, 16)
     assert plan.gamma == 0 and plan.tokens_per_s[0] == max(plan.tokens_per_s.values())
 
