@@ -51,7 +51,22 @@ and a draft of Llama-160M's shape (seconds, GB/s, and the share of the sync's ow
     python benchmarks/benchmark.py integrity
 
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
-``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time.
+``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time, and the
+mean gamma the endpoint chose (``serve.gamma=auto``) as the draft improves.
+
+Suite ``gamma``: tokens/s at the endpoint at concurrency 1, 4, 8 and 16 for gamma 0 (speculation off), 1, 3, 5, 7
+and auto, settings measured side by side; ``serve.temperature=0`` makes every setting decode the same tokens.
+
+    python benchmarks/benchmark.py gamma serve.temperature=0
+    python benchmarks/benchmark.py gamma serve.temperature=0 eval.max_new_tokens=16 --scale real -o outputs/real
+
+Suite ``soak``: --budget seconds (e.g. 1200) of mixed traffic at concurrency 8 (temperatures, streams, gamma auto,
+fixed or off) with a new draft version every minute: errors and the replica's memory over time. Suite ``fuzz``:
+Schemathesis (``pip install schemathesis``) sends property-based requests to every route of the OpenAPI schema and
+the suite counts the answers with a 5xx.
+
+    python benchmarks/benchmark.py soak --budget 1200
+    python benchmarks/benchmark.py fuzz
 """
 
 from __future__ import annotations
@@ -576,6 +591,54 @@ def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
     return result
 
 
+def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
+    """Property-based requests to every route of the endpoint's OpenAPI schema with Schemathesis (``pip install
+    schemathesis``): how many it sent, and how many got a 5xx (the goal: none). Every request and answer is kept in
+    ``fuzz/*.har``. ``--budget`` is unused; the examples per route are Schemathesis's ``--max-examples``, 100."""
+    import shutil
+    import subprocess
+
+    import ray
+    from ray import serve
+
+    from cluster.connect import connect
+    from jobs.serve import start
+
+    del budget
+    st = shutil.which("st") or str(Path(sys.executable).parent / "st")
+    if not Path(st).exists():
+        raise DistillSpecError("suite fuzz needs Schemathesis: pip install schemathesis")
+    cfg = load_config(None, ["ray.run_name=fuzz", "serve.sync_every_s=0", "serve.max_tokens=16", *overrides])
+    connect(cfg.ray)
+    base = start(cfg).removesuffix("/v1")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    command = [st, "run", f"{base}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "100"]
+    command += ["--report", "har", "--report-dir", str(out), "--request-timeout", "60", "--seed", str(cfg.seed)]
+    print("$ " + " ".join(command[1:]))
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)  # failures: counted below
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    entries = [e for har in out.glob("*.har") for e in json.loads(har.read_text())["log"]["entries"]]
+    statuses = [e["response"]["status"] for e in entries]
+    by_route: dict[str, int] = {}
+    for e in entries:
+        route = f"{e['request']['method']} {e['request']['url'].removeprefix(base)}"
+        by_route[route] = by_route.get(route, 0) + 1
+    result = {
+        "requests": len(statuses),
+        "server_errors": sum(s >= 500 for s in statuses),
+        "statuses": {str(s): statuses.count(s) for s in sorted(set(statuses))},
+        "by_route": by_route,
+        "exit_code": proc.returncode,
+    }
+    print(f"fuzz: {result['requests']} requests, {result['server_errors']} with a 5xx; statuses {result['statuses']}")
+    return result
+
+
 def _vllm_server(cfg, port: int, speculative: bool):
     """vLLM's own OpenAI server on the pair (a subprocess); returns it once it answers."""
     import subprocess
@@ -1054,6 +1117,7 @@ SUITES = {
     "online": suite_online,
     "gamma": suite_gamma,
     "soak": suite_soak,
+    "fuzz": suite_fuzz,
     "precision": suite_precision,
     "vllm": suite_vllm,
 }
@@ -1121,7 +1185,7 @@ def main() -> None:
         type=float,
         help="seconds of training per pipeline (suite async; default 240, 480 with --scale real)",
     )
-    parser.add_argument("--output-dir", default="outputs/benchmark")
+    parser.add_argument("-o", "--output-dir", default="outputs/benchmark")
     parser.add_argument(
         "--docs",
         default=str(Path(__file__).resolve().parents[1] / "docs"),

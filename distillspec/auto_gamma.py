@@ -28,6 +28,7 @@ from distillspec.config import START_GAMMA
 
 #: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen
 AlphaKey = tuple[int, float, str | None, float]
+MAX_KEYS = 256  #: alpha keys kept at once
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -120,7 +121,7 @@ class AutoGamma:
         """A new draft version starts from ``alpha`` (its canary's; None: the prior)."""
         with self.lock:
             if alpha is not None and 0.0 <= alpha <= 1.0:
-                self.priors[version] = alpha
+                self.priors = {**dict(list(self.priors.items())[-8:]), version: alpha}  # the latest versions
 
     def alpha(self, key: AlphaKey) -> float:
         with self.lock:
@@ -129,6 +130,8 @@ class AutoGamma:
 
     def _counts(self, key: AlphaKey) -> list[float]:
         if key not in self.counts:
+            if len(self.counts) >= MAX_KEYS:  # the oldest goes: clients' settings never grow it unbounded
+                del self.counts[next(iter(self.counts))]
             prior = self.priors.get(key[0], self.prior_alpha)
             self.counts[key] = [prior * self.prior_weight, self.prior_weight]
         return self.counts[key]

@@ -289,6 +289,9 @@ def canary_refusal(alpha: float, serving_alpha: float | None, margin: float) -> 
     return None
 
 
+MAX_SETTINGS = 256  #: decoding settings (per version) a replica keeps statistics for; the oldest go first
+
+
 class LiveAcceptance:
     """Live alpha per draft version from served completions' SD statistics, and the rollback rule.
 
@@ -311,6 +314,8 @@ class LiveAcceptance:
         made with; plain decoding counts nothing."""
         judged = stats["accepted"] + stats["rejected"]
         if judged:
+            if (version, args) not in self.recent and len(self.recent) >= MAX_SETTINGS:
+                del self.recent[next(iter(self.recent))]  # the oldest: clients' settings never grow it unbounded
             recent = self.recent.setdefault((version, args), deque(maxlen=self.window))
             recent.append((stats["accepted"], judged))
 

@@ -91,3 +91,14 @@ def test_completer_with_auto_gamma(text_pair, tokenizer):
     assert chosen and set(chosen) <= set(range(5))
     summary = completer.auto.summary()
     assert summary["measured_tokens_per_s"] > 0 and summary["expected_tokens_per_s"] > 0
+
+
+def test_clients_settings_never_grow_the_statistics_unbounded():
+    from distillspec.serving import MAX_SETTINGS, LiveAcceptance
+
+    auto, live = AutoGamma(7), LiveAcceptance(window=16, margin=0.1)
+    stats = {"accepted": 3, "rejected": 1}
+    for i in range(1000):  # a client that sends a new temperature each time
+        auto.alpha((0, i / 1000, None, 1.0))
+        live.record(0, stats, DecodingArgs(gamma=3, temperature=i / 1000))
+    assert len(auto.counts) <= 256 and len(live.recent) <= MAX_SETTINGS

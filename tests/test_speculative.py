@@ -300,3 +300,22 @@ def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, ga
     observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
     expected = exact_joint(target, prompt) * n
     assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+
+
+def test_the_verify_step_alone():
+    """Greedy: accept while the argmaxes agree, then the target's argmax. Sampled: a draft q equal to p is always
+    accepted (the bonus token comes after); a draft token p gives no mass is rejected and replaced from p - q."""
+    from distillspec.speculative import verify
+
+    logits = torch.tensor([[[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])  # argmaxes 1, 0, 2
+    n, new = verify(logits, torch.tensor([[1, 2]]), None, 0.0)
+    assert n.tolist() == [1] and new.tolist() == [0]
+    p = torch.softmax(logits, -1)
+    n, new = verify(logits, torch.tensor([[1, 0]]), p[:, :2], 1.0, generator=torch.Generator().manual_seed(0))
+    assert n.tolist() == [2]
+    blocked = logits.clone()
+    blocked[0, 0, 1] = -float("inf")  # the target never emits token 1 first
+    q = torch.tensor([[[0.0, 1.0, 0.0]]])
+    for seed in range(20):
+        n, new = verify(blocked[:, :2], torch.tensor([[1]]), q, 1.0, generator=torch.Generator().manual_seed(seed))
+        assert n.tolist() == [0] and new.item() != 1
