@@ -62,7 +62,7 @@ and auto, settings measured side by side; ``serve.temperature=0`` makes every se
 
 Suite ``soak``: --budget seconds (e.g. 1200) of mixed traffic at concurrency 8 (temperatures, streams, gamma auto,
 fixed or off) with a new draft version every minute: errors and the replica's memory over time. Suite ``fuzz``:
-Schemathesis (``pip install schemathesis``) sends property-based requests to every route of the OpenAPI schema and
+Schemathesis (``pip install -e .[fuzz]``) sends property-based requests to every route of the OpenAPI schema and
 the suite counts the answers with a 5xx.
 
     python benchmarks/benchmark.py soak --budget 1200
@@ -593,8 +593,8 @@ def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
 
 def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
     """Property-based requests to every route of the endpoint's OpenAPI schema with Schemathesis (``pip install
-    schemathesis``): how many it sent, and how many got a 5xx (the goal: none). Every request and answer is kept in
-    ``fuzz/*.har``. ``--budget`` is unused; the examples per route are Schemathesis's ``--max-examples``, 100."""
+    -e .[fuzz]``): how many it sent, and how many got a 5xx (the goal: none). Every request and answer is kept in
+    ``fuzz/requests.har``. ``--budget`` is unused; the examples per route are Schemathesis's ``--max-examples``, 100."""
     import shutil
     import subprocess
 
@@ -607,14 +607,15 @@ def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
     del budget
     st = shutil.which("st") or str(Path(sys.executable).parent / "st")
     if not Path(st).exists():
-        raise DistillSpecError("suite fuzz needs Schemathesis: pip install schemathesis")
+        raise DistillSpecError('suite fuzz needs Schemathesis: pip install -e ".[fuzz]"')
     cfg = load_config(None, ["ray.run_name=fuzz", "serve.sync_every_s=0", "serve.max_tokens=16", *overrides])
     connect(cfg.ray)
     base = start(cfg).removesuffix("/v1")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     command = [st, "run", f"{base}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "100"]
-    command += ["--report", "har", "--report-dir", str(out), "--request-timeout", "60", "--seed", str(cfg.seed)]
+    har = out / "requests.har"
+    command += ["--report", "har", "--report-har-path", str(har), "--request-timeout", "60", "--seed", str(cfg.seed)]
     print("$ " + " ".join(command[1:]))
     try:
         proc = subprocess.run(command, capture_output=True, text=True, check=False)  # failures: counted below
@@ -622,7 +623,7 @@ def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
         serve.shutdown()
         ray.shutdown()
     print(proc.stdout[-3000:], proc.stderr[-2000:])
-    entries = [e for har in out.glob("*.har") for e in json.loads(har.read_text())["log"]["entries"]]
+    entries = json.loads(har.read_text())["log"]["entries"] if har.exists() else []
     statuses = [e["response"]["status"] for e in entries]
     by_route: dict[str, int] = {}
     for e in entries:
@@ -776,7 +777,9 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     from jobs.serve import start
 
     del distilled
-    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", *overrides]
+    # The replica follows every version the learner publishes (no evaluator runs, so none passes a gate).
+    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", "serve.follow_version=latest"]
+    run += overrides
     cfg = load_config(None, run)
     connect(cfg.ray)
     url = start(cfg)
@@ -784,7 +787,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     out.mkdir(parents=True, exist_ok=True)
     job = [
         sys.executable,
-        str(Path(__file__).resolve().parent / "distill.py"),
+        str(Path(__file__).resolve().parents[1] / "jobs" / "distill.py"),
         "--output-dir",
         str(out / "distill"),
         f"ray.address={ray.get_runtime_context().gcs_address}",

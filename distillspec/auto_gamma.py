@@ -11,7 +11,8 @@ tokens per row and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a b
 token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: a
 moving average per shape where a shape was measured often, and a least-squares line in the number of tokens a forward
 runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens per draft version and
-decoding settings, started from a prior (the serving gate's canary alpha of that version, when known). One block in
+decoding settings, started from a prior (the serving gate's canary alpha of that version, when known; else the
+alpha of the version before it on the same settings). One block in
 ``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured,
 unless that neighbour is expected to reach less than ``explore_within`` of the best's tokens per second (trying a
 clear loser costs more than it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
@@ -118,7 +119,8 @@ class AutoGamma:
 
     # -- alpha -------------------------------------------------------------------------------------------------
     def start_version(self, version: int, alpha: float | None) -> None:
-        """A new draft version starts from ``alpha`` (its canary's; None: the prior)."""
+        """A new draft version starts from ``alpha`` (its canary's); without one, from the alpha of the version
+        last seen with the same settings (or ``prior_alpha``)."""
         with self.lock:
             if alpha is not None and 0.0 <= alpha <= 1.0:
                 self.priors = {**dict(list(self.priors.items())[-8:]), version: alpha}  # the latest versions
@@ -132,7 +134,8 @@ class AutoGamma:
         if key not in self.counts:
             if len(self.counts) >= MAX_KEYS:  # the oldest goes: clients' settings never grow it unbounded
                 del self.counts[next(iter(self.counts))]
-            prior = self.priors.get(key[0], self.prior_alpha)
+            same = [c for k, c in self.counts.items() if k[1:] == key[1:]]  # other versions, these settings
+            prior = self.priors.get(key[0], same[-1][0] / same[-1][1] if same else self.prior_alpha)
             self.counts[key] = [prior * self.prior_weight, self.prior_weight]
         return self.counts[key]
 

@@ -67,7 +67,8 @@ def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored(
     auto = AutoGamma(7, explore_every=2)
     auto.start_version(3, 0.8)
     assert auto.alpha((3, 1.0, None, 1.0)) == pytest.approx(0.8)
-    assert auto.alpha((4, 1.0, None, 1.0)) == pytest.approx(auto.prior_alpha)
+    assert auto.alpha((4, 1.0, None, 1.0)) == pytest.approx(0.8)  # no canary alpha: the version before it's
+    assert auto.alpha((4, 0.5, None, 1.0)) == pytest.approx(auto.prior_alpha)  # nothing seen at these settings
     feed(auto, 0.9, [1])
     auto.drain()
     chosen = [auto.choose(KEY, 1) for _ in range(6)]
