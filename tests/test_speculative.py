@@ -26,6 +26,13 @@ def exact_joint(target, prompt):
     return (p1[:, None] * p2).flatten()
 
 
+def fit_to_target(out, target, prompt) -> float:
+    """Chi-square p-value of the two tokens each row sampled after ``prompt`` against the target's exact joint."""
+    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
+    expected = exact_joint(target, prompt)
+    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+
+
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_sd_samples_follow_target_distribution(small_vocab_pair, gamma):
     """Chi-square over 12,000 two-token samples (64 cells), each row of one batch its own chain."""
@@ -42,9 +49,7 @@ def test_sd_samples_follow_target_distribution(small_vocab_pair, gamma):
         generator=torch.Generator().manual_seed(gamma),
     )
     assert 0.0 < out.stats.alpha < 1.0  # the test exercises both acceptance and rejection
-    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
-    expected = exact_joint(target, prompt) * n
-    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+    assert fit_to_target(out, target, prompt) > 1e-3
 
 
 def test_chi_square_detects_a_wrong_distribution(small_vocab_pair):
@@ -54,9 +59,7 @@ def test_chi_square_detects_a_wrong_distribution(small_vocab_pair):
     out = autoregressive_generate(
         draft, prompt.repeat(12_000, 1), max_new_tokens=2, temperature=1.0, generator=torch.Generator().manual_seed(0)
     )
-    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
-    expected = exact_joint(target, prompt) * 12_000
-    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue < 1e-6
+    assert fit_to_target(out, target, prompt) < 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +300,7 @@ def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, ga
         generator=torch.Generator().manual_seed(len(gammas)),
         schedule=Cycle(gammas),
     )
-    observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
-    expected = exact_joint(target, prompt) * n
-    assert chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue > 1e-3
+    assert fit_to_target(out, target, prompt) > 1e-3
 
 
 def test_the_verify_step_alone():
