@@ -27,7 +27,8 @@ from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig
 from distillspec.distill import train_temperature
 from distillspec.errors import DistillSpecError
-from distillspec.learner import Learner, load_checkpoint, save_checkpoint
+from distillspec.files import RecordLog
+from distillspec.learner import LOG_FILE, Learner, checkpoint_log, load_checkpoint, save_checkpoint
 from distillspec.models import load_model
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
@@ -69,12 +70,15 @@ def learner_loop(config: dict) -> None:
     target, _ = load_model(cfg.target, device=str(device), dtype=cfg.target_dtype)
     draft, tokenizer = load_model(cfg.draft, device=str(device))
     learner = Learner(draft, target, cfg.distill)
-    log_records, seconds_before = [], 0.0
+    records, seconds_before = None, 0.0  # the run's log (rank 0 keeps it)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            log_records, seconds_before = load_checkpoint(d, learner)
+            seconds_before = load_checkpoint(d, learner)
+            records = checkpoint_log(d, config["log"]) if rank == 0 else None
         log.info("learner rank %d: resumed from the checkpoint at step %d", rank, learner.step_count)
+    if rank == 0 and records is None:
+        records = RecordLog(config["log"])
 
     learner.model = ray.train.torch.prepare_model(draft, move_to_device=device)
     if rank == 0:
@@ -84,15 +88,17 @@ def learner_loop(config: dict) -> None:
     budget = cfg.distill.time_budget_s
     temperature = train_temperature(cfg.distill.temperature)
 
+    last = records.records[-1] if rank == 0 and records.records else None
+
     def save(final: bool) -> None:
-        metrics = {"step": learner.step_count, "final": final, **(log_records[-1] if log_records else {})}
+        metrics = {"step": learner.step_count, "final": final, **(last or {})}
         if rank != 0:
             ray.train.report(metrics)
             return
         with tempfile.TemporaryDirectory() as d:
             ledger = ray.get(buffer.ledger.remote())
             seconds = time.perf_counter() - start
-            save_checkpoint(d, learner, tokenizer, log_records, seconds=seconds, extra={"ledger": ledger})
+            save_checkpoint(d, learner, tokenizer, records, seconds=seconds, extra={"ledger": ledger})
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
     steps = cfg.distill.steps
@@ -109,7 +115,9 @@ def learner_loop(config: dict) -> None:
         )
         if rank == 0 and learner.step_count % cfg.ray.publish_every == 0:
             publish(store, draft, learner.step_count, record)
-        log_records.append(record)
+        last = record
+        if rank == 0:
+            records.append(record)
         gauge("distillspec_learner_loss", record["loss"], run=run)
         for name, value in rate.add(batch.rows, record["tokens"]).items():
             gauge(f"distillspec_learner_{name}_per_s", value, run=run)
@@ -139,7 +147,7 @@ class Rate:
 def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
     return TorchTrainer(
         learner_loop,
-        train_loop_config={"cfg": cfg},
+        train_loop_config={"cfg": cfg, "log": str(storage.resolve() / LOG_FILE)},
         torch_config=TorchConfig(backend="gloo" if cfg.ray.gpu_dry_run or not cfg.ray.use_gpu else "nccl"),
         scaling_config=ScalingConfig(
             num_workers=cfg.ray.num_learner_workers,

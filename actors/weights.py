@@ -12,7 +12,7 @@ that do); :func:`publish` and :func:`pull` import them where they run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import ray
@@ -26,6 +26,20 @@ if TYPE_CHECKING:
 
 #: a version held by the store: its number, ``[a reference to its arrays]`` and their checksums
 Held = tuple[int, list[ray.ObjectRef], dict[str, str] | None]
+
+
+class Follow(NamedTuple):
+    """:meth:`WeightStore.follow`'s answer."""
+
+    held: Held | None  #: the version to serve, its weights' reference and checksums (None: none published)
+    alpha: float | None  #: its canary alpha
+    rolled_back: list[int]
+
+    @property
+    def version(self) -> int:
+        return -1 if self.held is None else self.held[0]
+
+
 KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
 
 
@@ -47,10 +61,6 @@ class WeightStore:
 
     def kept(self) -> set[int]:
         return {held[0] for held in (self.current, self.serving, *self.earlier) if held is not None}
-
-    def canary_alpha(self, version: int) -> float | None:
-        """The alpha the serving gate's canary measured for ``version`` (None: not measured, or not kept)."""
-        return self.canary.get(version)
 
     def publish(
         self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
@@ -106,9 +116,13 @@ class WeightStore:
             self.serving = self.earlier.pop() if self.earlier else None
             gauge("distillspec_serving_version", self.version("serving"), run=self.run)
 
-    def follow(self, which: str = "serving") -> tuple[int, list[int]]:
-        """What a Serve replica checks: the latest (or serving) version, and the versions rolled back."""
-        return self.version(which), sorted(self.rolled_back)
+    def follow(self, which: str = "serving") -> Follow:
+        """What a Serve replica checks, in one call: the latest (or serving) version with its weights' reference and
+        checksums, the alpha the serving gate's canary measured for it (None: not measured), and the versions rolled
+        back."""
+        held = self.latest(which)
+        alpha = None if held is None else self.canary.get(held[0])
+        return Follow(held, alpha, sorted(self.rolled_back))
 
     def gate(self) -> dict:
         return {
@@ -160,7 +174,13 @@ def fetch(
     """The store's latest (or serving) version and its weights when it differs from ``version`` (the one held),
     else ``(version, None)``. Weights that fail their integrity check raise
     :class:`~distillspec.integrity.TransferRefused` (logged and counted here): the caller keeps what it holds."""
-    held = ray.get(store.latest.remote(which))  # one call: the version and, with it, the reference
+    return fetch_held(store, ray.get(store.latest.remote(which)), version)
+
+
+def fetch_held(
+    store: ray.actor.ActorHandle, held: Held | None, version: int
+) -> tuple[int, dict[str, np.ndarray] | None]:
+    """:func:`fetch` of what the store answered already (``held``: the version, its reference and checksums)."""
     if held is None or held[0] == version:
         return version, None
     latest, refs, sums = held

@@ -769,6 +769,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import ray
+    import requests
     from ray import serve
 
     from cluster.connect import connect
@@ -807,6 +808,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
         body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
         rows, errors, _ = _send(url, prompts, body, 4, lambda i: proc.poll() is None)
         proc.wait()
+    choices = requests.get(f"{url}/stats", timeout=10).json().get("auto_gamma")  # gammas chosen over the run
     serve.shutdown()
     if proc.returncode != 0:
         raise DistillSpecError(f"the online distill job failed (exit {proc.returncode}); see {out / 'distill.log'}")
@@ -817,6 +819,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
         gamma = sd["drafted"] / sd["target_calls"]
         windows.append({"time": w[-1]["time"], "alpha": sd["alpha"], "gamma": gamma, "draft_version": version})
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
+    result["auto_gamma"] = choices
     fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     times = [w["time"] for w in windows]
     ax.plot(times, [w["alpha"] for w in windows], marker="o")
@@ -834,6 +837,8 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     for w in windows[:: max(1, len(windows) // 12)] + windows[-1:]:
         alpha = "-" if w["alpha"] is None else f"{w['alpha']:.3f}"
         print(f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {alpha}  mean gamma {w['gamma']:.2f}")
+    if choices:
+        print(f"gamma chosen by the replica (blocks): {choices['chosen']}")
     print(f"wrote {out / 'online_alpha.png'}")
     return result
 

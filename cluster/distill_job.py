@@ -3,6 +3,7 @@ the single-process loop with ``ray.mode=sync``), measure again, write the result
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,14 +13,14 @@ import yaml
 from tqdm.auto import tqdm
 
 from actors.evaluator import measure_on_cluster
-from actors.learner import checkpoint_steps
+from actors.learner import RUN_DIR, checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
-from cluster.pipeline import Pipeline, check_devices
+from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
 from distillspec.config import JobConfig, resolve_recipe, to_dict
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
-from distillspec.files import exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.learner import Distiller, load_checkpoint, save_checkpoint
+from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
+from distillspec.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
 from distillspec.models import load_pair
 from distillspec.pretrained import prepare_pair
 from distillspec.report import format_table, plot_tau, plot_training
@@ -32,10 +33,12 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     """Algorithm A.2 in this process (``ray.mode=sync``): sample a batch, update, repeat. Checkpoints go to
     ``out/checkpoint`` in the learner's format; a rerun of an unfinished run resumes from there."""
     distiller = Distiller(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
-    learner, folder, log, seconds, resumed = distiller.learner, out / SYNC_CHECKPOINT, [], 0.0, None
+    learner, folder, seconds, resumed = distiller.learner, out / SYNC_CHECKPOINT, 0.0, None
     if cfg.ray.resume and (folder / "state.pt").exists():
-        log, seconds = load_checkpoint(folder, learner)
+        seconds, log = load_checkpoint(folder, learner), checkpoint_log(folder, out / LOG_FILE)
         resumed = learner.step_count
+    else:
+        log = RecordLog(out / LOG_FILE)
         print(f"resuming from the checkpoint at step {resumed} in {folder}")
     distiller.start = start = time.perf_counter() - seconds
     steps, budget, every = cfg.distill.steps, cfg.distill.time_budget_s, cfg.distill.checkpoint_every
@@ -43,7 +46,7 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     while learner.step_count < steps and not (budget and time.perf_counter() - start > budget):
         log.append(distiller.step())
         bar.update()
-        bar.set_postfix(loss=f"{log[-1]['loss']:.4f}", src=log[-1]["source"])
+        bar.set_postfix(loss=f"{log.records[-1]['loss']:.4f}", src=log.records[-1]["source"])
         if every and learner.step_count % every == 0 and learner.step_count < steps:
             save_checkpoint(folder, learner, tokenizer, log, seconds=time.perf_counter() - start)
     bar.close()
@@ -51,7 +54,7 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     write_folder(out / "draft", lambda tmp: (draft.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
     return {
         "mode": "sync",
-        "train_log": log,
+        "train_log": log.records,
         "seconds": time.perf_counter() - start,
         "evaluations": [],
         "resumed_from": resumed,
@@ -100,14 +103,20 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
 
 
 def check_rerun(cfg: JobConfig, out: Path) -> None:
-    """A finished run (its ``results.json``) is not redone or overwritten unless ``overwrite`` says so."""
+    """A finished run (its ``results.json``) is not redone or overwritten unless ``overwrite`` says so; then it is
+    done again from the start (its checkpoints, log and evaluations go: resuming a finished run would train nothing).
+    """
     if (out / "results.json").exists() and read_json(out / "results.json") is None:
         print(f"{out / 'results.json'} does not parse (a run cut off while writing it): this run replaces it")
     elif (out / "results.json").exists() and not cfg.overwrite:
         raise DistillSpecError(
             f"{out} holds a finished run (results.json): give another --output-dir for a new run, or add "
-            "overwrite=true to run again there (its checkpoints are kept unless ray.resume=false)"
+            "overwrite=true to run it again there from the start"
         )
+    elif (out / "results.json").exists():
+        for name in (RUN_DIR, SYNC_CHECKPOINT, LOG_FILE, EVALUATIONS):
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+        print(f"overwrite=true: {out} held a finished run; this one starts from step 0 (its checkpoints removed)")
 
 
 #: What a resumed run must share with the checkpoint it resumes: the pair, the data and the recipe.

@@ -33,6 +33,7 @@ from distillspec.config import JobConfig
 from distillspec.data import Task
 from distillspec.errors import DistillSpecError
 from distillspec.files import write_folder, write_json
+from distillspec.learner import LOG_FILE, checkpoint_log
 from distillspec.models import load_model
 
 EVALUATIONS = "evaluations.json"  #: the periodic evaluations so far, in output_dir (a resumed run keeps them)
@@ -215,7 +216,7 @@ class Pipeline:
         draft_dir = self.out / "draft"
         with result.checkpoint.as_directory() as d:
             write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
-            train_log = json.loads((Path(d) / "train_log.json").read_text())
+            train_log = checkpoint_log(d, self.out / LOG_FILE).records
         if train_log:
             # The learner owned its published weights and has exited, so they are gone from the object store:
             # the driver publishes the final draft again, for the evaluator and for Serve replicas still pulling.

@@ -40,7 +40,7 @@ from ray.serve import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.weights import fetch
+from actors.weights import Follow, fetch_held
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused
@@ -380,14 +380,15 @@ class Completions:
             except ValueError:
                 return  # no such run (yet): keep serving the draft we have
         try:
-            wanted, rolled_back = ray.get(self.store.follow.remote(self.s.follow_version), timeout=10)
+            follow = ray.get(self.store.follow.remote(self.s.follow_version), timeout=10)  # one call per check
+            wanted = follow.version
             with self.lock:
-                self.rolled_back.update(rolled_back)
+                self.rolled_back.update(follow.rolled_back)
                 if self.completer.version in self.rolled_back:
                     self._roll_back_held("another replica saw it collapse")
                 current = self.completer.version
                 if wanted >= 0 and wanted != current and wanted not in self.rolled_back and wanted not in self.refused:
-                    self._swap(current)
+                    self._swap(current, follow)
         except TransferRefused as exc:  # logged and counted by fetch; served requests never see these weights
             self.refused[wanted] = str(exc)
             self.store.refuse.remote(wanted, str(exc))  # a rollback must not return to it
@@ -398,10 +399,11 @@ class Completions:
         except (ray.exceptions.RayError, TimeoutError):
             self.store = None  # the store died with its job; look it up again
 
-    def _swap(self, before: int) -> None:
-        """Load the store's version into the engine (vLLM: in place) or into a copy of the draft (calls already
-        running keep theirs). Weights that fail their integrity check raise before anything is loaded."""
-        version, arrays = fetch(self.store, before, self.s.follow_version)
+    def _swap(self, before: int, follow: Follow) -> None:
+        """Load the version the store named (``follow``) into the engine (vLLM: in place) or into a copy of the
+        draft (calls already running keep theirs). Weights that fail their integrity check raise before anything is
+        loaded; a new version's gamma choice starts from its canary alpha."""
+        version, arrays = fetch_held(self.store, follow.held, before)
         if arrays is None:
             return
         if self.vllm:
@@ -412,8 +414,7 @@ class Completions:
                 load_arrays(model, arrays)
                 return version
 
-            alpha = ray.get(self.store.canary_alpha.remote(version), timeout=10)
-            version = self.completer.swap_draft(load, alpha)
+            version = self.completer.swap_draft(load, follow.alpha)
         self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
         self.swaps.append({"from": before, "to": version, "time": time.time()})
         self.metrics["distillspec_serve_draft_version"].set(version)

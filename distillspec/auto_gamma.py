@@ -43,23 +43,30 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 class StepCosts:
     """Seconds of one model forward by its shape (rows, positions per row), learned from measurements.
 
-    A shape measured at least ``trust`` times is predicted by its own moving average (weight ``decay`` on the past);
-    any other by a least-squares line in tokens (rows x positions) through all measurements, older ones weighted down
-    by ``forget`` per measurement, slope and intercept kept non-negative (one size measured only: its cost, flat).
-    Both update and predict in constant time: the choice runs before every decoding block."""
+    A shape measured at least ``trust`` times, the last of them within the last ``stale_after`` measurements, is
+    predicted by its own moving average (weight ``decay`` on the past); any other by a least-squares line in tokens
+    (rows x positions) through all measurements, older ones weighted down by ``forget`` per measurement, slope and
+    intercept kept non-negative (one size measured only: its cost, flat). A shape not measured for ``stale_after``
+    measurements starts its average afresh: the machine's speed drifts (other work on it comes and goes), and a cost
+    measured under other conditions must not keep a gamma from being tried again. Both update and predict in
+    constant time: the choice runs before every decoding block."""
 
-    def __init__(self, decay: float = 0.95, trust: int = 3, forget: float = 0.995) -> None:
-        self.decay, self.trust, self.forget = decay, trust, forget
-        self.cells: dict[tuple[int, int], list[float]] = {}  #: (rows, positions) -> [average seconds, measurements]
+    def __init__(self, decay: float = 0.95, trust: int = 3, forget: float = 0.995, stale_after: int = 200) -> None:
+        self.decay, self.trust, self.forget, self.stale_after = decay, trust, forget, stale_after
+        #: (rows, positions) -> [average seconds, measurements, index of the last measurement]
+        self.cells: dict[tuple[int, int], list[float]] = {}
         self.sums = [0.0] * 5  #: decayed sums of 1, x, y, x^2, x*y over measurements (x tokens, y seconds)
+        self.measured = 0  #: measurements so far, all shapes
 
     def observe(self, rows: int, positions: int, seconds: float) -> None:
+        self.measured += 1
         cell = self.cells.get((rows, positions))
-        if cell is None:
-            self.cells[(rows, positions)] = [seconds, 1]
+        if cell is None or self.measured - cell[2] > self.stale_after:
+            self.cells[(rows, positions)] = [seconds, 1, self.measured]
         else:
             cell[0] = self.decay * cell[0] + (1 - self.decay) * seconds
             cell[1] += 1
+            cell[2] = self.measured
         x = rows * positions
         for k, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self.sums[k] = self.forget * self.sums[k] + v
@@ -67,7 +74,7 @@ class StepCosts:
     def predict(self, rows: int, positions: int) -> float | None:
         """Predicted seconds, or None before any measurement."""
         cell = self.cells.get((rows, positions))
-        if cell is not None and cell[1] >= self.trust:
+        if cell is not None and cell[1] >= self.trust and self.measured - cell[2] <= self.stale_after:
             return cell[0]
         n, sx, sy, sxx, sxy = self.sums
         if not n:

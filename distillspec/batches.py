@@ -151,6 +151,9 @@ class RolloutBatch:
         return None
 
 
+MAX_REFUSALS = 32  #: refusal reasons a buffer keeps: the ledger is read on every take, so it stays small
+
+
 @dataclass
 class Ledger:
     produced: int = 0
@@ -176,7 +179,8 @@ class SampleBuffer:
         self.capacity, self.max_policy_lag = capacity, max_policy_lag
         self.items: deque[tuple[int, Any]] = deque()
         self.ledger = Ledger()
-        self.refusals: list[str] = []  #: the reason of each refusal, in order
+        #: the reasons of the latest refusals, oldest first (``ledger.refused`` counts them all)
+        self.refusals: deque[str] = deque(maxlen=MAX_REFUSALS)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -96,3 +96,38 @@ def read_json(path: str | Path) -> Any | None:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+class RecordLog:
+    """A list of JSON records that is also a file of JSON lines, each appended as it is made (``tail -f`` follows
+    it). A checkpoint stores how many records it covers, not the records: each is written once, instead of into every
+    checkpoint again (O(steps) bytes instead of O(steps^2)). Opened with ``keep`` records (a checkpoint's count), the
+    file is cut back to them: records appended after that checkpoint, by a run that then died, go."""
+
+    def __init__(self, path: str | Path, keep: int = 0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = []
+        size = 0
+        if keep:
+            try:
+                with self.path.open("rb") as f:
+                    for line in f:
+                        if len(self.records) == keep:
+                            break
+                        self.records.append(json.loads(line))
+                        size += len(line)
+            except (OSError, ValueError) as exc:
+                raise DistillSpecError(f"{self.path}: cannot read the {keep} records it needs: {exc}") from None
+            if len(self.records) < keep:
+                raise DistillSpecError(f"{self.path} holds {len(self.records)} records, its checkpoint counts {keep}")
+        with self.path.open("ab") as f:
+            f.truncate(size)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")

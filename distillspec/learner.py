@@ -26,7 +26,7 @@ from distillspec.data import Example
 from distillspec.distill import kd_loss
 from distillspec.divergences import TopKLogprobs
 from distillspec.errors import DistillSpecError
-from distillspec.files import write_folder
+from distillspec.files import RecordLog, write_folder
 from distillspec.models import load_model
 from distillspec.rollout import Sampler
 
@@ -160,40 +160,55 @@ class Learner:
         self.step_count = state["step"]
 
 
+LOG_FILE = "train_log.jsonl"  #: a run's training records as they are made, in its output folder
+
+
 def save_checkpoint(
     folder: str | Path,
     learner: Learner,
     tokenizer: PreTrainedTokenizerBase,
-    log: list[dict],
+    log: RecordLog,
     *,
     seconds: float,
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """The checkpoint format: ``draft/`` (``save_pretrained``, with the tokenizer), ``state.pt`` (the learner's
-    state and the seconds trained), ``train_log.json``, ``step.json``, and one JSON file per ``extra`` entry.
-    Written whole or not at all (:func:`~distillspec.files.write_folder`): a crash leaves the previous checkpoint."""
+    state and the seconds trained), ``step.json`` (the step, and how many records of the run's ``log`` it covers),
+    and one JSON file per ``extra`` entry. Written whole or not at all (:func:`~distillspec.files.write_folder`): a
+    crash leaves the previous checkpoint."""
 
     def fill(tmp: Path) -> None:
         learner.draft.save_pretrained(tmp / "draft")
         tokenizer.save_pretrained(tmp / "draft")
         torch.save({**learner.state_dict(), "seconds": seconds}, tmp / "state.pt")
-        (tmp / "train_log.json").write_text(json.dumps(log))
-        (tmp / "step.json").write_text(json.dumps({"step": learner.step_count}))
+        (tmp / "step.json").write_text(json.dumps({"step": learner.step_count, "log_records": len(log)}))
         for name, value in (extra or {}).items():
             (tmp / f"{name}.json").write_text(json.dumps(value))
 
     return write_folder(folder, fill)
 
 
-def load_checkpoint(folder: str | Path, learner: Learner) -> tuple[list[dict], float]:
+def checkpoint_log(folder: str | Path, log_path: str | Path) -> RecordLog:
+    """The run's records as of the checkpoint in ``folder`` (those the run appended after it are cut off)."""
+    folder = Path(folder)
+    saved = json.loads((folder / "step.json").read_text())
+    if "log_records" in saved:
+        return RecordLog(log_path, saved["log_records"])
+    log = RecordLog(log_path)  # a checkpoint that holds its records itself (train_log.json)
+    for record in json.loads((folder / "train_log.json").read_text()):
+        log.append(record)
+    return log
+
+
+def load_checkpoint(folder: str | Path, learner: Learner) -> float:
     """Restore ``learner`` (draft weights, optimizer, scheduler, step) from :func:`save_checkpoint`'s folder;
-    returns the log so far and the seconds trained."""
+    returns the seconds trained (the run's log as of that checkpoint: :func:`checkpoint_log`)."""
     folder = Path(folder)
     saved, _ = load_model(str(folder / "draft"), device=str(learner.draft.device))
     learner.draft.load_state_dict(saved.state_dict())
     state = torch.load(folder / "state.pt", weights_only=True)
     learner.load_state_dict(state)
-    return json.loads((folder / "train_log.json").read_text()), state["seconds"]
+    return state["seconds"]
 
 
 class Distiller:

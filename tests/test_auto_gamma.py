@@ -78,6 +78,26 @@ def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored(
     assert set(auto.counts) == {(3, 1.0, None, 1.0)}
 
 
+def test_a_cost_measured_under_other_load_is_measured_again():
+    """Other work on the machine slows the verify step of gamma 6 three-fold while it is measured; once the load
+    is gone, gamma 6 (then a clear loser on its stale cost) must be tried and measured again, not written off."""
+    auto = AutoGamma(7, explore_every=10, prior_weight=1.0)
+    feed(auto, 0.9, [1])
+    assert best_by_hand(0.9, 1, 7) == 7
+    normal = lambda g: (0.001 * g, 0.010 + 0.0005 * (g + 1))
+    for _ in range(20):  # gamma 6, measured under load
+        draft_s, verify_s = normal(6)
+        auto.observe(KEY, 1, 6, 3 * draft_s, 3 * verify_s, 540, 600, 6)
+    assert auto.plan(KEY, 1).tokens_per_s[6] < auto.explore_within * auto.plan(KEY, 1).tokens_per_s[7]
+    chosen = []
+    for _ in range(400):  # the load is gone: every block runs at the normal speed
+        g = auto.choose(KEY, 1)
+        chosen.append(g)
+        auto.observe(KEY, 1, g, *normal(g), round(0.9 * 100 * g), 100 * g, 1)
+    assert 6 in chosen[200:] and chosen.count(7) > 0.8 * len(chosen)
+    assert auto.verify_costs.predict(1, 7) == pytest.approx(normal(6)[1], rel=0.2)
+
+
 def test_completer_with_auto_gamma(text_pair, tokenizer):
     target, draft = text_pair
     completer = Completer(target, draft, tokenizer, max_prompt_tokens=16, max_gamma=4)

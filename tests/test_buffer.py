@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.batches import RolloutBatch, SampleBuffer, make_batch
+from distillspec.batches import MAX_REFUSALS, RolloutBatch, SampleBuffer, make_batch
 from distillspec.divergences import compress_topk
 
 
@@ -35,6 +35,7 @@ def test_ledger_balances_through_a_random_run():
     assert ledger.produced == next_id
     assert min(ledger.refused, ledger.dropped, ledger.consumed) > 0  # every path was taken
     assert ledger.consumed == len(seen)
+    assert len(buf.refusals) == min(ledger.refused, MAX_REFUSALS)  # the latest reasons only: the ledger stays small
 
 
 def test_full_buffer_pushes_back_without_counting():

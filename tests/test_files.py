@@ -16,8 +16,8 @@ import torch
 
 from distillspec.config import DistillConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.files import exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.learner import Learner, load_checkpoint, save_checkpoint
+from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
+from distillspec.learner import Learner, checkpoint_log, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,10 +105,18 @@ def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, te
     cfg = DistillConfig(steps=4, batch_size=2, max_new_tokens=4, recipe="supkd")
     learner = Learner(copy.deepcopy(draft), target, cfg)
     learner.step(encode_examples(tokenizer, task.train[:2], max_len=32))
-    save_checkpoint(tmp_path / "ckpt", learner, tokenizer, [{"step": 1}], seconds=1.5, extra={"ledger": {"a": 1}})
+    log = RecordLog(tmp_path / "log.jsonl")
+    log.append({"step": 1})
+    save_checkpoint(tmp_path / "ckpt", learner, tokenizer, log, seconds=1.5, extra={"ledger": {"a": 1}})
+    log.append({"step": 2})  # after the checkpoint: a rerun from it drops this record
     other = Learner(copy.deepcopy(draft), target, cfg)
-    log, seconds = load_checkpoint(tmp_path / "ckpt", other)
-    assert (log, seconds, other.step_count) == ([{"step": 1}], 1.5, learner.step_count)
+    seconds = load_checkpoint(tmp_path / "ckpt", other)
+    assert checkpoint_log(tmp_path / "ckpt", log.path).records == [{"step": 1}]
+    assert (seconds, other.step_count) == (1.5, learner.step_count)
+    assert (tmp_path / "log.jsonl").read_text() == '{"step": 1}\n'  # the file too: records are appended after it
+    assert not (tmp_path / "ckpt" / "train_log.json").exists()  # a checkpoint counts the records, never copies them
+    with pytest.raises(DistillSpecError, match="holds 1 records, its checkpoint counts 5"):
+        RecordLog(log.path, 5)
     for a, b in zip(learner.draft.parameters(), other.draft.parameters(), strict=True):
         assert torch.equal(a, b)
     assert read_json(tmp_path / "ckpt" / "ledger.json") == {"a": 1}
@@ -125,6 +133,12 @@ def test_a_cut_off_results_file_does_not_stop_the_rerun(tmp_path, capsys):
     write_json(tmp_path / "results.json", {"records": []})
     with pytest.raises(DistillSpecError, match="holds a finished run"):
         check_rerun(cfg, tmp_path)
+    # overwrite=true runs it again from the start: a finished run's checkpoints would leave nothing to train
+    for name in ("learner/checkpoint_000001", "checkpoint"):
+        (tmp_path / name).mkdir(parents=True)
+    write_json(tmp_path / "train_log.jsonl", {})
+    check_rerun(load_config(None, [f"output_dir={tmp_path}", "overwrite=true"]), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
 def test_one_job_at_a_time_writes_into_a_folder(tmp_path):

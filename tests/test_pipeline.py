@@ -328,16 +328,18 @@ def test_the_weight_store_rolls_serving_back_past_refused_versions(ray_cluster):
     that was neither refused nor rolled back; every replica learns the rolled-back versions from ``follow``."""
     store = WeightStore.remote("rollback")
     refs = [ray.put({"w": np.zeros(2, dtype=np.float32)})]
-    assert ray.get(store.follow.remote()) == (-1, [])
+    assert ray.get(store.follow.remote()) == (None, None, [])
     for version in (1, 2, 3):
         ray.get(store.publish.remote(version, refs))
-        ray.get(store.promote.remote(version, refs))
+        ray.get(store.promote.remote(version, refs, None, version / 10))  # its canary alpha
     ray.get(store.refuse.remote(2, "integrity: a replica found it mangled"))  # not the serving one: serving stays
     assert ray.get(store.version.remote("serving")) == 3
     assert ray.get(store.roll_back.remote(3, "rollback: live alpha fell")) == 1  # past the refused version 2
     assert ray.get(store.roll_back.remote(3, "rollback: a second replica saw it too")) == 1  # counted once
     gate = ray.get(store.gate.remote())
-    assert ray.get(store.follow.remote()) == (1, [3]) and gate["rolled_back"] == [3]
+    follow = ray.get(store.follow.remote())  # one call: the version to serve, its weights and canary alpha, rollbacks
+    assert (follow.version, follow.held[1], follow.alpha, follow.rolled_back) == (1, refs, 0.1, [3])
+    assert gate["rolled_back"] == [3]
     assert [(r["version"], r["reason"].split(":")[0]) for r in gate["refused"]] == [(2, "integrity"), (3, "rollback")]
     assert ray.get(store.roll_back.remote(1, "rollback: and this one")) == -1  # nothing earlier: the start draft
     assert ray.get(store.version.remote("latest")) == 3  # rollouts keep training on the latest version

@@ -43,10 +43,11 @@ def random_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return other
 
 
-def wait_for(what: str, check, timeout_s: float = 60.0) -> None:
+def wait_for(what: str, check, timeout_s: float = 60.0, state=None) -> None:
+    """Poll ``check`` until it holds; past ``timeout_s``, fail with ``state()`` (what was seen) in the message."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}" + (f": {state()}" if state else "")
         time.sleep(0.2)
 
 
@@ -295,7 +296,12 @@ def test_every_replica_leaves_a_version_one_of_them_rolled_back(two_replicas, ti
         wait_for("both replicas to serve version 5", lambda: load.phase(16) or _serving(load.answers[-16:]) == {5})
         ray.get(store.roll_back.remote(5, "rollback: injected by the test"))
         left = time.monotonic()
-        wait_for("both replicas to leave version 5", lambda: load.phase(32) or _serving(load.answers[-32:]) == {1}, 10)
+        wait_for(
+            "both replicas to leave version 5",
+            lambda: load.phase(32) or _serving(load.answers[-32:]) == {1},
+            30,
+            lambda: Counter((a["replica"][-6:], a["version"], a["end"]) for a in load.answers[-32:]),
+        )
         left = time.monotonic() - left
         followed = load.answers[-32:]
     finally:

@@ -366,3 +366,55 @@ def test_an_8_mb_request_while_8_streams_flow(endpoint, client):
         texts = [s.result(timeout=120) for s in streams]
     assert huge.status_code == 413
     assert all(texts)
+
+
+def test_a_replica_killed_mid_stream(endpoint, tiny_garden):
+    """A replica killed (-9) while it streams: the client's stream ends (with no ``[DONE]``: the completion is
+    incomplete) instead of hanging, and Serve replaces the replica, which answers the next request."""
+    import psutil
+    from ray import serve
+
+    from cluster.serve import bind
+
+    overrides = [
+        f"target={tiny_garden.target}",
+        f"draft={tiny_garden.draft}",
+        "ray.run_name=killed",
+        "serve.max_tokens=900",
+        "serve.replica_cpus=0.25",
+        "serve.sync_every_s=0",
+    ]
+    serve.run(bind(load_config(None, overrides)), name="killed", route_prefix="/killed")
+    url = f"{endpoint}/killed/v1/completions"
+    # The test garden's target never emits EOS within 900 greedy tokens: the stream is still running when killed.
+    body = {"prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "stream": True}
+    events, ended = [], None
+    try:
+        replica = next(
+            p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:killed:" in " ".join(p.info["cmdline"] or ())
+        )
+        with requests.post(url, json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200
+            try:
+                for line in r.iter_lines():
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].decode())
+                    if len(events) == 5:
+                        replica.kill()  # kill -9
+                ended = "the stream closed"
+            except requests.exceptions.RequestException as exc:  # the connection broke off
+                ended = type(exc).__name__
+        assert len(events) >= 5 and "[DONE]" not in events, events[-3:]
+        deadline = time.monotonic() + 120
+        while True:  # the replacement replica loads the pair, then serves
+            try:
+                again = requests.post(url, json={**body, "stream": False, "max_tokens": 8}, timeout=60)
+                if again.status_code == 200:
+                    break
+            except requests.exceptions.RequestException:
+                pass
+            assert time.monotonic() < deadline, "no replica answered after the kill"
+            time.sleep(1)
+        print(f"killed mid-stream after {len(events)} events: {ended}; a new replica answered")
+    finally:
+        serve.delete("killed")

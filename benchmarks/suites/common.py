@@ -228,7 +228,8 @@ def draft_steps(folder: str | Path) -> int | None:
 
 
 def command() -> str:
-    """The command line that is running (recorded with each suite's results)."""
+    """The command line that is running (recorded with each suite's results), as a user runs it from a checkout:
+    paths inside the checkout relative to it."""
     script = Path(sys.argv[0]).resolve()
     head = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else sys.argv[0]
-    return " ".join(["python", head, *sys.argv[1:]])
+    return " ".join(["python", head, *(arg.replace(f"{ROOT}/", "") for arg in sys.argv[1:])])
