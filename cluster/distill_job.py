@@ -37,9 +37,9 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     if cfg.ray.resume and (folder / "state.pt").exists():
         seconds, log = load_checkpoint(folder, learner), checkpoint_log(folder, out / LOG_FILE)
         resumed = learner.step_count
+        print(f"resuming from the checkpoint at step {resumed} in {folder}")
     else:
         log = RecordLog(out / LOG_FILE)
-        print(f"resuming from the checkpoint at step {resumed} in {folder}")
     distiller.start = start = time.perf_counter() - seconds
     steps, budget, every = cfg.distill.steps, cfg.distill.time_budget_s, cfg.distill.checkpoint_every
     bar = tqdm(total=steps, initial=learner.step_count, desc=f"distill ({cfg.distill.recipe}, sync)")
@@ -114,8 +114,10 @@ def check_rerun(cfg: JobConfig, out: Path) -> None:
             "overwrite=true to run it again there from the start"
         )
     elif (out / "results.json").exists():
-        for name in (RUN_DIR, SYNC_CHECKPOINT, LOG_FILE, EVALUATIONS):
-            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / RUN_DIR, ignore_errors=True)
+        shutil.rmtree(out / SYNC_CHECKPOINT, ignore_errors=True)
+        for name in (LOG_FILE, EVALUATIONS):
+            (out / name).unlink(missing_ok=True)
         print(f"overwrite=true: {out} held a finished run; this one starts from step 0 (its checkpoints removed)")
 
 

@@ -399,8 +399,8 @@ def test_a_replica_killed_mid_stream(endpoint, tiny_garden):
                 for line in r.iter_lines():
                     if line.startswith(b"data: "):
                         events.append(line[6:].decode())
-                    if len(events) == 5:
-                        replica.kill()  # kill -9
+                        if len(events) == 5:
+                            replica.kill()  # kill -9, once
                 ended = "the stream closed"
             except requests.exceptions.RequestException as exc:  # the connection broke off
                 ended = type(exc).__name__
