@@ -12,13 +12,13 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.weights import pull
+from actors.weights import Held, fetch_held
 from distillspec.config import JobConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
-from distillspec.integrity import checksums
-from distillspec.models import load_pair, state_arrays
+from distillspec.integrity import TransferRefused
+from distillspec.models import load_arrays, load_pair, state_arrays
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 
@@ -35,6 +35,7 @@ class EvalActor:
         )
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
         self.version = -1
+        self.held: Held | None = None  #: the store's entry of ``version``: what the gate promotes, by reference
         self.history: list[dict] = []
         self.alarms: list[str] = []
         self.serving_alpha: float | None = None  #: the canary's alpha of the serving version on these prompts
@@ -56,7 +57,15 @@ class EvalActor:
 
     def evaluate(self) -> dict | None:
         """Pull the latest weights and measure them (None when nothing was ever published)."""
-        self.version = pull(self.store, self.draft, self.version)
+        held = ray.get(self.store.latest.remote())
+        try:
+            version, arrays = fetch_held(self.store, held, self.version)
+        except TransferRefused:
+            version, arrays = self.version, None  # logged and counted where found: measure the version held
+        if arrays is not None:
+            load_arrays(self.draft, arrays)
+            self.held = held
+        self.version = version
         if self.version < 0:
             return None
         rec = {"version": self.version, "time": time.time(), **self._measure(self.cfg.eval.speedup_gamma)}
@@ -112,8 +121,8 @@ class EvalActor:
             log.warning("serving gate refused version %d (%s)", self.version, reason)
             ray.get(self.store.refuse.remote(self.version, reason))
             return False
-        arrays = state_arrays(self.draft)
-        ray.get(self.store.promote.remote(self.version, [ray.put(arrays)], checksums(arrays), alpha))
+        _, refs, sums = self.held  # the bytes the learner published, promoted by reference
+        ray.get(self.store.promote.remote(self.version, refs, sums, alpha))
         self.serving_alpha = alpha
         return True
 

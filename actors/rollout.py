@@ -49,7 +49,7 @@ class RolloutActor:
                 self.tokenizer,
                 max_new_tokens=d.max_new_tokens,
                 temperature=d.temperature,
-                gamma=cfg.eval.speedup_gamma,
+                gamma=d.sample_gamma,
                 seed=seed,
                 max_prompt_tokens=d.max_prompt_tokens,
             )

@@ -1,10 +1,11 @@
 """The weight store: the one holder of the draft's versions, and how a version is published to it and taken from it.
 
-:class:`WeightStore` holds object *references*, never the bytes behind them: the *latest* version (the learner
-publishes each new one; rollout actors and the evaluator take it) and the *serving* one (a version the evaluator's
-canary passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where it is loaded.
-A replica that sees a serving version collapse on live traffic rolls it back here, so the whole deployment returns
-to the serving version before it.
+:class:`WeightStore` holds object *references* to the versions it keeps and owns their bytes (it puts each
+published version into the object store again, so a version outlives its publisher): the *latest* version (the
+learner publishes each new one; rollout actors and the evaluator take it) and the *serving* one (a version the
+evaluator's canary passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where
+it is loaded. A replica that sees a serving version collapse on live traffic rolls it back here, so the whole
+deployment returns to the serving version before it.
 
 The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
 that do); :func:`publish` and :func:`pull` import them where they run.
@@ -45,8 +46,8 @@ KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class WeightStore:
-    """Holds references to the latest version, the serving one and the serving ones before it (replacing one
-    releases what nothing holds any more)."""
+    """Holds the latest version, the serving one and the serving ones before it (replacing one releases what
+    nothing holds any more); it owns their bytes (:meth:`publish`)."""
 
     def __init__(self, run: str) -> None:
         self.run = run
@@ -65,8 +66,11 @@ class WeightStore:
     def publish(
         self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
     ) -> None:
-        """Make ``refs[0]`` version ``version``; ``sums``: its per-tensor checksums, which consumers check."""
-        self.current = (version, refs, sums)
+        """Make ``refs[0]`` version ``version``; ``sums``: its per-tensor checksums, which consumers check. The store
+        puts the weights again itself, so that it owns them (Ray frees an object with its owner): one copy in the
+        object store per version, whatever becomes of the publisher; the publisher's copy goes with its reference."""
+        owned = [ray.put(ray.get(refs[0]))]  # read in place (zero-copy), written once more, owned here
+        self.current = (version, owned, sums)
         self.published += 1
         self.record = record or self.record
         gauge("distillspec_weight_version", version, run=self.run)
@@ -157,7 +161,9 @@ def publish(
     too, bypassing the gate: for a draft chosen by hand); ``record`` is the learner's log record of the step that
     made it (the driver's console shows it).
 
-    The publisher owns the object; if it dies, pullers keep their weights until its successor publishes again.
+    The store takes the bytes over (:meth:`WeightStore.publish`): a version outlives the learner that made it, so a
+    consumer started after the learner died (a restarted rollout actor, a new replica) still loads it. Promotion and
+    rollback move the store's reference, never the bytes.
     """
     from distillspec.models import state_arrays
 
@@ -187,7 +193,7 @@ def fetch_held(
     try:
         arrays = ray.get(refs[0])
     except ray.exceptions.ObjectLostError:
-        return version, None  # the publisher died; its successor publishes again
+        return version, None  # its owner, the store, died with its job
     try:
         if sums is not None:
             check(arrays, sums, f"draft version {latest}")

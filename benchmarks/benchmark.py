@@ -366,11 +366,16 @@ def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str |
     return rows
 
 
+def _gamma(cfg, gamma: int | str):
+    return replace(cfg, serve=replace(cfg.serve, gamma=gamma))
+
+
 def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
     """Gamma chosen live against fixed gammas: tokens/s at the endpoint (one replica, batches up to 16 requests) at
     concurrency 1, 4, 8 and 16, for gamma 0 (speculation off), 1, 3, 5, 7 and auto, on the task's test prompts at
     ``serve.temperature``. Each concurrency runs every setting in turn, ``rounds`` times in rotated order, so that
-    each ratio compares settings measured side by side."""
+    each ratio compares settings measured side by side. ``serve.backend=vllm``: vLLM fixes gamma per engine, so each
+    setting has an endpoint of its own (all up at once; gamma 0 left out: the vLLM endpoint always speculates)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -387,9 +392,13 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
     del budget
     cfg = load_config(None, ["ray.run_name=gamma-bench", "serve.sync_every_s=0", "serve.max_batch_size=16", *overrides])
     connect(cfg.ray)
-    url = start(cfg)
+    vllm = cfg.serve.backend == "vllm"
+    settings: list[int | str] = [1, 3, 5, 7, "auto"] if vllm else [0, 1, 3, 5, 7, "auto"]
+    if vllm:
+        urls = {g: start(_gamma(cfg, g), name=f"gamma-{g}", route_prefix=f"/gamma-{g}") for g in settings}
+    else:
+        urls = dict.fromkeys(settings, start(cfg))
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
-    settings: list[int | str] = [0, 1, 3, 5, 7, "auto"]
     # Each setting: ``rounds`` x ``per_client`` requests per client (a pretrained target: 2 x 2, the garden: 3 x 8).
     concurrencies, (rounds, per_client) = [1, 4, 8, 16], (2, 2) if cfg.target else (3, 8)
     body = {"max_tokens": cfg.eval.max_new_tokens}
@@ -401,13 +410,15 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
         return {"tokens_per_s": cell["tokens"] / cell["seconds"], "mean_gamma": mean_gamma, "alpha": sd["alpha"]}
 
     try:
-        _load(url, prompts, 32, 8, {**body, "gamma": "auto"})  # warm-up: compiles nothing, measures first costs
+        for url in set(urls.values()):  # warm-up: compiles nothing, measures first costs
+            _load(url, prompts, 32, 8, body if vllm else {**body, "gamma": "auto"})
         for c in concurrencies:
             sums = {str(g): {"tokens": 0, "seconds": 0.0, "sd": []} for g in settings}
             for r in range(rounds):
                 for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
-                    extra = {"speculative": False} if g == 0 else {"gamma": g}
-                    rows, errors, seconds = _send(url, prompts, {**body, **extra}, c, lambda i, n=per_client * c: i < n)
+                    extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
+                    more = lambda i, n=per_client * c: i < n
+                    rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
                     if errors:
                         raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
                     cell = sums[str(g)]
@@ -418,7 +429,7 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
             )
-        chosen = requests.get(f"{url}/stats", timeout=10).json().get("auto_gamma", {})
+        chosen = requests.get(f"{urls['auto']}/stats", timeout=10).json().get("auto_gamma", {})
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -593,7 +604,7 @@ def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
 
 def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
     """Property-based requests to every route of the endpoint's OpenAPI schema with Schemathesis (``pip install
-    -e .[fuzz]``): how many it sent, and how many got a 5xx (the goal: none). Every request and answer is kept in
+    -e .[fuzz]``): how many it sent, and how many got a 5xx. Every request and answer is kept in
     ``fuzz/requests.har``. ``--budget`` is unused; the examples per route are Schemathesis's ``--max-examples``, 100."""
     import shutil
     import subprocess

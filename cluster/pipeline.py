@@ -217,9 +217,8 @@ class Pipeline:
         with result.checkpoint.as_directory() as d:
             write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
             train_log = checkpoint_log(d, self.out / LOG_FILE).records
-        if train_log:
-            # The learner owned its published weights and has exited, so they are gone from the object store:
-            # the driver publishes the final draft again, for the evaluator and for Serve replicas still pulling.
+        if train_log and ray.get(self.store.version.remote()) != train_log[-1]["step"]:
+            # the learner publishes every ray.publish_every steps: the final draft, for the evaluator and replicas
             publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
         report = {"history": [], "alarms": []}
         if self.evaluator is not None:

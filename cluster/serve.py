@@ -14,6 +14,9 @@ ended on too). Each replica tracks live alpha per version; when a new version's 
 ``serve.rollback_margin`` below the previous version's, it returns to the previous version and rolls the version back
 in the store, so the whole deployment follows. With ``serve.record_prompts`` the replica sends
 every served prompt to the run's prompt log (``<run>-prompts``), from which an online distillation job samples.
+
+Both backends are :class:`distillspec.serving.DraftServer`\ s; the request schemas and the shapes of responses and
+stream events are in :mod:`cluster.openai_api`.
 """
 
 import asyncio
@@ -23,10 +26,9 @@ import logging
 import os
 import threading
 import time
-import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import ray
 import torch
@@ -34,24 +36,36 @@ import yaml
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.common import NAMESPACE, prompts_name, weights_name
 from actors.weights import Follow, fetch_held
+from cluster.openai_api import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    DecodingRequest,
+    HTTPError,
+    completion_response,
+    error_body,
+    param_of,
+    sd_stats,
+    stream_events,
+    usage,
+)
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused
-from distillspec.models import load_arrays, load_pair, load_tokenizer
+from distillspec.models import load_pair, load_tokenizer
 from distillspec.serving import (
     Completer,
     Completion,
     CompletionJob,
     DecodingArgs,
+    DraftServer,
     LiveAcceptance,
-    StreamText,
     merge_stats,
 )
 
@@ -79,89 +93,6 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     ),
 }
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-
-
-class DecodingRequest(BaseModel):
-    """The decoding fields of OpenAI's requests, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: int = Field(16, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, description="unset: serve.temperature (default 1)")
-    top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
-    n: int = Field(1, ge=1, le=1, description="only 1")
-    stream: bool = Field(False, strict=True)
-    stream_options: dict | None = None
-    seed: int | None = Field(None, strict=True, ge=-(2**63), le=2**64 - 1, description="as torch.manual_seed takes")
-    stop: str | list[str] | None = None
-    user: str | None = None
-    gamma: Annotated[int, Field(ge=1, le=32, strict=True)] | Literal["auto"] | None = Field(
-        None, description="draft tokens per target call; auto: chosen per block (unset: serve.gamma)"
-    )
-    lenience: Literal["lin", "sq", "exp"] | None = None
-    epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
-    speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
-
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop strings")
-        return v
-
-
-class CompletionRequest(DecodingRequest):
-    """OpenAI's completion request."""
-
-    prompt: str | list[str]
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompts(cls, v: str | list[str]) -> str | list[str]:
-        items = [v] if isinstance(v, str) else v
-        if not items or any(not p.strip() for p in items):
-            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
-        return v
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: accepted, not used
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        """The content; of a list of parts, its text parts joined."""
-        if isinstance(self.content, str):
-            return self.content
-        if any(part.get("type") != "text" for part in self.content):
-            raise ValueError("only text content parts are supported")
-        return "".join(str(part.get("text", "")) for part in self.content)
-
-
-class ChatRequest(DecodingRequest):
-    """OpenAI's chat completion request (text messages)."""
-
-    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True, description="the newer name of max_tokens")
-
-
-class HTTPError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 app = FastAPI(title="DistillSpec speculative decoding", version="1")
@@ -269,29 +200,6 @@ async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
     return JSONResponse(status_code=exc.status, content=content, headers=exc.headers)
 
 
-def _param_of(message: str) -> str | None:
-    """The request field a :class:`DistillSpecError` from the decoder names (``"gamma=0: ..."``)."""
-    head = message.split(":", 1)[0].split("=", 1)[0].strip()
-    return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
-
-
-def _usage(done: list[Completion]) -> dict:
-    prompt, completion = sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _sd(done: list[Completion]) -> dict:
-    """SD statistics of a response: pooled over its choices, with the draft version and decoding time (vLLM: a
-    ``draft_version_end`` when a new version took over during the request)."""
-    ends = [c.stats["draft_version_end"] for c in done if "draft_version_end" in c.stats]
-    return {
-        **merge_stats([c.stats for c in done]),
-        **({"draft_version_end": max(ends)} if ends else {}),
-        "draft_version": done[0].version,
-        "seconds": max(c.seconds for c in done),
-    }
-
-
 @serve.deployment(max_ongoing_requests=64)
 @serve.ingress(app)
 class Completions:
@@ -303,6 +211,7 @@ class Completions:
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
+        self.completer: DraftServer
         if s.backend == "vllm":
             from distillspec.vllm_backend import VLLMCompleter  # the optional extra, imported only when asked for
 
@@ -311,7 +220,8 @@ class Completions:
                 cfg.target,
                 cfg.draft,
                 load_tokenizer(cfg.target),
-                gamma=s.fixed_gamma,
+                gamma=s.gamma,
+                max_gamma=s.max_gamma,
                 max_prompt_tokens=s.max_prompt_tokens,
                 seed=seed,
             )
@@ -324,6 +234,7 @@ class Completions:
             )
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
+        self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma
         self._batched.set_max_batch_size(s.max_batch_size)
         self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.run = s.follow_run or cfg.ray.run_name
@@ -406,15 +317,7 @@ class Completions:
         version, arrays = fetch_held(self.store, follow.held, before)
         if arrays is None:
             return
-        if self.vllm:
-            version = self.completer.load_draft(arrays, version)
-        else:
-
-            def load(model: torch.nn.Module) -> int:
-                load_arrays(model, arrays)
-                return version
-
-            version = self.completer.swap_draft(load, follow.alpha)
+        version = self.completer.load_draft(arrays, version, follow.alpha)
         self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
         self.swaps.append({"from": before, "to": version, "time": time.time()})
         self.metrics["distillspec_serve_draft_version"].set(version)
@@ -490,7 +393,7 @@ class Completions:
             "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
             "rollbacks": self.rollbacks,
             "live_alpha": {str(v): self.live.alpha(v) for v in self.live.versions()},
-            **({"auto_gamma": self.completer.auto.summary()} if not self.vllm else {}),
+            **({"auto_gamma": summary} if (summary := self._gamma_summary()) else {}),
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -539,7 +442,7 @@ class Completions:
                 done = await asyncio.gather(*[self._batched(job) for job in jobs])
                 for d in done:  # a job that failed alone (its batch's other jobs did not fail with it)
                     if isinstance(d, DistillSpecError):
-                        raise HTTPError(400, str(d), _param_of(str(d)))
+                        raise HTTPError(400, str(d), param_of(str(d)))
                     if isinstance(d, Exception):
                         raise d
         except HTTPError as exc:
@@ -553,7 +456,7 @@ class Completions:
         self._count("ok")
         self._record([j.prompt for j in jobs])
         self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-        return self._response(done, chat)
+        return completion_response(done, chat, self.s.model_name, self.replica)
 
     def _count(self, status: str) -> None:
         self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
@@ -591,7 +494,7 @@ class Completions:
             )
         gamma = (body.gamma or self.s.gamma) if body.speculative else 0
         args = DecodingArgs(
-            gamma=self.s.fixed_gamma if gamma == "auto" and self.vllm else gamma,  # vLLM drafts a fixed gamma
+            gamma=gamma,
             temperature=self.s.temperature if body.temperature is None else body.temperature,
             lenience=body.lenience,
             epsilon=body.epsilon,
@@ -602,7 +505,7 @@ class Completions:
             try:
                 self.completer.check(job)
             except DistillSpecError as exc:
-                raise HTTPError(400, str(exc), _param_of(str(exc))) from None
+                raise HTTPError(400, str(exc), param_of(str(exc))) from None
         return jobs
 
     # -- decoding -------------------------------------------------------------------------------------------
@@ -622,40 +525,39 @@ class Completions:
             self.metrics["distillspec_serve_block_efficiency"].set(sd["tau"])
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
-        if not self.vllm:
-            auto = self.completer.auto
-            for gamma in auto.drain():
-                self.metrics["distillspec_serve_gamma"].observe(gamma)
-            if auto.expected_tps is not None:
-                self.metrics["distillspec_serve_expected_tokens_per_s"].set(auto.expected_tps)
-                self.metrics["distillspec_serve_measured_tokens_per_s"].set(auto.measured_tps)
+        summary = self._gamma_summary()
+        if summary is not None:
+            self._gamma_metrics(summary)
+
+    def _gamma_summary(self) -> dict | None:
+        """gamma=auto's summary: the replica's own choice, or what the vLLM engine's last reported."""
+        return self.completer.gamma_summary()
+
+    def _gamma_metrics(self, summary: dict) -> None:
+        """The gammas chosen since the last call (from the summary's running counts) and the expected and measured
+        tokens/s, on the dashboard."""
+        for gamma, n in summary["chosen"].items():
+            for _ in range(n - self.gamma_counted.get(gamma, 0)):
+                self.metrics["distillspec_serve_gamma"].observe(int(gamma))
+        self.gamma_counted = dict(summary["chosen"])
+        if summary["expected_tokens_per_s"] is not None and summary["measured_tokens_per_s"] is not None:
+            self.metrics["distillspec_serve_expected_tokens_per_s"].set(summary["expected_tokens_per_s"])
+            self.metrics["distillspec_serve_measured_tokens_per_s"].set(summary["measured_tokens_per_s"])
 
     async def _stream(self, job: CompletionJob, start: float, chat: bool):
         """Server-sent events: text deltas as tokens are accepted, then a final chunk with usage and SD stats."""
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None = None, **extra: Any) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
-            data = {"id": rid, "object": kind, "created": created, "model": self.s.model_name}
-            return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
-
+        event = stream_events(chat, self.s.model_name)
         try:
             if chat:
-                yield chunk(None)  # the role comes first, as OpenAI sends it
-            source = self.completer.stream(job) if self.vllm else self._hf_stream(job)
-            async for item in source:
+                yield event(None)  # the role comes first, as OpenAI sends it
+            async for item in self.completer.stream(job):
                 if isinstance(item, str):
-                    yield chunk(item)
+                    yield event(item)
                     continue
                 self._observe([item])
                 self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-                sd = {**_sd([item]), "replica": self.replica}
-                yield chunk("", item.finish_reason, usage=_usage([item]), distillspec=sd)
+                sd = {**sd_stats([item]), "replica": self.replica}
+                yield event("", item.finish_reason, usage=usage([item]), distillspec=sd)
         except Exception as exc:  # the headers are sent: the error travels as an event, as OpenAI sends one
             log.exception("a stream failed")
             self._count("server_error")
@@ -666,63 +568,6 @@ class Completions:
         finally:
             self.held -= 1
         yield "data: [DONE]\n\n"
-
-    async def _hf_stream(self, job: CompletionJob):
-        """Text deltas from this project's decoder block by block (a thread), then the completion."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text, state = StreamText(self.completer.tokenizer, job.stop), {"cancel": False}
-
-        def on_block(tokens: torch.Tensor, counts: torch.Tensor) -> bool:
-            delta, hit = text.update(tokens[0, : int(counts[0])].tolist())
-            if delta:
-                loop.call_soon_threadsafe(queue.put_nowait, delta)
-            return hit or state["cancel"]
-
-        def work() -> Completion:
-            try:
-                done = self.completer.complete([job], on_block=on_block)[0]
-                if isinstance(done, Exception):
-                    raise done
-                return done
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        task = asyncio.ensure_future(asyncio.to_thread(work))
-        try:
-            while (delta := await queue.get()) is not None:
-                yield delta
-            done = await task
-            if len(done.text) > text.sent:
-                yield done.text[text.sent :]
-            yield done
-        finally:
-            state["cancel"] = True  # the client left: stop decoding at the next block
-
-    def _response(self, done: list[Completion], chat: bool) -> dict:
-        if chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": None,
-                    "finish_reason": c.finish_reason,
-                }
-                for i, c in enumerate(done)
-            ]
-        else:
-            choices = [
-                {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
-                for i, c in enumerate(done)
-            ]
-        return {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.s.model_name,
-            "choices": choices,
-            "usage": _usage(done),
-            "distillspec": {**_sd(done), "replica": self.replica},
-        }
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

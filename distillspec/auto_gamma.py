@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from distillspec.config import START_GAMMA
 
-#: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen
-AlphaKey = tuple[int, float, str | None, float]
+#: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen.
+#: An engine whose steps mix requests (vLLM) keeps one alpha per version: temperature None.
+AlphaKey = tuple[int, float | None, str | None, float]
 MAX_KEYS = 256  #: alpha keys kept at once
 
 
@@ -109,17 +110,19 @@ class AutoGamma:
         explore_every: int = 10,
         explore_within: float = 0.8,
         start_gamma: int | None = None,
+        whole_blocks: bool = False,
     ) -> None:
         self.max_gamma, self.prior_alpha, self.prior_weight = max_gamma, prior_alpha, prior_weight
+        #: a block's cost is measured whole (:meth:`observe_block`), not as its draft and verify steps apart
+        self.whole_blocks = whole_blocks
         self.keep = 1.0 - 1.0 / memory  #: weight of the past in alpha's counts, per block
         self.explore_every, self.explore_within = explore_every, explore_within
         self.start_gamma = min(max_gamma, START_GAMMA) if start_gamma is None else start_gamma
-        self.draft_costs, self.verify_costs = StepCosts(), StepCosts()
+        self.draft_costs, self.verify_costs = StepCosts(), StepCosts()  #: whole blocks: in verify_costs
         self.counts: dict[Hashable, list[float]] = {}  #: alpha key -> [accepted, judged], decayed
         self.priors: dict[int, float] = {}  #: draft version -> its canary alpha
         self.lock = threading.Lock()
         self.blocks = 0
-        self.chosen: list[int] = []  #: gammas chosen since the last :meth:`drain`
         self.histogram: Counter[int] = Counter()  #: every gamma chosen
         self.expected_tps: float | None = None  #: moving averages over blocks: predicted tokens/s of the choice
         self.measured_tps: float | None = None  #: and the tokens/s the block reached
@@ -171,7 +174,7 @@ class AutoGamma:
 
     def _block_seconds(self, batch: int, gamma: int) -> float | None:
         verify = self.verify_costs.predict(batch, gamma + 1)
-        draft = self.draft_costs.predict(batch, 1) if gamma else 0.0
+        draft = self.draft_costs.predict(batch, 1) if gamma and not self.whole_blocks else 0.0
         return None if verify is None or draft is None else gamma * draft + verify
 
     def choose(self, key: AlphaKey, batch: int) -> int:
@@ -186,7 +189,6 @@ class AutoGamma:
                 neighbour = gamma + 1 if up else gamma - 1
                 if plan.tokens_per_s[neighbour] >= self.explore_within * plan.tokens_per_s[gamma]:
                     gamma = neighbour  # a clear loser is not tried (a new draft version's alpha reopens it)
-            self.chosen.append(gamma)
             self.histogram[gamma] += 1
             if plan.tokens_per_s:
                 self.expected_tps = _average(self.expected_tps, plan.tokens_per_s[gamma])
@@ -211,12 +213,29 @@ class AutoGamma:
             if gamma:
                 self.draft_costs.observe(batch, 1, draft_s / gamma)
             self.verify_costs.observe(batch, gamma + 1, verify_s)
-            if judged:
-                counts = self._counts(key)
-                counts[0] = self.keep * counts[0] + accepted
-                counts[1] = self.keep * counts[1] + judged
+            self._count(key, accepted, judged)
             if chosen:
                 self.measured_tps = _average(self.measured_tps, tokens / max(draft_s + verify_s, 1e-9))
+
+    def observe_block(self, key: AlphaKey, batch: int, gamma: int, seconds: float | None, tokens: int) -> None:
+        """``whole_blocks``: a block of ``batch`` rows drafting ``gamma`` tokens took ``seconds`` in all (None: not
+        measured) and emitted ``tokens``; its shape's cost, predicted as one (the line in rows x (gamma + 1) tokens
+        elsewhere, the drafts' cost folded into its slope)."""
+        with self.lock:
+            if seconds is not None:
+                self.verify_costs.observe(batch, gamma + 1, seconds)
+                self.measured_tps = _average(self.measured_tps, tokens / max(seconds, 1e-9))
+
+    def count(self, key: AlphaKey, accepted: int, judged: int) -> None:
+        """Draft tokens accepted of those judged, for the alpha of ``key``."""
+        with self.lock:
+            self._count(key, accepted, judged)
+
+    def _count(self, key: AlphaKey, accepted: int, judged: int) -> None:
+        if judged:
+            counts = self._counts(key)
+            counts[0] = self.keep * counts[0] + accepted
+            counts[1] = self.keep * counts[1] + judged
 
     def for_call(self, key: AlphaKey, fixed: int | None = None) -> BoundGamma:
         """The schedule one decoding call follows (see :class:`distillspec.speculative.GammaSchedule`): gamma
@@ -224,12 +243,6 @@ class AutoGamma:
         return BoundGamma(self, key, fixed)
 
     # -- reporting ----------------------------------------------------------------------------------------------
-    def drain(self) -> list[int]:
-        """The gammas chosen since the last call (for a histogram on the dashboard)."""
-        with self.lock:
-            chosen, self.chosen = self.chosen, []
-            return chosen
-
     def summary(self) -> dict:
         with self.lock:
             return {
@@ -237,11 +250,15 @@ class AutoGamma:
                 "chosen": {str(g): n for g, n in sorted(self.histogram.items())},
                 "expected_tokens_per_s": self.expected_tps,
                 "measured_tokens_per_s": self.measured_tps,
-                "alpha": {
-                    f"v{k[0]} T={k[1]:g}" + (f" {k[2]} eps={k[3]:g}" if k[2] else ""): c[0] / c[1]
-                    for k, c in self.counts.items()
-                },
+                "alpha": {_key_name(k): c[0] / c[1] for k, c in self.counts.items()},
             }
+
+
+def _key_name(key: AlphaKey) -> str:
+    version, temperature, lenience, epsilon = key
+    if temperature is None:
+        return f"v{version}"
+    return f"v{version} T={temperature:g}" + (f" {lenience} eps={epsilon:g}" if lenience else "")
 
 
 def _average(old: float | None, new: float, keep: float = 0.95) -> float:
@@ -263,3 +280,55 @@ class BoundGamma:
         self, batch: int, gamma: int, draft_s: float, verify_s: float, accepted: int, judged: int, tokens: int
     ) -> None:
         self.auto.observe(self.key, batch, gamma, draft_s, verify_s, accepted, judged, tokens, self.fixed is None)
+
+
+class StepGamma:
+    """Gamma per step of an engine that batches continuously (vLLM), in the form of vLLM's batch-size schedule:
+    ``schedule[b]`` is the number of draft tokens for a step that runs ``b`` requests, chosen live by
+    :class:`AutoGamma` from the alpha of the draft version being served and the measured cost of whole steps.
+
+    A vLLM step verifies the drafts the step before it proposed and proposes the next ones, so its cost is that of
+    gamma only when its predecessor drafted the same number: a choice holds for ``hold`` steps of one batch size, and
+    :meth:`step_done` measures a step only when it and its predecessor ran the same rows and gamma, all decoding."""
+
+    def __init__(self, max_gamma: int, *, hold: int = 2, **kwargs) -> None:
+        self.auto = AutoGamma(max_gamma, whole_blocks=True, **kwargs)
+        self.hold, self.version = hold, -1
+        self.held: list[int] = [0, 0, 0]  #: [batch, gamma, steps it still holds for]
+        self.last: tuple[float, int, int] | None = None  #: (when the last step ended, its rows, its gamma drafted)
+
+    @property
+    def key(self) -> AlphaKey:
+        return (self.version, None, None, 1.0)
+
+    def __getitem__(self, batch: int) -> int:
+        """The gamma of the next step of ``batch`` requests (how vLLM's scheduler reads its schedule)."""
+        held_batch, gamma, left = self.held
+        if held_batch == batch and left > 0:
+            self.held[2] -= 1
+            return gamma
+        gamma = self.auto.choose(self.key, batch)
+        self.held = [batch, gamma, self.hold - 1]
+        return gamma
+
+    def __len__(self) -> int:
+        return 1 << 30  # every batch size has an entry
+
+    def new_version(self, version: int, alpha: float | None) -> None:
+        """Steps from now on run draft ``version``; its alpha starts from ``alpha`` (its canary's) when given. The
+        step running across the swap is not measured (the swap's seconds are not a step's)."""
+        self.auto.start_version(version, alpha)
+        self.version, self.last = version, None
+
+    def step_done(
+        self, end: float, rows: int, verified: list[int], drafted: int, accepted: int, tokens: int, decoding: bool
+    ) -> None:
+        """A step of ``rows`` requests ended at ``end`` (seconds, a monotonic clock): it verified ``verified[i]``
+        draft tokens of row i and accepted ``accepted`` of them, emitted ``tokens``, drafted ``drafted`` per row for
+        the next step; ``decoding``: no row was prefilling."""
+        judged = sum(verified)
+        self.auto.count(self.key, accepted, judged)
+        last, self.last = self.last, (end, rows, drafted)
+        same = last is not None and last[1] == rows and last[2] == drafted and all(v == drafted for v in verified)
+        if same and decoding:
+            self.auto.observe_block(self.key, rows, drafted, end - last[0], tokens)

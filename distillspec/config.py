@@ -136,6 +136,9 @@ class DistillConfig:
     lr: PosFloat = knob(3e-3, "peak learning rate")
     warmup_steps: NonNegInt = knob(20, "linear warm-up steps, then cosine decay to 0")
     max_new_tokens: PosInt = knob(64, "length of generated training continuations")
+    sample_gamma: PosInt = knob(
+        5, "draft tokens per block where speculative decoding samples the target's continuations (exact whatever it is)"
+    )
     max_prompt_tokens: PosInt = knob(
         256, "training prompts keep their last N tokens (one long prompt cannot oversize every batch it joins)"
     )
@@ -256,9 +259,8 @@ class ServeConfig:
     model_name: str = knob("distillspec", "the model id /v1/models reports and requests may name")
     gamma: PosInt | Literal["auto"] = knob(
         "auto",
-        "draft tokens per block when a request gives none; auto (backend hf): chosen per block, 0 to max_gamma, for "
-        "the most tokens/s at the live alpha and the measured step costs (backend vllm: the engine drafts 5, or "
-        "max_gamma if lower)",
+        "draft tokens per block when a request gives none; auto: chosen per block (backend vllm: per engine step), "
+        "0 to max_gamma, for the most tokens/s at the live alpha and the measured step costs",
     )
     max_gamma: PosInt = knob(7, "the most draft tokens per block gamma=auto chooses")
     temperature: Annotated[float, Field(ge=0, le=2)] = knob(
@@ -305,8 +307,8 @@ class ServeConfig:
 
     @property
     def fixed_gamma(self) -> int:
-        """Gamma where one number is needed (the vLLM engine, the canary): ``gamma``; for auto, where its choice
-        starts (:class:`distillspec.auto_gamma.AutoGamma`): 5, or ``max_gamma`` if lower."""
+        """Gamma where one number is needed (the canary): ``gamma``; for auto, where its choice starts
+        (:class:`distillspec.auto_gamma.AutoGamma`): 5, or ``max_gamma`` if lower."""
         return min(START_GAMMA, self.max_gamma) if self.gamma == "auto" else self.gamma
 
     def validate(self) -> None:

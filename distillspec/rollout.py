@@ -48,10 +48,11 @@ class HFGenerator:
         *,
         max_new_tokens: int,
         temperature: float,
+        gamma: int = 5,
         seed: int = 0,
         max_prompt_tokens: int | None = None,
     ) -> None:
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.target, self.draft, self.tokenizer, self.gamma = target, draft, tokenizer, gamma
         self.max_new_tokens, self.temperature, self.max_prompt_tokens = max_new_tokens, temperature, max_prompt_tokens
         self.generator = torch.Generator(device=draft.device).manual_seed(seed)
 
@@ -65,6 +66,7 @@ class HFGenerator:
             examples,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
+            gamma=self.gamma,
             generator=self.generator,
             max_prompt_tokens=self.max_prompt_tokens,
         )
@@ -102,6 +104,7 @@ class Sampler:
                 tokenizer,
                 max_new_tokens=cfg.max_new_tokens,
                 temperature=cfg.temperature,
+                gamma=cfg.sample_gamma,
                 seed=seed,
                 max_prompt_tokens=cfg.max_prompt_tokens,
             )

@@ -9,21 +9,23 @@ it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touch
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.auto_gamma import AutoGamma
 from distillspec.errors import DistillSpecError
 from distillspec.metrics import AcceptanceCounts
-from distillspec.models import encode_prompts
+from distillspec.models import encode_prompts, load_arrays
 from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
 
 
@@ -153,8 +155,35 @@ def check_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_tok
     return n
 
 
+class DraftServer(Protocol):
+    """What a Serve replica needs of its decoding backend, beside decoding itself (batched calls for
+    :class:`Completer`, continuous batching for :class:`distillspec.vllm_backend.VLLMCompleter`)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    version: int  #: the draft version served now
+    previous: tuple[object, int] | None  #: the draft the last swap replaced, and its version (None: no swap yet)
+
+    def check(self, job: CompletionJob) -> None:
+        """Raise :class:`DistillSpecError` for a job this backend refuses (a 400 at the endpoint)."""
+
+    def check_health(self) -> None:
+        """Raise when the backend cannot serve any more (Serve replaces the replica)."""
+
+    def load_draft(self, state: Mapping[str, np.ndarray], version: int, alpha: float | None = None) -> int:
+        """Serve draft ``version`` (its weights ``state``; ``alpha``: its canary's) from the next call on."""
+
+    def roll_back(self) -> int:
+        """Serve the draft the last :meth:`load_draft` replaced again; returns the version served now."""
+
+    def gamma_summary(self) -> dict | None:
+        """gamma=auto's choices (None: the backend drafts a fixed gamma)."""
+
+    def stream(self, job: CompletionJob) -> AsyncIterator[str | Completion]:
+        """Text deltas as tokens are accepted, then the :class:`Completion`."""
+
+
 class Completer:
-    """Completions from a target and a swappable draft."""
+    """Completions from a target and a swappable draft (a :class:`DraftServer`)."""
 
     def __init__(
         self,
@@ -194,11 +223,56 @@ class Completer:
             self.auto.forget({self.previous[1], version})
         return self.version
 
+    def load_draft(self, state: Mapping[str, np.ndarray], version: int, alpha: float | None = None) -> int:
+        """:meth:`swap_draft` to the weights ``state`` of ``version``; returns the version served now."""
+
+        def load(model: PreTrainedModel) -> int:
+            load_arrays(model, state)
+            return version
+
+        return self.swap_draft(load, alpha)
+
     def roll_back(self) -> int:
         """Serve the draft the last swap replaced again; returns the version served now."""
         if self.previous is not None:
             (self.draft, self.version), self.previous = self.previous, None
         return self.version
+
+    def gamma_summary(self) -> dict:
+        """gamma=auto's choices, alpha and tokens/s (:meth:`distillspec.auto_gamma.AutoGamma.summary`)."""
+        return self.auto.summary()
+
+    async def stream(self, job: CompletionJob) -> AsyncIterator[str | Completion]:
+        """Text deltas block by block as the decoder (in a thread) accepts tokens (final text only: see
+        :class:`StreamText`), then the completion. A client that leaves stops the decoding at the next block."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        text, state = StreamText(self.tokenizer, job.stop), {"cancel": False}
+
+        def on_block(tokens: torch.Tensor, counts: torch.Tensor) -> bool:
+            delta, hit = text.update(tokens[0, : int(counts[0])].tolist())
+            if delta:
+                loop.call_soon_threadsafe(queue.put_nowait, delta)
+            return hit or state["cancel"]
+
+        def work() -> Completion:
+            try:
+                done = self.complete([job], on_block=on_block)[0]
+                if isinstance(done, Exception):
+                    raise done
+                return done
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        task = asyncio.ensure_future(asyncio.to_thread(work))
+        try:
+            while (delta := await queue.get()) is not None:
+                yield delta
+            done = await task
+            if len(done.text) > text.sent:
+                yield done.text[text.sent :]
+            yield done
+        finally:
+            state["cancel"] = True
 
     def complete(self, jobs: list[CompletionJob], on_block: Callable | None = None) -> list[Completion | Exception]:
         """Run ``jobs``; those sharing decoding settings (and no seed) share one batched call.

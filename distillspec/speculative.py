@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from distillspec.config import Lenience
 from distillspec.errors import DistillSpecError
 from distillspec.kvcache import CachedLM, bucketed_capacity
+from distillspec.metrics import AcceptanceCounts
 
 #: Lenience functions ``f(p, epsilon)`` of lossy speculative decoding (paper Sec. 5.2).
 LENIENCES: dict[Lenience, Callable[[Tensor, float], Tensor]] = {
@@ -86,17 +87,19 @@ class SpecStats:
     gammas: list[int] = field(default_factory=list)  # draft tokens of each block, in order
 
     @property
+    def counts(self) -> AcceptanceCounts:
+        """The counts pooled over rows, where alpha and tau are defined (one definition for every engine)."""
+        return AcceptanceCounts(int(self.blocks.sum()), int(self.accepted.sum()), int(self.rejected.sum()))
+
+    @property
     def alpha(self) -> float:
         """Empirical acceptance rate: accepted / draft tokens that were judged (MLE of alpha)."""
-        acc = float(self.accepted.sum())
-        judged = acc + float(self.rejected.sum())
-        return acc / judged if judged else float("nan")
+        return self.counts.alpha
 
     @property
     def tau(self) -> float:
         """Empirical block efficiency: tokens per target call (accepted + 1 per block), at most gamma + 1."""
-        blocks = float(self.blocks.sum())
-        return (float(self.accepted.sum()) + blocks) / blocks if blocks else float("nan")
+        return self.counts.tau
 
     def to_dict(self) -> dict:
         return {

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import safetensors.torch
@@ -42,10 +44,12 @@ from distillspec.integrity import TransferRefused, checksums
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_model, state_arrays
 from distillspec.serving import Completion, CompletionJob, StreamText, check_prompt, counts_stats, cut_at_stop
+from distillspec.vllm_scheduler import MAILBOX, GammaMailbox
 
 #: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 WORKER_EXTENSION = "distillspec.vllm_worker.DraftWeights"
+SCHEDULERS = "distillspec.vllm_scheduler"
 
 
 def on_gpu() -> bool:
@@ -81,10 +85,18 @@ def check_models(*models: str) -> None:
 
 
 def engine_args(
-    cfg: VLLMConfig, model: str, *, draft: str | None = None, gamma: int = 5, seed: int = 0
+    cfg: VLLMConfig,
+    model: str,
+    *,
+    draft: str | None = None,
+    gamma: int = 5,
+    seed: int = 0,
+    live_gamma: str | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for ``model``, decoding speculatively with
-    ``draft`` (``gamma`` tokens per block) when one is given; the draft's weights can be replaced in place."""
+    ``draft`` (``gamma`` tokens per block) when one is given; the draft's weights can be replaced in place.
+    ``live_gamma``: 0 to ``gamma`` tokens, chosen for each step by :mod:`distillspec.vllm_scheduler`, which
+    exchanges its news through that folder (:class:`~distillspec.vllm_scheduler.GammaMailbox`)."""
     kwargs: dict[str, Any] = {
         "model": model,
         "dtype": cfg.dtype,
@@ -105,6 +117,13 @@ def engine_args(
             "num_speculative_tokens": gamma,
             "draft_sample_method": "probabilistic",
         }
+    if draft is not None and live_gamma is not None:
+        # vLLM's batch-size schedule turns on its per-step gamma; the scheduler replaces the schedule's lookup with
+        # the live choice (the CPU platform schedules synchronously, GPUs asynchronously by default)
+        kwargs["speculative_config"]["num_speculative_tokens_per_batch_size"] = [(1, 1 << 20, gamma)]
+        kwargs["scheduler_cls"] = f"{SCHEDULERS}.{'LiveGammaAsyncScheduler' if on_gpu() else 'LiveGammaScheduler'}"
+        kwargs["async_scheduling"] = on_gpu()
+        kwargs["additional_config"] = {MAILBOX: live_gamma}
     return kwargs
 
 
@@ -149,6 +168,22 @@ def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
     return AcceptanceCounts.from_vllm(
         value("num_drafts"), value("num_accepted_tokens"), list(value("num_accepted_tokens_per_pos"))
     )
+
+
+def _request_stats(metrics: Any, completion_tokens: int, gamma: int | str) -> dict:
+    """The SD statistics of one request from vLLM's per-request metrics (``per_request_spec_decode_metrics``): its
+    histogram of draft tokens accepted per block for a fixed gamma; for gamma chosen per step, the per-step lists
+    (a block rejects unless it accepts all it drafted) and the steps that drafted nothing (one token each, the
+    prefill's first token aside)."""
+    if metrics is None:
+        return counts_stats(AcceptanceCounts(0, 0, 0), gamma)
+    if gamma != "auto":
+        return counts_stats(AcceptanceCounts.from_histogram(metrics.histogram), gamma)
+    accepted, drafted = metrics.per_step_accepted, metrics.per_step_drafted
+    plain = max(0, completion_tokens - 1 - sum(accepted) - len(accepted))
+    rejected = sum(a < d for a, d in zip(accepted, drafted))
+    counts = AcceptanceCounts(len(accepted) + plain, sum(accepted), rejected)
+    return counts_stats(counts, gamma, sum(drafted))
 
 
 def _token_prompts(ids: torch.Tensor, mask: torch.Tensor) -> list[dict]:
@@ -262,8 +297,9 @@ class VLLMCompleter:
 
     The engine runs on an event loop of its own (a thread), so the completer serves any caller: a Serve
     replica's loop, a plain thread, a test. vLLM batches concurrent requests itself (continuous batching).
-    vLLM fixes per engine what this project's decoder takes per request: gamma (``num_speculative_tokens``),
-    and lossless verification only (no lenience); :meth:`check` refuses requests that ask otherwise.
+    vLLM fixes per engine what this project's decoder takes per request: gamma (``num_speculative_tokens``, or
+    ``"auto"``: chosen for each engine step, 0 to ``max_gamma``, by :mod:`distillspec.vllm_scheduler`), and lossless
+    verification only (no lenience); :meth:`check` refuses requests that ask otherwise.
     A new draft version (:meth:`load_draft`) takes effect at the engine's next step: a request in flight
     finishes on it, so each completion names the versions it started and ended on.
     """
@@ -275,7 +311,8 @@ class VLLMCompleter:
         draft: str,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        gamma: int,
+        gamma: int | Literal["auto"],
+        max_gamma: int = 7,
         max_prompt_tokens: int = 512,
         seed: int = 0,
     ) -> None:
@@ -284,14 +321,19 @@ class VLLMCompleter:
 
         prepare_environment(cfg)
         check_models(target, draft)
-        self.tokenizer, self.gamma, self.max_prompt_tokens = tokenizer, gamma, max_prompt_tokens
+        self.auto = gamma == "auto"
+        self.gamma = max_gamma if gamma == "auto" else gamma  #: draft tokens per block (auto: at most)
+        self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens
         self.draft, self.version = draft, -1
         self.state: Mapping[str, np.ndarray] | None = None  #: the weights of ``version`` (None: the checkpoint's)
         self.previous: tuple[Mapping[str, np.ndarray], int] | None = None  #: weights and version the last swap replaced
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True).start()
-        args = engine_args(cfg, target, draft=draft, gamma=gamma, seed=seed)
-        args["per_request_spec_decode_metrics"] = "summary"
+        #: where the engine's live gamma choice (auto) takes draft versions and reports what it chose
+        self.mailbox = GammaMailbox(tempfile.mkdtemp(prefix="distillspec-gamma-")) if self.auto else None
+        mailbox = str(self.mailbox.folder) if self.mailbox else None
+        args = engine_args(cfg, target, draft=draft, gamma=self.gamma, seed=seed, live_gamma=mailbox)
+        args["per_request_spec_decode_metrics"] = "detailed" if self.auto else "summary"  # auto: blocks differ
 
         async def start() -> AsyncLLM:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
@@ -314,10 +356,11 @@ class VLLMCompleter:
             raise DistillSpecError(
                 "speculative=false: the vLLM engine always decodes speculatively (serve.backend=hf can turn it off)"
             )
-        if args.gamma != self.gamma:
+        if args.gamma != ("auto" if self.auto else self.gamma):
+            engine = "chooses gamma for each step (serve.gamma=auto)" if self.auto else f"drafts {self.gamma} tokens"
             raise DistillSpecError(
-                f"gamma={args.gamma}: the vLLM engine drafts {self.gamma} tokens per block, fixed when it starts "
-                "(serve.gamma); serve.backend=hf takes gamma per request"
+                f"gamma={args.gamma}: the vLLM engine {engine}, fixed when it starts; serve.backend=hf takes gamma "
+                "per request"
             )
         if args.lenience is not None or args.epsilon != 1.0:
             raise DistillSpecError(
@@ -345,9 +388,7 @@ class VLLMCompleter:
             sink(list(final.token_ids))
         tokens = list(final.token_ids)
         text, hit = cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), job.stop)
-        metrics = final.spec_decode_metrics
-        counts = AcceptanceCounts.from_histogram(metrics.histogram if metrics else [])
-        stats = counts_stats(counts, self.gamma)
+        stats = _request_stats(final.spec_decode_metrics, len(tokens), "auto" if self.auto else self.gamma)
         if self.version != version:
             stats["draft_version_end"] = self.version
         return Completion(
@@ -388,12 +429,13 @@ class VLLMCompleter:
         finally:
             future.cancel()  # the client left: vLLM aborts the request
 
-    def load_draft(self, state: Mapping[str, np.ndarray], version: int) -> int:
+    def load_draft(self, state: Mapping[str, np.ndarray], version: int, alpha: float | None = None) -> int:
         """Swap in a new draft version (blocking; call from a thread); returns the version served now. The weights it
-        replaces are kept for :meth:`roll_back`. Weights a worker finds mangled raise
-        :class:`~distillspec.integrity.TransferRefused` and leave the engine as it was."""
+        replaces are kept for :meth:`roll_back`; ``alpha`` (its canary's) starts the live gamma choice's alpha of
+        it. Weights a worker finds mangled raise :class:`~distillspec.integrity.TransferRefused` and leave the
+        engine as it was."""
         held = self.state if self.state is not None else self._start_state()
-        self._load(state)
+        self._load(state, version, alpha)
         self.previous, self.state, self.version = (held, self.version), state, version
         return version
 
@@ -401,17 +443,24 @@ class VLLMCompleter:
         """Serve the weights the last :meth:`load_draft` replaced again; returns the version served now."""
         if self.previous is not None:
             (state, version), self.previous = self.previous, None
-            self._load(state)
+            self._load(state, version, None)
             self.state, self.version = state, version
         return self.version
 
-    def _load(self, state: Mapping[str, np.ndarray]) -> None:
+    def _load(self, state: Mapping[str, np.ndarray], version: int, alpha: float | None) -> None:
         async def load() -> list:
             results = await self.engine.collective_rpc("load_draft", args=weights_blob(state))
             await self.engine.reset_prefix_cache()
             return results
 
         check_loaded(self._call(load()))
+        if self.mailbox:
+            self.mailbox.send_version(version, alpha)
+
+    def gamma_summary(self) -> dict | None:
+        """The engine's live gamma choice (``gamma="auto"``) as it last reported
+        (:meth:`distillspec.auto_gamma.AutoGamma.summary`, about once a second); None for a fixed gamma."""
+        return self.mailbox.summary() if self.mailbox else None
 
     def _start_state(self) -> dict[str, np.ndarray]:
         """The weights the engine started with (its draft checkpoint), read when a first swap replaces them."""
@@ -419,4 +468,6 @@ class VLLMCompleter:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self.mailbox:
+            shutil.rmtree(self.mailbox.folder, ignore_errors=True)
         self.loop.call_soon_threadsafe(self.loop.stop)

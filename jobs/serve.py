@@ -28,8 +28,8 @@ from distillspec.config import JobConfig
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
-    """Deploy the endpoint on the connected Ray cluster; returns its base URL."""
+def start(cfg: JobConfig, *, name: str = "distillspec", route_prefix: str = "/") -> str:
+    """Deploy the endpoint on the connected Ray cluster (its routes under ``route_prefix``); returns its base URL."""
     from ray import serve
 
     from cluster.serve import bind, resolve_models
@@ -37,8 +37,8 @@ def start(cfg: JobConfig, *, name: str = "distillspec") -> str:
     cfg = resolve_models(cfg)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's start-up INFO lines; the job says its own
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-    serve.run(bind(cfg), name=name, route_prefix="/")
-    return f"http://{cfg.serve.host}:{cfg.serve.port}/v1"
+    serve.run(bind(cfg), name=name, route_prefix=route_prefix)
+    return f"http://{cfg.serve.host}:{cfg.serve.port}{route_prefix.rstrip('/')}/v1"
 
 
 def main(cfg: JobConfig) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from distillspec.auto_gamma import AutoGamma, StepCosts, expected_tokens
+from distillspec.auto_gamma import AutoGamma, StepCosts, StepGamma, expected_tokens
 from distillspec.serving import Completer, CompletionJob, DecodingArgs
 
 from .conftest import greedy_text
@@ -70,10 +70,9 @@ def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored(
     assert auto.alpha((4, 1.0, None, 1.0)) == pytest.approx(0.8)  # no canary alpha: the version before it's
     assert auto.alpha((4, 0.5, None, 1.0)) == pytest.approx(auto.prior_alpha)  # nothing seen at these settings
     feed(auto, 0.9, [1])
-    auto.drain()
     chosen = [auto.choose(KEY, 1) for _ in range(6)]
     assert chosen.count(7) == 3 and chosen.count(6) == 3  # every second block a neighbour of the best
-    assert auto.drain() == chosen and auto.drain() == []
+    assert auto.summary()["chosen"] == {"6": 3, "7": 3}
     auto.forget({3})
     assert set(auto.counts) == {(3, 1.0, None, 1.0)}
 
@@ -98,6 +97,43 @@ def test_a_cost_measured_under_other_load_is_measured_again():
     assert auto.verify_costs.predict(1, 7) == pytest.approx(normal(6)[1], rel=0.2)
 
 
+def run_engine(live: StepGamma, rows: int, steps: int, alpha: float, clock: list[float]) -> list[int]:
+    """Steps of an engine that batches continuously, as vLLM runs them: each step verifies the drafts the step before
+    it proposed (each accepted with probability ``alpha``, by a fixed pattern) and drafts the gamma its schedule
+    (``live[rows]``) gives. A step costs 10 ms + 0.5 ms per token it verifies + 1 ms per draft token it proposes."""
+    chosen, verified = [], 0
+    for step in range(steps):
+        drafted = live[rows]
+        chosen.append(drafted)
+        accepted = sum(int((step * 7 + i) % 100 < 100 * alpha) for i in range(verified)) * rows
+        clock[0] += 0.010 + 0.0005 * rows * (verified + 1) + 0.001 * drafted
+        live.step_done(clock[0], rows, [verified] * rows, drafted, accepted, accepted + rows, decoding=True)
+        verified = drafted
+    return chosen
+
+
+def test_engine_steps_choose_gamma_by_batch_size_and_follow_a_new_version():
+    """vLLM's batch-size schedule, chosen live: a step's cost counts only where it verified and drafted one gamma,
+    the choice holds two steps so that every gamma chosen is measured, and it differs by batch size."""
+    live, clock = StepGamma(7, explore_every=10), [0.0]
+    assert live[1] == 5  # nothing measured yet: the start gamma
+    for _ in range(40):  # traffic at batch 1 and 16 in turn
+        run_engine(live, 1, 20, 0.9, clock)
+        run_engine(live, 16, 20, 0.9, clock)
+    assert live.auto.alpha(live.key) == pytest.approx(0.9, abs=0.05)
+    costs = live.auto.verify_costs
+    assert costs.predict(1, 8) == pytest.approx(0.010 + 0.0005 * 8 + 0.007, rel=0.05)  # a whole step's seconds
+    best = lambda rows: max(
+        range(8), key=lambda g: rows * expected_tokens(0.9, g) / (0.010 + 0.0005 * rows * (g + 1) + 0.001 * g)
+    )
+    plan = live.auto.plan(live.key, 1)
+    assert plan.gamma == best(1) == 7 and live.auto.plan(live.key, 16).gamma == best(16) < 7
+    live.new_version(3, 0.05)  # a version whose canary measured alpha 0.05: no speculation pays
+    assert live.key == (3, None, None, 1.0) and live.auto.alpha(live.key) == pytest.approx(0.05)
+    assert run_engine(live, 16, 10, 0.05, clock)[2:] == [0] * 8
+    assert "v3" in live.auto.summary()["alpha"]
+
+
 def test_completer_with_auto_gamma(text_pair, tokenizer):
     target, draft = text_pair
     completer = Completer(target, draft, tokenizer, max_prompt_tokens=16, max_gamma=4)
@@ -108,9 +144,8 @@ def test_completer_with_auto_gamma(text_pair, tokenizer):
     for prompt, c in zip(prompts, done, strict=True):
         assert c.text == greedy_text(target, tokenizer, prompt, 12)  # exact, whatever gamma each block drafted
         assert c.stats["gamma"] == "auto" and c.stats["drafted"] <= 4 * c.stats["target_calls"]
-    chosen = completer.auto.drain()
-    assert chosen and set(chosen) <= set(range(5))
     summary = completer.auto.summary()
+    assert summary["chosen"] and set(summary["chosen"]) <= set("01234")
     assert summary["measured_tokens_per_s"] > 0 and summary["expected_tokens_per_s"] > 0
 
 

@@ -323,6 +323,30 @@ def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray
     ray.kill(store)
 
 
+def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
+    """The store owns the bytes of the versions it keeps: a consumer that starts after the publisher died (a rollout
+    actor restarted after the learner's node went, a replica started after the job ended) loads the version."""
+    from actors.weights import pull
+
+    @ray.remote(num_cpus=0)
+    class Publisher:
+        def publish(self, store: ray.actor.ActorHandle, draft: str) -> None:
+            publish(store, load_model(draft)[0], 7)
+
+    store, publisher = WeightStore.remote("outlives"), Publisher.remote()
+    ray.get(publisher.publish.remote(store, str(tiny_garden.draft)))
+    ray.kill(publisher, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(publisher.publish.remote(store, str(tiny_garden.draft)))  # it is gone
+    consumer = load_model(str(tiny_garden.draft))[0]
+    with torch.no_grad():
+        for p in consumer.parameters():
+            p.zero_()
+    assert pull(store, consumer, -1) == 7
+    assert torch.equal(consumer.lm_head.weight, load_model(str(tiny_garden.draft))[0].lm_head.weight)
+    ray.kill(store)
+
+
 def test_the_weight_store_rolls_serving_back_past_refused_versions(ray_cluster):
     """The store's side of a rollback, as several replicas see it: serving returns to the newest earlier version
     that was neither refused nor rolled back; every replica learns the rolled-back versions from ``follow``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import time
 
 import pytest
 import torch
@@ -373,7 +374,8 @@ def vllm_endpoint(ray_cluster, garden):
         f"draft={garden.draft}",
         "ray.run_name=vllm-serve-test",
         "serve.backend=vllm",
-        "serve.gamma=4",
+        "serve.gamma=auto",
+        "serve.max_gamma=4",
         "serve.max_prompt_tokens=128",
         "serve.max_tokens=48",
         "serve.replica_cpus=0.25",
@@ -398,12 +400,17 @@ def test_vllm_endpoint_openai_client_streams_and_refuses(vllm_endpoint, models, 
         r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0)
         assert r.choices[0].text == expected
         sd = r.model_extra["distillspec"]
-        assert sd["gamma"] == 4 and sd["target_calls"] > 0 and 1.0 <= sd["tau"] <= 5.0 and sd["draft_version"] == -1
+        assert sd["gamma"] == "auto" and sd["target_calls"] > 0 and 1.0 <= sd["tau"] <= 5.0
+        assert sd["draft_version"] == -1 and sd["drafted"] <= 4 * sd["target_calls"]
         chunks = list(
             client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0, stream=True)
         )
         assert "".join(c.choices[0].text for c in chunks) == expected
-        assert chunks[-1].model_extra["distillspec"]["gamma"] == 4
+        assert chunks[-1].model_extra["distillspec"]["gamma"] == "auto"
+    # gamma chosen for each engine step (0 to serve.max_gamma), from the alpha and the steps' seconds measured
+    auto = requests.get(f"{vllm_endpoint}/v1/stats", timeout=30).json()["auto_gamma"]
+    assert auto["max_gamma"] == 4 and sum(auto["chosen"].values()) > 0 and set(auto["chosen"]) <= set("01234")
+    assert 0.0 < auto["alpha"]["v-1"] < 1.0 and auto["measured_tokens_per_s"] > 0, auto
     # What vLLM fixes per engine is refused per request, naming the field.
     for body, field in [
         ({"gamma": 2}, "gamma"),
@@ -432,3 +439,39 @@ def test_vllm_safe_rollout_under_load_with_faults_injected(vllm_endpoint, garden
     # Slack: the requests that start while the engine reloads version 1 (about a quarter second here) start on 4.
     figures = check_safe_rollout(vllm_endpoint, load_config(None, overrides), draft, expected, 16, slack=16)
     print("safe rollout (vLLM backend):", figures)
+
+
+def test_a_dead_engine_gets_its_replica_replaced(vllm_endpoint, models, clear_examples):
+    """The vLLM engine of the replica dies (its engine-core process killed -9): requests fail with a 5xx instead of
+    hanging, Serve's health check (``check_health`` probes the engine) marks the replica unhealthy, and the
+    replacement answers with the target's text. Runs last: it restarts the module's endpoint."""
+    import psutil
+    import requests
+
+    target, _, tokenizer = models
+    prompt = clear_examples[0].prompt
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+    url = f"{vllm_endpoint}/v1/completions"
+    replica = next(
+        p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:vllm:" in " ".join(p.info["cmdline"] or ())
+    )
+    engines = [p for p in replica.children(recursive=True) if "EngineCore" in p.name() + " ".join(p.cmdline())]
+    assert engines, [p.name() for p in replica.children(recursive=True)]
+    for p in engines:
+        p.kill()
+    statuses, start = [], time.monotonic()
+    while True:
+        try:
+            r = requests.post(url, json=body, timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                break
+        except requests.exceptions.RequestException as exc:
+            statuses.append(type(exc).__name__)
+        assert time.monotonic() - start < 300, f"no replica answered 300 s after the engine died: {statuses[-5:]}"
+        time.sleep(1)
+    assert r.json()["choices"][0]["text"] == greedy_text(target, tokenizer, prompt, 12)
+    assert not replica.is_running(), "the replica whose engine died is still serving"
+    assert all(not isinstance(s, int) or s >= 500 for s in statuses[:-1]), statuses  # a server error, never a 4xx
+    seconds = time.monotonic() - start
+    print(f"engine killed: {len(statuses) - 1} failed requests {set(statuses[:-1])}; answered after {seconds:.0f} s")

@@ -1,0 +1,165 @@
+"""The OpenAI API as the endpoint speaks it: request schemas (with this project's decoding fields), errors, and the
+shapes of responses and stream events. :mod:`cluster.serve` holds the routes that use them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from distillspec.serving import Completion, merge_stats
+
+
+class DecodingRequest(BaseModel):
+    """The decoding fields of OpenAI's requests, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="unset: serve.temperature (default 1)")
+    top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
+    n: int = Field(1, ge=1, le=1, description="only 1")
+    stream: bool = Field(False, strict=True)
+    stream_options: dict | None = None
+    seed: int | None = Field(None, strict=True, ge=-(2**63), le=2**64 - 1, description="as torch.manual_seed takes")
+    stop: str | list[str] | None = None
+    user: str | None = None
+    gamma: Annotated[int, Field(ge=1, le=32, strict=True)] | Literal["auto"] | None = Field(
+        None, description="draft tokens per target call; auto: chosen per block (unset: serve.gamma)"
+    )
+    lenience: Literal["lin", "sq", "exp"] | None = None
+    epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
+    speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop strings")
+        return v
+
+
+class CompletionRequest(DecodingRequest):
+    """OpenAI's completion request."""
+
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, v: str | list[str]) -> str | list[str]:
+        items = [v] if isinstance(v, str) else v
+        if not items or any(not p.strip() for p in items):
+            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, ...: accepted, not used
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """The content; of a list of parts, its text parts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        if any(part.get("type") != "text" for part in self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+class ChatRequest(DecodingRequest):
+    """OpenAI's chat completion request (text messages)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True, description="the newer name of max_tokens")
+
+
+class HTTPError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def param_of(message: str) -> str | None:
+    """The request field a :class:`DistillSpecError` from the decoder names (``"gamma=0: ..."``)."""
+    head = message.split(":", 1)[0].split("=", 1)[0].strip()
+    return {"max_new_tokens": "max_tokens"}.get(head, head) if head.isidentifier() else None
+
+
+def usage(done: list[Completion]) -> dict:
+    prompt, completion = sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sd_stats(done: list[Completion]) -> dict:
+    """SD statistics of a response: pooled over its choices, with the draft version and decoding time (vLLM: a
+    ``draft_version_end`` when a new version took over during the request)."""
+    ends = [c.stats["draft_version_end"] for c in done if "draft_version_end" in c.stats]
+    return {
+        **merge_stats([c.stats for c in done]),
+        **({"draft_version_end": max(ends)} if ends else {}),
+        "draft_version": done[0].version,
+        "seconds": max(c.seconds for c in done),
+    }
+
+
+def completion_response(done: list[Completion], chat: bool, model: str, replica: str) -> dict:
+    """A completion (``chat``: chat completion) response with one choice per completion in ``done``."""
+    if chat:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(done)
+        ]
+    else:
+        choices = [
+            {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(done)
+        ]
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(done),
+        "distillspec": {**sd_stats(done), "replica": replica},
+    }
+
+
+def stream_events(chat: bool, model: str) -> Callable[..., str]:
+    """The server-sent event of one stream's chunks: ``event(text, finish, **extra)``; ``text=None`` (chat only) is
+    the first chunk, which names the role."""
+    rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(text: str | None, finish: str | None = None, **extra: Any) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+        data = {"id": rid, "object": kind, "created": created, "model": model}
+        return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
+
+    return event
