@@ -38,7 +38,8 @@ class EvalActor:
         self.held: Held | None = None  #: the store's entry of ``version``: what the gate promotes, by reference
         self.history: list[dict] = []
         self.alarms: list[str] = []
-        self.serving_alpha: float | None = None  #: the canary's alpha of the serving version on these prompts
+        #: the canary's alpha of the serving version on these prompts; a restarted evaluator takes it from the store
+        self.serving_alpha: float | None = ray.get(self.store.follow.remote()).alpha
         self.canary = None  #: with serve.backend=vllm, the canary decodes with vLLM, as the replicas do
         if cfg.serve.backend == "vllm":
             from distillspec.vllm_backend import VLLMGenerator

@@ -191,8 +191,11 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
     publish(store, draft, 1)
     bad = ray.get(evaluator.evaluate.remote())
     report = ray.get(evaluator.report.remote())
+    restarted = EvalActor.remote(cfg, [e.prompt for e in task.test[:8]])  # knows the serving alpha from the store
+    assert not ray.get(restarted.evaluate.remote())["served"]
     gate = ray.get(store.gate.remote())
     ray.kill(evaluator)
+    ray.kill(restarted)
     ray.kill(store)
     assert good["alpha"] > 0.9 and bad["alpha"] < good["alpha"] - 0.1
     assert len(report["alarms"]) == 1 and "collapsed" in report["alarms"][0]
