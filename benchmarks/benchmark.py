@@ -740,7 +740,8 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
         finally:
             proc.kill()
             proc.wait()
-    print(f"\ntokens/s, {body['max_tokens']} tokens at T = 0, gamma {cfg.serve.fixed_gamma}, requests {loads}:")
+    gammas = f"gamma {cfg.serve.gamma} (vLLM's own server: {cfg.serve.fixed_gamma})"
+    print(f"\ntokens/s, {body['max_tokens']} tokens at T = 0, {gammas}, requests {loads}:")
     print(f"{'endpoint':>20} {'conc 1':>8} {'conc 8':>8} {'errors':>6} {'alpha':>6} {'tau':>5}")
     for key, by in rows.items():
         r8 = by[8]
