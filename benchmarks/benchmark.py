@@ -370,7 +370,9 @@ def _gamma(cfg, gamma: int | str):
     return replace(cfg, serve=replace(cfg.serve, gamma=gamma))
 
 
-def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
+def suite_gamma(
+    overrides: list[str], budget: float, out: Path, rounds: int | None = None, concurrency: list[int] | None = None
+) -> dict:
     """Gamma chosen live against fixed gammas: tokens/s at the endpoint (one replica, batches up to 16 requests) at
     concurrency 1, 4, 8 and 16, for gamma 0 (speculation off), 1, 3, 5, 7 and auto, on the task's test prompts at
     ``serve.temperature``. Each concurrency runs every setting in turn, ``rounds`` times in rotated order, so that
@@ -400,7 +402,8 @@ def suite_gamma(overrides: list[str], budget: float, out: Path) -> dict:
         urls = dict.fromkeys(settings, start(cfg))
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
     # Each setting: ``rounds`` x ``per_client`` requests per client (a pretrained target: 2 x 2, the garden: 3 x 8).
-    concurrencies, (rounds, per_client) = [1, 4, 8, 16], (2, 2) if cfg.target else (3, 8)
+    concurrencies, (default_rounds, per_client) = concurrency or [1, 4, 8, 16], (2, 2) if cfg.target else (3, 8)
+    rounds = rounds or default_rounds
     body = {"max_tokens": cfg.eval.max_new_tokens}
     table: dict[str, dict[str, dict]] = {}
 
@@ -1218,6 +1221,10 @@ def main() -> None:
     parser.add_argument(
         "--distilled", help="suites serve, online, vllm, latency: a distilled draft (a distill run's out/draft)"
     )
+    parser.add_argument(
+        "--rounds", type=int, help="suite gamma: rounds per setting (default 3 on the garden, 2 on a pretrained pair)"
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", help="suite gamma: concurrencies (default 1 4 8 16)")
     args, extra = parser.parse_known_args()
     args.overrides = [x for x in args.suites if "=" in x]  # suites and overrides in any order: one has a "="
     args.suites = [x for x in args.suites if "=" not in x]
@@ -1241,6 +1248,7 @@ def main() -> None:
             continue
         if name in SUITES:
             kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm", "latency") else {}
+            kw = {"rounds": args.rounds, "concurrency": args.concurrency} if name == "gamma" else kw
             suite = functools.partial(SUITES[name], [*base, *args.overrides, *extra], budget, out / name, **kw)
             result = timed(name, scale, suite)
         else:  # each task's settings there come from TASKS (the benchmark garden, or the real pair)
