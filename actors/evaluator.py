@@ -12,13 +12,12 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.weights import Held, fetch_held
+from actors.weights import Held, pull_held
 from distillspec.config import JobConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
-from distillspec.integrity import TransferRefused
-from distillspec.models import load_arrays, load_pair, state_arrays
+from distillspec.models import load_pair, state_arrays
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 
@@ -58,15 +57,8 @@ class EvalActor:
 
     def evaluate(self) -> dict | None:
         """Pull the latest weights and measure them (None when nothing was ever published)."""
-        held = ray.get(self.store.latest.remote())
-        try:
-            version, arrays = fetch_held(self.store, held, self.version)
-        except TransferRefused:
-            version, arrays = self.version, None  # logged and counted where found: measure the version held
-        if arrays is not None:
-            load_arrays(self.draft, arrays)
-            self.held = held
-        self.version = version
+        self.version, held = pull_held(self.store, self.draft, self.version)
+        self.held = held or self.held
         if self.version < 0:
             return None
         rec = {"version": self.version, "time": time.time(), **self._measure(self.cfg.eval.speedup_gamma)}

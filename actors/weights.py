@@ -207,12 +207,22 @@ def fetch_held(
 def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest") -> int:
     """Load the store's latest (or serving) weights into ``model`` when they differ from ``version``; returns the
     version held (``version`` itself when the new weights were refused)."""
-    try:
-        latest, arrays = fetch(store, version, which)
-    except TransferRefused:
-        return version
-    if arrays is not None:
-        from distillspec.models import load_arrays
+    return pull_held(store, model, version, which)[0]
 
-        load_arrays(model, arrays)
-    return latest
+
+def pull_held(
+    store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest"
+) -> tuple[int, Held | None]:
+    """:func:`pull`, and the store's entry of the version it loaded (None: nothing new loaded), whose reference a
+    caller can hand back to the store (the gate promotes by reference)."""
+    held = ray.get(store.latest.remote(which))
+    try:
+        latest, arrays = fetch_held(store, held, version)
+    except TransferRefused:
+        return version, None
+    if arrays is None:
+        return latest, None
+    from distillspec.models import load_arrays
+
+    load_arrays(model, arrays)
+    return latest, held

@@ -235,6 +235,7 @@ class Completions:
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
         self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma
+        self.gamma_polled = 0.0  #: when they were last brought to the dashboard (at most once a second)
         self._batched.set_max_batch_size(s.max_batch_size)
         self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
         self.run = s.follow_run or cfg.ray.run_name
@@ -393,7 +394,7 @@ class Completions:
             "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
             "rollbacks": self.rollbacks,
             "live_alpha": {str(v): self.live.alpha(v) for v in self.live.versions()},
-            **({"auto_gamma": summary} if (summary := self._gamma_summary()) else {}),
+            **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -525,13 +526,10 @@ class Completions:
             self.metrics["distillspec_serve_block_efficiency"].set(sd["tau"])
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
-        summary = self._gamma_summary()
-        if summary is not None:
-            self._gamma_metrics(summary)
-
-    def _gamma_summary(self) -> dict | None:
-        """gamma=auto's summary: the replica's own choice, or what the vLLM engine's last reported."""
-        return self.completer.gamma_summary()
+        if time.monotonic() - self.gamma_polled >= 1.0:  # the choices' running counts: nothing is lost between
+            self.gamma_polled = time.monotonic()
+            if (summary := self.completer.gamma_summary()) is not None:
+                self._gamma_metrics(summary)
 
     def _gamma_metrics(self, summary: dict) -> None:
         """The gammas chosen since the last call (from the summary's running counts) and the expected and measured

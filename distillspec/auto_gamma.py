@@ -217,7 +217,7 @@ class AutoGamma:
             if chosen:
                 self.measured_tps = _average(self.measured_tps, tokens / max(draft_s + verify_s, 1e-9))
 
-    def observe_block(self, key: AlphaKey, batch: int, gamma: int, seconds: float | None, tokens: int) -> None:
+    def observe_block(self, batch: int, gamma: int, seconds: float | None, tokens: int) -> None:
         """``whole_blocks``: a block of ``batch`` rows drafting ``gamma`` tokens took ``seconds`` in all (None: not
         measured) and emitted ``tokens``; its shape's cost, predicted as one (the line in rows x (gamma + 1) tokens
         elsewhere, the drafts' cost folded into its slope)."""
@@ -331,4 +331,4 @@ class StepGamma:
         last, self.last = self.last, (end, rows, drafted)
         same = last is not None and last[1] == rows and last[2] == drafted and all(v == drafted for v in verified)
         if same and decoding:
-            self.auto.observe_block(self.key, rows, drafted, end - last[0], tokens)
+            self.auto.observe_block(rows, drafted, end - last[0], tokens)

@@ -33,7 +33,7 @@ class GammaMailbox:
 
     def __init__(self, folder: str | Path, report_every_s: float = 1.0) -> None:
         self.folder, self.report_every_s = Path(folder), report_every_s
-        self.seen: float | None = None  #: modification time of the version file read last
+        self.seen: int | None = None  #: modification time (ns) of the version file read last
         self.reported = 0.0
 
     # -- the owner's side ---------------------------------------------------------------------------------------
