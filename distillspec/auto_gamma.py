@@ -199,21 +199,24 @@ class AutoGamma:
         key: AlphaKey,
         batch: int,
         gamma: int,
-        draft_s: float,
-        verify_s: float,
+        draft_s: float | None,
+        verify_s: float | None,
         accepted: int,
         judged: int,
         tokens: int,
         chosen: bool = True,
     ) -> None:
-        """What a block of ``batch`` rows drafting ``gamma`` tokens took: seconds drafting and verifying, draft tokens
-        accepted and judged (all rows), tokens emitted (all rows); ``chosen``: gamma was this instance's choice (the
-        tokens/s it reached count against what it expected), not a request's fixed gamma."""
+        """What a block of ``batch`` rows drafting ``gamma`` tokens took: seconds drafting and verifying (None: not
+        its shape's cost), draft tokens accepted and judged (all rows), tokens emitted (all rows); ``chosen``: gamma
+        was this instance's choice (the tokens/s it reached count against what it expected), not a request's fixed
+        gamma."""
         with self.lock:
+            self._count(key, accepted, judged)
+            if draft_s is None or verify_s is None:
+                return
             if gamma:
                 self.draft_costs.observe(batch, 1, draft_s / gamma)
             self.verify_costs.observe(batch, gamma + 1, verify_s)
-            self._count(key, accepted, judged)
             if chosen:
                 self.measured_tps = _average(self.measured_tps, tokens / max(draft_s + verify_s, 1e-9))
 
@@ -277,7 +280,14 @@ class BoundGamma:
         return self.auto.choose(self.key, batch) if self.fixed is None else self.fixed
 
     def observe(
-        self, batch: int, gamma: int, draft_s: float, verify_s: float, accepted: int, judged: int, tokens: int
+        self,
+        batch: int,
+        gamma: int,
+        draft_s: float | None,
+        verify_s: float | None,
+        accepted: int,
+        judged: int,
+        tokens: int,
     ) -> None:
         self.auto.observe(self.key, batch, gamma, draft_s, verify_s, accepted, judged, tokens, self.fixed is None)
 

@@ -126,12 +126,20 @@ class GenerationOutput:
 class GammaSchedule(Protocol):
     """Gamma chosen per block (e.g. :class:`distillspec.auto_gamma.AutoGamma` for one call): ``choose`` gives the
     next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows, at most the call's
-    ``gamma``; ``observe`` gets what the block cost and yielded (all rows together)."""
+    ``gamma``; ``observe`` gets what the block cost (None: a block whose cost is not its shape's, such as the first)
+    and yielded (all rows together)."""
 
     def choose(self, batch: int) -> int: ...
 
     def observe(
-        self, batch: int, gamma: int, draft_s: float, verify_s: float, accepted: int, judged: int, tokens: int
+        self,
+        batch: int,
+        gamma: int,
+        draft_s: float | None,
+        verify_s: float | None,
+        accepted: int,
+        judged: int,
+        tokens: int,
     ) -> None: ...
 
 
@@ -342,18 +350,15 @@ def speculative_generate(
     gammas: list[int] = []
     rows = torch.arange(batch, device=dev)
 
-    # Both models see the prompt but its last token; that token is the first input of each.
-    if input_ids.shape[1] > 1:
-        tgt.prefill(input_ids[:, :-1], mask[:, :-1])
-        drf.prefill(input_ids[:, :-1], mask[:, :-1])
-    else:
-        for lm in (tgt, drf):
-            lm.mask = input_ids.new_zeros(batch, 0)
-            lm.next_pos = input_ids.new_zeros(batch)
-    target_in = input_ids[:, -1:]
-    # The draft's input: the tokens it has not seen yet (the last emitted one; before it, after a fully accepted
-    # block, d_gamma, and after blocks without drafts, their tokens). A rejected d_gamma is a hole (valid 0).
-    draft_in, draft_valid = input_ids[:, -1:], torch.ones_like(input_ids[:, -1:])
+    # The target reads the whole prompt now: its last logits score the first block's first position (a block that
+    # drafts nothing emits from them without a target call, as plain decoding does). The draft reads it lazily, with
+    # its first drafts: a call whose blocks all draft nothing never runs the draft.
+    first_logits: Tensor | None = tgt.prefill(input_ids, mask)[:, None]  # [b, 1, V]
+    drf.mask, drf.next_pos = input_ids.new_zeros(batch, 0), input_ids.new_zeros(batch)
+    target_in = input_ids[:, :0]  # the emitted tokens the target has not read: none yet
+    # The draft's input: the tokens it has not read yet (the prompt at first; later the last emitted one, before it,
+    # after a fully accepted block, d_gamma, and after blocks without drafts, their tokens). Holes have valid 0.
+    draft_in, draft_valid = input_ids, mask.long()
     tgt.calls = drf.calls = 0
 
     while True:
@@ -361,12 +366,16 @@ def speculative_generate(
         g = gamma if schedule is None else schedule.choose(b)
         gammas.append(g)
         start = _clock(dev) if schedule is not None else 0.0
+        # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
+        # one whose draft reads the prompt.
+        typical = first_logits is None and (g == 0 or drf.calls > 0)
 
         # 1. Draft g tokens autoregressively.
         q, drafts = [], []
         x, valid = draft_in, draft_valid
         for _ in range(g):
-            logits = drf.step(x, valid, last_only=not compile)[:, -1]  # (compiled steps run every column)
+            # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
+            logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
             if temperature == 0:
                 d_j = logits.argmax(-1)
             else:
@@ -378,7 +387,11 @@ def speculative_generate(
         drafted_at = _clock(dev) if schedule is not None else 0.0
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
-        target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, g+1, V]
+        if first_logits is None:
+            target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, g+1, V]
+        else:  # the first block: the prompt's last logits, then the drafts'
+            target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
+            first_logits = None
         n, new = verify(
             target_logits, drafts, torch.stack(q, 1) if q else None, temperature, lenience, epsilon, generator
         )
@@ -414,7 +427,8 @@ def speculative_generate(
         if schedule is not None:  # the whole block: drafting, then verifying and its bookkeeping
             took = int(n.sum())
             judged = took + int((n < g).sum())
-            schedule.observe(b, g, drafted_at - start, _clock(dev) - drafted_at, took, judged, took + b)
+            seconds = (drafted_at - start, _clock(dev) - drafted_at) if typical else (None, None)
+            schedule.observe(b, g, *seconds, took, judged, took + b)
         if finished:
             break
 

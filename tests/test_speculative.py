@@ -259,7 +259,7 @@ class Cycle:
     """A gamma schedule that drafts the given numbers of tokens in turn and records what it was told."""
 
     def __init__(self, gammas: list[int]) -> None:
-        self.gammas, self.i, self.seen = gammas, 0, []
+        self.gammas, self.i, self.seen, self.timed = gammas, 0, [], []
 
     def choose(self, batch: int) -> int:
         self.i += 1
@@ -267,7 +267,10 @@ class Cycle:
 
     def observe(self, batch, gamma, draft_s, verify_s, accepted, judged, tokens) -> None:
         self.seen.append((batch, gamma, accepted, judged, tokens))
-        assert draft_s >= 0 and verify_s > 0 and 0 <= accepted <= judged <= batch * gamma
+        self.timed.append(draft_s is not None)
+        assert (draft_s is None) == (verify_s is None)
+        assert draft_s is None or (draft_s >= 0 and verify_s > 0)
+        assert 0 <= accepted <= judged <= batch * gamma
 
 
 def test_gamma_per_block_stays_exact_greedy(close_pair):
@@ -283,6 +286,10 @@ def test_gamma_per_block_stays_exact_greedy(close_pair):
     assert sd.stats.gammas == [schedule.gammas[i % 6] for i in range(len(sd.stats.gammas))]
     assert int(sd.stats.drafted.sum()) == sum(b * g for b, g, *_ in schedule.seen)
     assert int(sd.stats.accepted.sum()) == sum(a for _, _, a, _, _ in schedule.seen) > 0
+    # Costs of a shape come from every block but the first (emitted from the prompt's logits, no target call) and
+    # the third (the draft reads the prompt); the target ran once per block but the first.
+    assert schedule.timed[:4] == [False, True, False, True] and all(schedule.timed[4:])
+    assert sd.stats.target_calls == len(sd.stats.gammas) - 1
 
 
 @pytest.mark.parametrize("gammas", [[0, 2], [2, 0], [1, 0, 3]])

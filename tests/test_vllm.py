@@ -452,11 +452,23 @@ def test_a_dead_engine_gets_its_replica_replaced(vllm_endpoint, models, clear_ex
     prompt = clear_examples[0].prompt
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
     url = f"{vllm_endpoint}/v1/completions"
-    replica = next(
-        p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:vllm:" in " ".join(p.info["cmdline"] or ())
-    )
-    engines = [p for p in replica.children(recursive=True) if "EngineCore" in p.name() + " ".join(p.cmdline())]
-    assert engines, [p.name() for p in replica.children(recursive=True)]
+    assert requests.post(url, json=body, timeout=60).status_code == 200  # the replica and its engine are up
+
+    def engines_of_replicas(marker: str) -> dict:
+        replicas = [
+            p for p in psutil.process_iter(["cmdline"]) if "ServeReplica:vllm:" in " ".join(p.info["cmdline"] or ())
+        ]
+        found = {r: [c for c in r.children(recursive=True) if marker in " ".join(c.cmdline())] for r in replicas}
+        return {r: e for r, e in found.items() if e}
+
+    # vLLM titles its engine processes (VLLM::EngineCore) once they have started; a replica that is still starting
+    # (or one Serve is stopping) has none yet. Without setproctitle they stay multiprocessing-spawned children.
+    deadline = time.monotonic() + 120
+    while not (found := engines_of_replicas("EngineCore")) and time.monotonic() < deadline:
+        time.sleep(1)
+    found = found or engines_of_replicas("spawn_main")
+    assert len(found) == 1, {r.pid: [(c.pid, c.name(), c.cmdline()) for c in r.children(recursive=True)] for r in found}
+    ((replica, engines),) = found.items()
     for p in engines:
         p.kill()
     statuses, start = [], time.monotonic()
