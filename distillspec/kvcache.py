@@ -193,7 +193,8 @@ class CachedLM:
     def select_rows(self, rows: Tensor) -> None:
         """Keep only ``rows`` of the batch (finished rows leave the batch)."""
         if self.lean:
-            self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+            if self.keys is not None:  # (None: nothing read yet)
+                self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
         else:
             self.cache.batch_select_indices(rows)
         self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import math
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from distillspec.errors import DistillSpecError
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_arrays
 from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,9 @@ class Completer:
                 if len(rows) == 1:
                     results[rows[0]] = exc
                     continue
+                log.warning(
+                    "a call of %d jobs failed (%s: %s): they run one at a time", len(rows), type(exc).__name__, exc
+                )
                 for i in rows:
                     results[i] = self.complete([jobs[i]], on_block)[0]
         return results  # type: ignore[return-value]

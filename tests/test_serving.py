@@ -39,7 +39,7 @@ def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
     assert off[0].stats["drafted"] == 0 and off[0].stats["alpha"] is None
 
 
-def test_one_bad_job_fails_alone_not_its_batch(completer):
+def test_one_bad_job_fails_alone_not_its_batch(completer, caplog):
     """A job that breaks the batched call it shares (here a prompt with a lone surrogate, which no tokenizer can
     encode; a seed torch refuses breaks its own call) gets its error in its own place; the seven jobs batched with
     it get their completions, as they would have alone."""
@@ -47,6 +47,7 @@ def test_one_bad_job_fails_alone_not_its_batch(completer):
     good = [CompletionJob(PROMPTS[i % 4], 6, args) for i in range(7)]
     done = completer.complete([*good[:3], CompletionJob("1+\ud800=", 6, args), *good[3:]])
     assert isinstance(done[3], Exception)
+    assert "a call of 8 jobs failed" in caplog.text  # the operator sees why a call ran slower
     alone = [completer.complete([job])[0].text for job in good]
     assert [d.text for d in done[:3] + done[4:]] == alone
     seeded = completer.complete([CompletionJob(PROMPTS[0], 6, args, seed=2**70), *good])

@@ -292,6 +292,21 @@ def test_gamma_per_block_stays_exact_greedy(close_pair):
     assert sd.stats.target_calls == len(sd.stats.gammas) - 1
 
 
+def test_rows_leave_before_the_draft_has_read_anything(close_pair):
+    """Blocks without drafts first, and rows whose budgets end during them: they leave the batch while the draft's
+    cache is still empty; the rest decode on, drafting later, to the target's own tokens."""
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    budgets = [1, 3, 9, 2, 7]
+    schedule = Cycle([0, 0, 0, 2])
+    sd = speculative_generate(
+        target, draft, ids, gamma=2, max_new_tokens=budgets, temperature=0, attention_mask=mask, schedule=schedule
+    )
+    own = autoregressive_generate(target, ids, max_new_tokens=budgets, temperature=0, attention_mask=mask)
+    assert torch.equal(sd.sequences, own.sequences) and sd.num_new_tokens.tolist() == budgets
+    assert [b for b, *_ in schedule.seen][:4] == [5, 4, 3, 2] and int(sd.stats.drafted.sum()) > 0
+
+
 @pytest.mark.parametrize("gammas", [[0, 2], [2, 0], [1, 0, 3]])
 def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, gammas):
     target, draft = small_vocab_pair
