@@ -177,14 +177,16 @@ class AutoGamma:
         draft = self.draft_costs.predict(batch, 1) if gamma and not self.whole_blocks else 0.0
         return None if verify is None or draft is None else gamma * draft + verify
 
-    def choose(self, key: AlphaKey, batch: int) -> int:
-        """Gamma for the next block of ``batch`` rows: the plan's, or one block in ``explore_every`` a neighbour."""
+    def choose(self, key: AlphaKey, batch: int, explore: bool = True) -> int:
+        """Gamma for the next block of ``batch`` rows: the plan's, or one block in ``explore_every`` a neighbour
+        (``explore`` False: not this block, e.g. when the draft has yet to read the call's prompt, a cost that
+        trying a neighbour would add and the measurement would not show)."""
         with self.lock:
             accepted, judged = self._counts(key)
             plan = self._plan(accepted / judged, batch)
             self.blocks += 1
             gamma = plan.gamma
-            if plan.tokens_per_s and self.blocks % self.explore_every == 0:
+            if explore and plan.tokens_per_s and self.blocks % self.explore_every == 0:
                 up = gamma == 0 or (gamma < self.max_gamma and (self.blocks // self.explore_every) % 2 == 1)
                 neighbour = gamma + 1 if up else gamma - 1
                 if plan.tokens_per_s[neighbour] >= self.explore_within * plan.tokens_per_s[gamma]:
@@ -276,8 +278,8 @@ class BoundGamma:
     key: AlphaKey
     fixed: int | None = None
 
-    def choose(self, batch: int) -> int:
-        return self.auto.choose(self.key, batch) if self.fixed is None else self.fixed
+    def choose(self, batch: int, explore: bool = True) -> int:
+        return self.auto.choose(self.key, batch, explore) if self.fixed is None else self.fixed
 
     def observe(
         self,

@@ -126,10 +126,11 @@ class GenerationOutput:
 class GammaSchedule(Protocol):
     """Gamma chosen per block (e.g. :class:`distillspec.auto_gamma.AutoGamma` for one call): ``choose`` gives the
     next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows, at most the call's
-    ``gamma``; ``observe`` gets what the block cost (None: a block whose cost is not its shape's, such as the first)
-    and yielded (all rows together)."""
+    ``gamma``, trying another than its best only where ``explore`` (False while the draft has yet to read the
+    call's prompt); ``observe`` gets what the block cost (None: a block whose cost is not its shape's, such as the
+    first) and yielded (all rows together)."""
 
-    def choose(self, batch: int) -> int: ...
+    def choose(self, batch: int, explore: bool = True) -> int: ...
 
     def observe(
         self,
@@ -363,7 +364,7 @@ def speculative_generate(
 
     while True:
         b = len(rows)
-        g = gamma if schedule is None else schedule.choose(b)
+        g = gamma if schedule is None else schedule.choose(b, explore=drf.calls > 0)
         gammas.append(g)
         start = _clock(dev) if schedule is not None else 0.0
         # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the

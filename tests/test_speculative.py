@@ -259,9 +259,10 @@ class Cycle:
     """A gamma schedule that drafts the given numbers of tokens in turn and records what it was told."""
 
     def __init__(self, gammas: list[int]) -> None:
-        self.gammas, self.i, self.seen, self.timed = gammas, 0, [], []
+        self.gammas, self.i, self.seen, self.timed, self.explore = gammas, 0, [], [], []
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, explore: bool = True) -> int:
+        self.explore.append(explore)
         self.i += 1
         return self.gammas[(self.i - 1) % len(self.gammas)]
 
@@ -289,6 +290,7 @@ def test_gamma_per_block_stays_exact_greedy(close_pair):
     # Costs of a shape come from every block but the first (emitted from the prompt's logits, no target call) and
     # the third (the draft reads the prompt); the target ran once per block but the first.
     assert schedule.timed[:4] == [False, True, False, True] and all(schedule.timed[4:])
+    assert schedule.explore[:4] == [False, False, False, True] and all(schedule.explore[3:])  # once the draft has read
     assert sd.stats.target_calls == len(sd.stats.gammas) - 1
 
 
