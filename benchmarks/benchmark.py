@@ -58,7 +58,8 @@ Suite ``gamma``: tokens/s at the endpoint at concurrency 1, 4, 8 and 16 for gamm
 and auto, settings measured side by side; ``serve.temperature=0`` makes every setting decode the same tokens.
 
     python benchmarks/benchmark.py gamma serve.temperature=0
-    python benchmarks/benchmark.py gamma serve.temperature=0 eval.max_new_tokens=16 --scale real -o outputs/real
+    python benchmarks/benchmark.py gamma serve.temperature=0 eval.max_new_tokens=16 --scale real --rounds 4 \
+        -o outputs/real
 
 Suite ``soak``: --budget seconds (e.g. 1200) of mixed traffic at concurrency 8 (temperatures, streams, gamma auto,
 fixed or off) with a new draft version every minute: errors and the replica's memory over time. Suite ``fuzz``:
