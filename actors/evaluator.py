@@ -12,7 +12,7 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.metrics import count, gauge
-from actors.weights import Held, pull_held
+from actors.weights import pull_held
 from distillspec.config import JobConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
@@ -20,6 +20,7 @@ from distillspec.evaluate import evaluate_sd
 from distillspec.models import load_pair, state_arrays
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
+from distillspec.versions import DraftVersion
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
 
@@ -34,7 +35,7 @@ class EvalActor:
         )
         self.store = ray.get_actor(weights_name(cfg.ray.run_name))
         self.version = -1
-        self.held: Held | None = None  #: the store's entry of ``version``: what the gate promotes, by reference
+        self.held: DraftVersion | None = None  #: the store's entry of ``version``: what the gate promotes
         self.history: list[dict] = []
         self.alarms: list[str] = []
         #: the canary's alpha of the serving version on these prompts; a restarted evaluator takes it from the store
@@ -61,7 +62,12 @@ class EvalActor:
         self.held = held or self.held
         if self.version < 0:
             return None
-        rec = {"version": self.version, "time": time.time(), **self._measure(self.cfg.eval.speedup_gamma)}
+        rec = {
+            "version": self.version,
+            "step": self.held.step if self.held is not None else None,
+            "time": time.time(),
+            **self._measure(self.cfg.eval.speedup_gamma),
+        }
         run = self.cfg.ray.run_name
         gauge("distillspec_acceptance_rate", rec["alpha"], run=run)
         gauge("distillspec_block_efficiency", rec["tau"], run=run)
@@ -114,8 +120,7 @@ class EvalActor:
             log.warning("serving gate refused version %d (%s)", self.version, reason)
             ray.get(self.store.refuse.remote(self.version, reason))
             return False
-        _, refs, sums = self.held  # the bytes the learner published, promoted by reference
-        ray.get(self.store.promote.remote(self.version, refs, sums, alpha))
+        ray.get(self.store.promote.remote(self.held, alpha))  # the store's entry: its bytes, not a copy
         self.serving_alpha = alpha
         return True
 

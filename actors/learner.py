@@ -48,13 +48,22 @@ def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) ->
     return ray.get(refs[0])
 
 
-def _agree(flag: bool) -> bool:
+def _agree(flag: bool, device: torch.device) -> bool:
     """True on every worker when it is true on any (so DDP workers stop at the same step)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=device)  # NCCL reduces tensors on the GPU only
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _from_rank_0(value: int, device: torch.device) -> int:
+    """Rank 0's ``value`` on every worker."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
 
 
 def learner_loop(config: dict) -> None:
@@ -81,8 +90,10 @@ def learner_loop(config: dict) -> None:
         records = RecordLog(config["log"])
 
     learner.model = ray.train.torch.prepare_model(draft, move_to_device=device)
-    if rank == 0:
-        publish(store, draft, learner.step_count)
+    # The store numbers versions: this learner's are its steps shifted by a constant (not 0 after a restart:
+    # distillspec.versions.VersionNumbers), which the buffer's staleness and the lag compare. Rank 0 publishes and
+    # tells the other ranks.
+    shift = _from_rank_0(publish(store, draft, learner.step_count) - learner.step_count if rank == 0 else 0, device)
     start = time.perf_counter() - seconds_before
     rate = Rate()
     budget = cfg.distill.time_budget_s
@@ -102,14 +113,15 @@ def learner_loop(config: dict) -> None:
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
     steps = cfg.distill.steps
-    while learner.step_count < steps and not _agree(bool(budget) and time.perf_counter() - start > budget):
+    while learner.step_count < steps and not _agree(bool(budget) and time.perf_counter() - start > budget, device):
         t_take = time.perf_counter()
-        batch = take_batch(buffer, learner.step_count, cfg.ray.take_timeout_s)
+        batch = take_batch(buffer, learner.step_count + shift, cfg.ray.take_timeout_s)
         record = learner.step(
             batch.batch(device),
             target_logits=batch.target(temperature, device),
             source=batch.source,
             version=batch.version,
+            current=learner.step_count + shift,
             wait_s=time.perf_counter() - t_take,
             start=start,
         )

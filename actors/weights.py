@@ -5,7 +5,9 @@ published version into the object store again, so a version outlives its publish
 learner publishes each new one; rollout actors and the evaluator take it) and the *serving* one (a version the
 evaluator's canary passed; Serve replicas take only it). Every version carries a checksum per tensor, checked where
 it is loaded. A replica that sees a serving version collapse on live traffic rolls it back here, so the whole
-deployment returns to the serving version before it.
+deployment returns to the serving version before it. The store numbers the versions
+(:class:`~distillspec.versions.VersionNumbers`): the learner's steps, shifted after a restarted learner publishes a
+step again, so a number never names two drafts.
 
 The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
 that do); :func:`publish` and :func:`pull` import them where they run.
@@ -21,24 +23,22 @@ import ray
 from actors.common import log
 from actors.metrics import count, gauge
 from distillspec.integrity import TransferRefused, check, checksums
+from distillspec.versions import DraftVersion, VersionNumbers
 
 if TYPE_CHECKING:
     import torch
-
-#: a version held by the store: its number, ``[a reference to its arrays]`` and their checksums
-Held = tuple[int, list[ray.ObjectRef], dict[str, str] | None]
 
 
 class Follow(NamedTuple):
     """:meth:`WeightStore.follow`'s answer."""
 
-    held: Held | None  #: the version to serve, its weights' reference and checksums (None: none published)
+    held: DraftVersion | None  #: the version to serve (its weights: ``[a reference]``; None: none published)
     alpha: float | None  #: its canary alpha
     rolled_back: list[int]
 
     @property
     def version(self) -> int:
-        return -1 if self.held is None else self.held[0]
+        return -1 if self.held is None else self.held.number
 
 
 KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
@@ -51,44 +51,54 @@ class WeightStore:
 
     def __init__(self, run: str) -> None:
         self.run = run
-        self.current: Held | None = None
-        self.serving: Held | None = None
-        self.earlier: list[Held] = []  #: earlier serving versions, newest last: where a rollback returns
-        self.published = 0
+        self.current: DraftVersion | None = None
+        self.serving: DraftVersion | None = None
+        self.earlier: list[DraftVersion] = []  #: earlier serving versions, newest last: where a rollback returns
+        self.numbers = VersionNumbers()
         self.record: dict | None = None
         self.refused: list[dict] = []  #: versions the serving gate refused or serving rolled back, with the reason
         self.rolled_back: set[int] = set()
         self.canary: dict[int, float] = {}  #: the canary's alpha of each serving version kept
 
     def kept(self) -> set[int]:
-        return {held[0] for held in (self.current, self.serving, *self.earlier) if held is not None}
+        return {held.number for held in (self.current, self.serving, *self.earlier) if held is not None}
 
     def publish(
-        self, version: int, refs: list[ray.ObjectRef], record: dict | None = None, sums: dict[str, str] | None = None
-    ) -> None:
-        """Make ``refs[0]`` version ``version``; ``sums``: its per-tensor checksums, which consumers check. The store
-        puts the weights again itself, so that it owns them (Ray frees an object with its owner): one copy in the
-        object store per version, whatever becomes of the publisher; the publisher's copy goes with its reference."""
+        self,
+        step: int,
+        refs: list[ray.ObjectRef],
+        record: dict | None = None,
+        sums: dict[str, str] | None = None,
+        *,
+        serving: bool = False,
+    ) -> int:
+        """Make ``refs[0]``, the draft of learner step ``step``, the latest version, and return its number
+        (:class:`~distillspec.versions.VersionNumbers`: the step, shifted once a restarted learner publishes a step
+        again);
+        ``sums``: its per-tensor checksums, which consumers check; ``serving``: make it the serving version too,
+        bypassing the gate. The store puts the weights again itself, so that it owns them (Ray frees an object with
+        its owner): one copy in the object store per version, whatever becomes of the publisher; the publisher's
+        copy goes with its reference."""
         owned = [ray.put(ray.get(refs[0]))]  # read in place (zero-copy), written once more, owned here
-        self.current = (version, owned, sums)
-        self.published += 1
+        self.current = DraftVersion(self.numbers.number(step), step, owned, sums)
         self.record = record or self.record
-        gauge("distillspec_weight_version", version, run=self.run)
+        gauge("distillspec_weight_version", self.current.number, run=self.run)
+        if serving:
+            self.promote(self.current)
+        return self.current.number
 
     def run_name(self) -> str:
         return self.run
 
-    def promote(
-        self, version: int, refs: list[ray.ObjectRef], sums: dict[str, str] | None = None, alpha: float | None = None
-    ) -> None:
-        """Make version ``version`` (weights ``refs[0]``) the serving version: it passed the gate, whose canary
-        measured ``alpha``."""
+    def promote(self, version: DraftVersion, alpha: float | None = None) -> None:
+        """Make ``version`` (an entry this store gave out: :meth:`latest`) the serving version: it passed the gate,
+        whose canary measured ``alpha``. The entry names the store's own copy of the weights; nothing is copied."""
         if self.serving is not None:
             self.earlier = [*self.earlier, self.serving][-KEEP_EARLIER:]
-        self.serving = (version, refs, sums)
+        self.serving = version
         if alpha is not None:
-            self.canary = {v: a for v, a in self.canary.items() if v in self.kept()} | {version: alpha}
-        gauge("distillspec_serving_version", version, run=self.run)
+            self.canary = {v: a for v, a in self.canary.items() if v in self.kept()} | {version.number: alpha}
+        gauge("distillspec_serving_version", version.number, run=self.run)
 
     def refuse(self, version: int, reason: str) -> None:
         """The gate refused version ``version`` for serving (the canary), or a consumer refused to load it (integrity):
@@ -116,7 +126,7 @@ class WeightStore:
     def _step_back(self) -> None:
         """While the serving version was refused or rolled back, serve the one before it."""
         refused = {r["version"] for r in self.refused}
-        while self.serving is not None and self.serving[0] in refused:
+        while self.serving is not None and self.serving.number in refused:
             self.serving = self.earlier.pop() if self.earlier else None
             gauge("distillspec_serving_version", self.version("serving"), run=self.run)
 
@@ -125,7 +135,7 @@ class WeightStore:
         checksums, the alpha the serving gate's canary measured for it (None: not measured), and the versions rolled
         back."""
         held = self.latest(which)
-        alpha = None if held is None else self.canary.get(held[0])
+        alpha = None if held is None else self.canary.get(held.number)
         return Follow(held, alpha, sorted(self.rolled_back))
 
     def gate(self) -> dict:
@@ -139,27 +149,29 @@ class WeightStore:
     def version(self, which: str = "latest") -> int:
         """The latest (or serving) version, or -1 before there is one."""
         held = self.current if which == "latest" else self.serving
-        return -1 if held is None else held[0]
+        return -1 if held is None else held.number
 
-    def status(self) -> tuple[int, dict | None]:
-        """The latest version and the learner's record of the step that made it."""
-        return self.version(), self.record
+    def status(self) -> tuple[int, int, dict | None]:
+        """The latest version's number and learner step (-1, -1 before there is one), and the learner's record of
+        the latest step it published."""
+        return self.version(), -1 if self.current is None else self.current.step, self.record
 
-    def latest(self, which: str = "latest") -> Held | None:
+    def latest(self, which: str = "latest") -> DraftVersion | None:
         return self.current if which == "latest" else self.serving
 
 
 def publish(
     store: ray.actor.ActorHandle,
     model: torch.nn.Module,
-    version: int,
+    step: int,
     record: dict | None = None,
     *,
     serving: bool = False,
-) -> None:
-    """Put the weights into the object store and make them the latest version (with ``serving``, the serving one
-    too, bypassing the gate: for a draft chosen by hand); ``record`` is the learner's log record of the step that
-    made it (the driver's console shows it).
+) -> int:
+    """Put the weights of learner step ``step`` into the object store and make them the latest version (with
+    ``serving``, the serving one too, bypassing the gate: for a draft chosen by hand); ``record`` is the learner's
+    log record of the step that made it (the driver's console shows it). Returns the version's number (the store's:
+    :meth:`WeightStore.publish`).
 
     The store takes the bytes over (:meth:`WeightStore.publish`): a version outlives the learner that made it, so a
     consumer started after the learner died (a restarted rollout actor, a new replica) still loads it. Promotion and
@@ -168,10 +180,7 @@ def publish(
     from distillspec.models import state_arrays
 
     arrays = state_arrays(model)
-    refs, sums = [ray.put(arrays)], checksums(arrays)
-    ray.get(store.publish.remote(version, refs, record, sums))
-    if serving:
-        ray.get(store.promote.remote(version, refs, sums))
+    return ray.get(store.publish.remote(step, [ray.put(arrays)], record, checksums(arrays), serving=serving))
 
 
 def fetch(
@@ -184,14 +193,14 @@ def fetch(
 
 
 def fetch_held(
-    store: ray.actor.ActorHandle, held: Held | None, version: int
+    store: ray.actor.ActorHandle, held: DraftVersion | None, version: int
 ) -> tuple[int, dict[str, np.ndarray] | None]:
-    """:func:`fetch` of what the store answered already (``held``: the version, its reference and checksums)."""
-    if held is None or held[0] == version:
+    """:func:`fetch` of what the store answered already (``held``: its entry of the version)."""
+    if held is None or held.number == version:
         return version, None
-    latest, refs, sums = held
+    latest, sums = held.number, held.sums
     try:
-        arrays = ray.get(refs[0])
+        arrays = ray.get(held.weights[0])
     except ray.exceptions.ObjectLostError:
         return version, None  # its owner, the store, died with its job
     try:
@@ -212,7 +221,7 @@ def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, whi
 
 def pull_held(
     store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest"
-) -> tuple[int, Held | None]:
+) -> tuple[int, DraftVersion | None]:
     """:func:`pull`, and the store's entry of the version it loaded (None: nothing new loaded), whose reference a
     caller can hand back to the store (the gate promotes by reference)."""
     held = ray.get(store.latest.remote(which))

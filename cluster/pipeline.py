@@ -122,7 +122,9 @@ class Pipeline:
         self.earlier: list[dict] = []
         if self.resumed_from is not None and self.evaluations_file.exists():
             self.earlier = [
-                e for e in json.loads(self.evaluations_file.read_text()) if e["version"] <= self.resumed_from
+                e
+                for e in json.loads(self.evaluations_file.read_text())
+                if e.get("step", e["version"]) <= self.resumed_from
             ]
         saved = checkpoint_steps(self.out)
         if saved and not r.resume:
@@ -217,7 +219,7 @@ class Pipeline:
         with result.checkpoint.as_directory() as d:
             write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
             train_log = checkpoint_log(d, self.out / LOG_FILE).records
-        if train_log and ray.get(self.store.version.remote()) != train_log[-1]["step"]:
+        if train_log and ray.get(self.store.status.remote())[1] != train_log[-1]["step"]:
             # the learner publishes every ray.publish_every steps: the final draft, for the evaluator and replicas
             publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
         report = {"history": [], "alarms": []}
@@ -243,7 +245,7 @@ class Pipeline:
         latest: dict = {}
         while not self.stopping.wait(every_s):
             try:
-                version, record = ray.get(self.store.status.remote(), timeout=10)
+                version, step, record = ray.get(self.store.status.remote(), timeout=10)
                 ledger = ray.get(self.buffer.ledger.remote(), timeout=10)
                 history = ray.get(self.evaluator.report.remote(), timeout=10)["history"] if self.evaluator else []
             except (ray.exceptions.RayError, TimeoutError):
@@ -263,8 +265,8 @@ class Pipeline:
                 )
                 latest = evaluation
             shown = len(history)
-            self._startup(version, ledger, bar)
-            bar.n = max(0, min(version, total))
+            self._startup(step, ledger, bar)
+            bar.n = max(0, min(step, total))
             record = record or {}
             batch = self.cfg.distill.batch_size
             bar.set_postfix_str(
@@ -284,15 +286,15 @@ class Pipeline:
             bar.refresh()
         bar.close()
 
-    def _startup(self, version: int, ledger: dict, bar: tqdm) -> None:
+    def _startup(self, step: int, ledger: dict, bar: tqdm) -> None:
         """Note when the first batch was sampled, when the learner was ready (its models loaded: it publishes the
         version it starts from) and when its first step landed; say the three in one line at the first step."""
         now, first = time.perf_counter() - self.created, self.resumed_from or 0
         if ledger["produced"] > 0:
             self.startup.setdefault("first_batch_s", now)
-        if version >= first:
+        if step >= first:
             self.startup.setdefault("learner_ready_s", now)
-        if "first_step_s" not in self.startup and version > first:
+        if "first_step_s" not in self.startup and step > first:
             self.startup["first_step_s"] = now
             batch, ready = self.startup.get("first_batch_s", now), self.startup["learner_ready_s"]
             bar.write(

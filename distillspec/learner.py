@@ -114,12 +114,14 @@ class Learner:
         target_logits: Tensor | TopKLogprobs | None = None,
         source: str = "fixed",
         version: int | None = None,
+        current: int | None = None,
         wait_s: float = 0.0,
         start: float | None = None,
     ) -> dict[str, Any]:
         """One optimizer step on ``batch``: loss, backward, clip, optimizer and scheduler step. Returns the record
-        (:data:`LOG_KEYS`); ``version`` is the draft version that sampled the batch (default: the current one),
-        ``start`` the ``time.perf_counter()`` the record's ``time`` counts from."""
+        (:data:`LOG_KEYS`); ``version`` is the draft version that sampled the batch and ``current`` the version
+        this step starts from (both default to the step count: the versions of a run that never restarted), their
+        difference the batch's lag; ``start`` is the ``time.perf_counter()`` the record's ``time`` counts from."""
         t0 = time.perf_counter()
         self.model.train()
         with torch.autocast(self.draft.device.type, dtype=torch.bfloat16, enabled=self.bf16):
@@ -130,7 +132,8 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        version = self.step_count if version is None else version
+        current = self.step_count if current is None else current
+        version = current if version is None else version
         self.step_count += 1
         now = time.perf_counter()
         return {
@@ -140,7 +143,7 @@ class Learner:
             "tokens": batch.tokens,
             "lr": self.scheduler.get_last_lr()[0],
             "version": version,
-            "lag": self.step_count - 1 - version,
+            "lag": current - version,
             "time": now - (t0 if start is None else start),
             "wait_s": wait_s,
             "compute_s": now - t0,

@@ -83,12 +83,12 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
     ax.set_ylabel("divergence (loss)")
     if evaluations:
         ax = axes[0][1]
-        versions = [r["version"] for r in evaluations]
-        ax.plot(versions, [r["alpha"] for r in evaluations], "o-", color="#157", label="alpha")
-        ax.set_xlabel("draft version (learner step)")
+        steps = [r.get("step", r["version"]) for r in evaluations]
+        ax.plot(steps, [r["alpha"] for r in evaluations], "o-", color="#157", label="alpha")
+        ax.set_xlabel("learner step of the draft")
         ax.set_ylabel("acceptance rate alpha")
         twin = ax.twinx()
-        twin.plot(versions, [r["tau"] for r in evaluations], "s--", color="#c63", label="tau")
+        twin.plot(steps, [r["tau"] for r in evaluations], "s--", color="#c63", label="tau")
         twin.set_ylabel("block efficiency tau")
         ax.legend(loc="lower left", fontsize=8)
         twin.legend(loc="lower right", fontsize=8)

@@ -326,6 +326,27 @@ def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray
     ray.kill(store)
 
 
+def test_a_restarted_learner_publishes_new_version_numbers(ray_cluster):
+    """A learner restarted from its checkpoint publishes steps it published before: the store gives them new
+    numbers (a number never names two drafts), a consumer holding the old number takes the new draft, and the
+    numbers go on from there by the learner's steps."""
+    from actors.weights import fetch
+
+    store = WeightStore.remote("numbers")
+    weights = [ray.put({"w": np.full(2, step, dtype=np.float32)}) for step in range(7)]
+    assert [ray.get(store.publish.remote(step, [weights[step]])) for step in (0, 2, 4, 6)] == [0, 2, 4, 6]
+    ray.get(store.roll_back.remote(6, "rollback: live alpha fell"))  # refused for good
+    held = ray.get(store.status.remote())[0]
+    assert ray.get(store.publish.remote(4, [weights[4]])) == 7  # the checkpoint of step 4, published again
+    assert ray.get(store.status.remote())[:2] == (7, 4)
+    version, arrays = fetch(store, held)
+    assert version == 7 and arrays["w"].tolist() == [4.0, 4.0]
+    assert ray.get(store.publish.remote(5, [weights[5]])) == 8  # its steps, shifted by the same 3
+    assert ray.get(store.publish.remote(6, [weights[6]], serving=True)) == 9  # not 6: rolled back
+    assert ray.get(store.version.remote("serving")) == 9
+    ray.kill(store)
+
+
 def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
     """The store owns the bytes of the versions it keeps: a consumer that starts after the publisher died (a rollout
     actor restarted after the learner's node went, a replica started after the job ended) loads the version."""
@@ -358,14 +379,15 @@ def test_the_weight_store_rolls_serving_back_past_refused_versions(ray_cluster):
     assert ray.get(store.follow.remote()) == (None, None, [])
     for version in (1, 2, 3):
         ray.get(store.publish.remote(version, refs))
-        ray.get(store.promote.remote(version, refs, None, version / 10))  # its canary alpha
+        ray.get(store.promote.remote(ray.get(store.latest.remote()), version / 10))  # its canary alpha
     ray.get(store.refuse.remote(2, "integrity: a replica found it mangled"))  # not the serving one: serving stays
     assert ray.get(store.version.remote("serving")) == 3
     assert ray.get(store.roll_back.remote(3, "rollback: live alpha fell")) == 1  # past the refused version 2
     assert ray.get(store.roll_back.remote(3, "rollback: a second replica saw it too")) == 1  # counted once
     gate = ray.get(store.gate.remote())
     follow = ray.get(store.follow.remote())  # one call: the version to serve, its weights and canary alpha, rollbacks
-    assert (follow.version, follow.held[1], follow.alpha, follow.rolled_back) == (1, refs, 0.1, [3])
+    assert (follow.version, follow.alpha, follow.rolled_back) == (1, 0.1, [3])
+    assert ray.get(follow.held.weights[0])["w"].tolist() == [0.0, 0.0]  # the store's own copy of the bytes
     assert gate["rolled_back"] == [3]
     assert [(r["version"], r["reason"].split(":")[0]) for r in gate["refused"]] == [(2, "integrity"), (3, "rollback")]
     assert ray.get(store.roll_back.remote(1, "rollback: and this one")) == -1  # nothing earlier: the start draft

@@ -136,8 +136,7 @@ def check_safe_rollout(
             rng = np.random.default_rng(0)
             scrambled = {**arrays, name: rng.permutation(arrays[name].ravel()).reshape(arrays[name].shape)}
             refs, sums = [ray.put(scrambled)], checksums(arrays)
-            ray.get(store.publish.remote(2, refs, None, sums))
-            ray.get(store.promote.remote(2, refs, sums))
+            ray.get(store.publish.remote(2, refs, None, sums, serving=True))
             wait_for("the replica to refuse version 2", lambda: any(r["version"] == 2 for r in stats()["refused"]))
 
         phase(PHASES[1], corrupt_2)
