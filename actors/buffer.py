@@ -14,7 +14,7 @@ import time
 import ray
 
 from actors.common import log, setup_worker
-from actors.metrics import count, gauge
+from actors.dashboard import count, gauge
 from distillspec.batches import RolloutBatch, SampleBuffer
 
 

@@ -11,7 +11,7 @@ import time
 import ray
 
 from actors.common import log, setup_worker, weights_name
-from actors.metrics import count, gauge
+from actors.dashboard import count, gauge
 from actors.weights import pull_held
 from distillspec.config import JobConfig
 from distillspec.data import Example, Task

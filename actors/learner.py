@@ -21,14 +21,14 @@ from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, Sc
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from actors.common import buffer_name, log, setup_worker, weights_name
-from actors.metrics import gauge
+from actors.dashboard import gauge
 from actors.weights import publish
 from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig
-from distillspec.distill import train_temperature
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog
 from distillspec.learner import LOG_FILE, Learner, checkpoint_log, load_checkpoint, save_checkpoint
+from distillspec.losses import train_temperature
 from distillspec.models import load_model
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)

@@ -8,7 +8,7 @@ from collections import deque
 
 import ray
 
-from actors.metrics import count
+from actors.dashboard import count
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)

@@ -10,13 +10,13 @@ import ray
 import torch
 
 from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
-from actors.metrics import gauge
+from actors.dashboard import gauge
 from actors.weights import fetch
 from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import forward_logits, train_temperature
 from distillspec.integrity import TransferRefused
+from distillspec.losses import forward_logits, train_temperature
 from distillspec.models import load_arrays, load_model, load_tokenizer
 from distillspec.rollout import Sampler, needs_target_samples
 

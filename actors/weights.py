@@ -21,7 +21,7 @@ import numpy as np
 import ray
 
 from actors.common import log
-from actors.metrics import count, gauge
+from actors.dashboard import count, gauge
 from distillspec.integrity import TransferRefused, check, checksums
 from distillspec.versions import DraftVersion, VersionNumbers
 

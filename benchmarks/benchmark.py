@@ -183,8 +183,8 @@ def step_costs(cfg, steps: int = 8) -> dict:
     import torch
 
     from benchmarks.suites.common import with_garden
-    from distillspec.distill import forward_logits
     from distillspec.learner import Learner
+    from distillspec.losses import forward_logits
     from distillspec.models import load_pair
     from distillspec.rollout import Sampler
 

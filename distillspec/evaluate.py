@@ -9,7 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.batches import make_batch
 from distillspec.data import score
-from distillspec.distill import forward_logits
+from distillspec.losses import forward_logits
 from distillspec.metrics import alpha_from_tvd, expected_tau, measure_cost_ratio, predicted_speedup
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate

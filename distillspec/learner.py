@@ -1,7 +1,7 @@
 """The one training step of the project: the :class:`Learner` owns the draft, its optimizer and schedule, and the
 recipe; ``step(batch)`` computes the loss, steps the optimizer and returns the log record.
 
-The single-process loop (:class:`distillspec.distill.Distiller`, ``ray.mode=sync``), the Ray Train worker
+The single-process loop (:class:`Distiller`, ``ray.mode=sync``), the Ray Train worker
 (``actors/learner.py``) and the garden trainer (:func:`distillspec.garden.train_lm`) all step through it, and all
 save and resume through :func:`save_checkpoint` / :func:`load_checkpoint` (one checkpoint format).
 
@@ -23,10 +23,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 from distillspec.batches import Batch
 from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import kd_loss
 from distillspec.divergences import TopKLogprobs
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog, write_folder
+from distillspec.losses import kd_loss
 from distillspec.models import load_model
 from distillspec.rollout import Sampler
 

@@ -12,11 +12,58 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.batches import Batch
+from distillspec.batches import Batch, make_batch
 from distillspec.config import Recipe, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import encode_examples, generate_batch
 from distillspec.errors import DistillSpecError
+from distillspec.models import encode_prompts
+from distillspec.speculative import autoregressive_generate, speculative_generate
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
+    """Fixed-data batch: prompt + reference + EOS, cut to ``max_len`` tokens (the prompt's start goes first)."""
+    conts = [tokenizer(e.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in examples]
+    conts = [c[: max_len - 1] for c in conts]
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, [e.prompt for e in examples], max_len=max_len - max(len(c) for c in conts)
+    )
+    width = max(len(c) for c in conts)
+    continuation = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in conts])
+    return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
+
+
+def generate_batch(
+    source: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[Example],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    gamma: int = 5,
+    generator: torch.Generator | None = None,
+    max_prompt_tokens: int | None = None,
+) -> Batch:
+    """Continuations of the prompts (their last ``max_prompt_tokens`` tokens) sampled from the draft (on-policy) or
+    the target (via SD)."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_prompt_tokens)
+    prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        attention_mask=prompt_mask,
+        generator=generator,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if source == "draft":
+        out = autoregressive_generate(draft, prompt_ids, **kwargs)
+    else:
+        out = speculative_generate(target, draft, prompt_ids, gamma=gamma, **kwargs)
+    # Inference tensors cannot enter autograd: clone them out.
+    continuation = out.sequences[:, prompt_ids.shape[1] :].clone()
+    return make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
 
 
 def draw_source(rng: random.Random, recipe: Recipe) -> str:

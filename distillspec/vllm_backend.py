@@ -267,7 +267,7 @@ class VLLMGenerator:
 
 def prompt_topk(llm: LLM, batch: Batch, k: int) -> TopKLogprobs:
     """The target's top-k log-probabilities (temperature 1) over ``batch``, aligned with
-    :func:`distillspec.distill.forward_logits`: column j is the distribution after column ``batch.window + j``.
+    :func:`distillspec.losses.forward_logits`: column j is the distribution after column ``batch.window + j``.
 
     Columns without a next token (padding, a row's last token) get a harmless uniform filler; the loss masks them.
     """

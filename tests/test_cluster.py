@@ -8,7 +8,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from actors.metrics import SPECS
+from actors.dashboard import SPECS
 from distillspec import DistillSpecError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ from transformers import AutoModelForCausalLM
 from distillspec import DistillSpecError
 from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
 from distillspec.data import Example
-from distillspec.distill import encode_examples, forward_logits, generate_batch, kd_loss
 from distillspec.divergences import divergence
 from distillspec.learner import Distiller, make_optimizer
-from distillspec.rollout import draw_source
+from distillspec.losses import forward_logits, kd_loss
+from distillspec.rollout import draw_source, encode_examples, generate_batch
 
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])

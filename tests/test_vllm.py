@@ -24,13 +24,14 @@ import ray
 
 from distillspec import vllm_backend
 from distillspec.config import load_config
-from distillspec.distill import forward_logits, generate_batch
 from distillspec.divergences import compress_topk
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.integrity import TransferRefused
+from distillspec.losses import forward_logits
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_model
+from distillspec.rollout import generate_batch
 from distillspec.speculative import speculative_generate
 from distillspec.vllm_backend import (
     VLLMGenerator,
