@@ -1004,6 +1004,136 @@ def suite_integrity(overrides: list[str], budget: float, out: Path) -> dict:
     return rows
 
 
+def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
+    """The path of a draft version and of a training batch through the pipeline's actors, each hop timed: a version
+    (float32 weights of the garden's draft and of Llama-160M's shape) from the publisher through the weight store to a
+    consumer (:func:`actors.weights.publish`, then what a consumer does: get, check, load); a batch (the job's
+    ``distill.batch_size`` rows of ``distill.max_prompt_tokens + distill.max_new_tokens`` tokens, alone and with the
+    target's top-k log-probs or full logits attached by a scorer) from a rollout actor through the buffer to the
+    learner. Each copy of the bytes is named with the hop that writes it."""
+    import statistics
+
+    import numpy as np
+    import ray
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.buffer import BufferActor
+    from actors.weights import WeightStore
+    from cluster.connect import connect
+    from distillspec.batches import RolloutBatch
+    from distillspec.garden import make_model, train_tokenizer
+    from distillspec.integrity import check, checksums
+    from distillspec.models import load_arrays, state_arrays
+
+    del budget
+    cfg = load_config(None, ["ray.object_store_memory=2000000000", *overrides])
+    connect(cfg.ray)
+    torch.manual_seed(cfg.seed)
+    tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
+    llama = LlamaConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=32000
+    )
+    drafts = {"garden draft": make_model(cfg.garden.draft, tokenizer), "Llama-160M shape": LlamaForCausalLM(llama)}
+    rounds = 5
+
+    def timed(f, *args):
+        start = time.perf_counter()
+        value = f(*args)
+        return value, time.perf_counter() - start
+
+    def call(method, *args):
+        return ray.get(method.remote(*args))
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        """A consumer of versions (a rollout actor, the evaluator, a replica) and of batches (the learner)."""
+
+        def __init__(self, model: torch.nn.Module | None = None) -> None:
+            torch.set_num_threads(1)
+            self.model = model
+
+        def load(self, held) -> dict[str, float]:
+            arrays, get = timed(ray.get, held.weights[0])
+            _, checked = timed(check, arrays, held.sums)
+            _, loaded = timed(load_arrays, self.model, arrays)
+            return {"consumer get": get, "consumer check": checked, "consumer load (copy into the model)": loaded}
+
+        def take(self, refs: list) -> dict[str, float]:
+            batch, get = timed(ray.get, refs[0])
+            _, to_torch = timed(batch.batch)
+            return {"learner get": get, "learner to tensors (copy)": to_torch}
+
+    def median_rows(samples: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.median(s[k] for s in samples[1:]) for k in samples[0]}  # the first round warms up
+
+    versions = {}
+    for name, model in drafts.items():
+        store, consumer = WeightStore.remote(f"trace-{len(versions)}"), Consumer.remote(model)
+        samples = []
+        for step in range(rounds):
+            arrays, to_numpy = timed(state_arrays, model)
+            sums, summed = timed(checksums, arrays)
+            refs, put = timed(lambda a: [ray.put(a)], arrays)
+            _, stored = timed(call, store.publish, step, refs, None, sums)
+            del refs  # the publisher's copy goes
+            held = ray.get(store.latest.remote())
+            samples.append(
+                {
+                    "publisher to numpy": to_numpy,
+                    "publisher checksums": summed,
+                    "publisher put (copy 1)": put,
+                    "store publish (copy 2, the store's own)": stored,
+                    **ray.get(consumer.load.remote(held)),
+                }
+            )
+        ray.kill(consumer)
+        ray.kill(store)
+        mb = sum(a.nbytes for a in arrays.values()) / 2**20
+        versions[name] = {"mib": mb, "seconds": median_rows(samples)}
+
+    rows, length = cfg.distill.batch_size, cfg.distill.max_prompt_tokens + cfg.distill.max_new_tokens
+    vocab = 49152  # SmolLM2's vocabulary, for the logits a scorer attaches
+    batches = {}
+    for kind in ("tokens only", "top-20 log-probs", "full logits"):
+        store = WeightStore.remote(f"trace-b{len(batches)}")
+        buffer = BufferActor.remote(
+            capacity=2, max_policy_lag=10**6, max_batch_tokens=10**9, vocab_size=vocab, run="trace", store=store
+        )
+        learner = Consumer.remote()
+        ids = np.random.default_rng(0).integers(0, vocab, (rows, length))
+        batch = RolloutBatch(ids, np.ones_like(ids), np.ones_like(ids), version=0, source="draft")
+        columns = cfg.distill.max_new_tokens + 1
+        if kind == "top-20 log-probs":
+            batch.target_topk_logprobs = np.zeros((rows, columns, 20), np.float32)
+            batch.target_topk_indices = np.zeros((rows, columns, 20), np.int64)
+        elif kind == "full logits":
+            batch.target_logits = np.zeros((rows, columns, vocab), np.float32)
+        samples = []
+        for _ in range(rounds):
+            refs, put = timed(lambda b: [ray.put(b)], batch)
+            status, offered = timed(call, buffer.put, refs)
+            assert status == "ok", status
+            del refs
+            taken = ray.get(buffer.take.remote(1, 0, 10.0))
+            samples.append({"rollout put (copy 1)": put, "buffer put (copy 2, the buffer's own)": offered})
+            samples[-1].update(ray.get(learner.take.remote(taken)))
+        for actor in (learner, buffer, store):
+            ray.kill(actor)
+        mb = sum(getattr(batch, k).nbytes for k in vars(batch) if isinstance(getattr(batch, k), np.ndarray))
+        batches[kind] = {"mib": mb / 2**20, "seconds": median_rows(samples)}
+
+    ray.shutdown()
+    print(f"\nthe path of a draft version (median of {rounds - 1} after a warm-up), milliseconds per hop:")
+    for title, table in (("version", versions), ("batch", batches)):
+        if title == "batch":
+            print(f"\nthe path of a batch ({rows} rows x {length} tokens), milliseconds per hop:")
+        for name, r in table.items():
+            hops = ", ".join(f"{hop} {1000 * t:.1f}" for hop, t in r["seconds"].items())
+            print(f"  {name} ({r['mib']:.1f} MiB): {hops}; total {1000 * sum(r['seconds'].values()):.1f}")
+    return {"versions": versions, "batches": batches, "batch_rows": rows, "batch_tokens": length}
+
+
 def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """Wall-clock tokens/s at batch 1, one prompt at a time (``eval.speedup_prompts`` test prompts through the
     target's chat template, ``eval.max_new_tokens`` each): the target alone, and speculative decoding with the draft
@@ -1136,6 +1266,7 @@ SUITES = {
     "vllm-acceptance": suite_vllm_acceptance,
     "latency": suite_latency,
     "integrity": suite_integrity,
+    "trace": suite_trace,
     "async": suite_async,
     "serve": suite_serve,
     "online": suite_online,

@@ -229,9 +229,11 @@ class Completions:
             target, draft, tokenizer = load_pair(
                 cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
             )
-            self.completer = Completer(
+            completer = Completer(
                 target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
             )
+            log.info("replica warmed up in %.1f s", completer.warm_up(s.max_batch_size))
+            self.completer = completer
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
         self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma

@@ -210,6 +210,24 @@ class Completer:
         check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         job.args.check()
 
+    def warm_up(self, rows: int, max_new_tokens: int = 4, prompt: str = "Hello") -> float:
+        """Decode ``rows`` copies of a short prompt for a few tokens, with gamma chosen live and without
+        speculation, greedily, and forget what gamma=auto measured meanwhile (a cold call's costs are not a warm
+        one's). A server's first calls pay one-time costs (thread pools, allocations the allocator then keeps, lazy
+        initialisation); paid here, its first requests cost what later ones do and its memory is taken before it
+        serves. Returns the seconds it took."""
+        start, auto = time.perf_counter(), self.auto
+        self.auto = AutoGamma(auto.max_gamma)
+        try:
+            for gamma in ("auto", 0):
+                job = CompletionJob(prompt, max_new_tokens, DecodingArgs(gamma=gamma, temperature=0.0))
+                for done in self.complete([job] * rows):
+                    if isinstance(done, Exception):
+                        raise done
+        finally:
+            self.auto = auto
+        return time.perf_counter() - start
+
     def check_health(self) -> None:
         """Nothing to probe: the models live in this process."""
 

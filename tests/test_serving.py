@@ -56,6 +56,19 @@ def test_one_bad_job_fails_alone_not_its_batch(completer, caplog):
         completer.check(CompletionJob("1+\ud800=", 6, args))
 
 
+def test_a_warm_up_leaves_no_trace(text_pair, tokenizer):
+    """A server's warm-up decodes, but what it measured and drew does not stay: gamma=auto has chosen nothing and
+    measured no cost, and a seedless sample after it is the one a server without a warm-up draws."""
+    target, draft = text_pair
+    warm, cold = (Completer(target, draft, tokenizer, max_prompt_tokens=16, seed=3) for _ in range(2))
+    assert warm.warm_up(rows=4) > 0
+    summary = warm.gamma_summary()
+    assert summary["chosen"] == {} and summary["alpha"] == {} and summary["expected_tokens_per_s"] is None
+    assert warm.auto.verify_costs.measured == 0 and warm.auto.draft_costs.measured == 0
+    jobs = [CompletionJob(p, 8, DecodingArgs(gamma="auto", temperature=1.0)) for p in PROMPTS]
+    assert [c.text for c in warm.complete(jobs)] == [c.text for c in cold.complete(jobs)]
+
+
 def test_seeded_jobs_repeat_and_unseeded_ones_vary(completer):
     args = DecodingArgs(gamma=2, temperature=1.0)
     a = completer.complete([CompletionJob(PROMPTS[0], 16, args, seed=5), CompletionJob(PROMPTS[1], 16, args)])
