@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +109,13 @@ def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    """Copy ``arrays`` (:func:`state_arrays` of a model of the same architecture) into ``model``'s weights."""
-    with torch.no_grad():
+    """Copy ``arrays`` (:func:`state_arrays` of a model of the same architecture) into ``model``'s weights: one copy,
+    read straight from the arrays, which may be read-only views of Ray's object store (only ``copy_`` reads them, so
+    torch's warning about tensors over read-only memory does not apply)."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for name, tensor in model.state_dict().items():
-            tensor.copy_(torch.from_numpy(np.array(arrays[name])))
+            tensor.copy_(torch.as_tensor(arrays[name]))
 
 
 def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
