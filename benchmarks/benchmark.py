@@ -50,6 +50,11 @@ and a draft of Llama-160M's shape (seconds, GB/s, and the share of the sync's ow
 
     python benchmarks/benchmark.py integrity
 
+Suite ``trace``: the path of a draft version (learner -> weight store -> consumer) and of a batch (rollout actor ->
+buffer -> learner), each hop timed, for drafts of two sizes and batches with and without the target's distribution.
+
+    python benchmarks/benchmark.py trace
+
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
 ``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time, and the
 mean gamma the endpoint chose (``serve.gamma=auto``) as the draft improves.
