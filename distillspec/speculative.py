@@ -101,20 +101,6 @@ class SpecStats:
         """Empirical block efficiency: tokens per target call (accepted + 1 per block), at most gamma + 1."""
         return self.counts.tau
 
-    def to_dict(self) -> dict:
-        return {
-            "gamma": self.gamma,
-            "alpha": self.alpha,
-            "tau": self.tau,
-            "drafted": int(self.drafted.sum()),
-            "accepted": int(self.accepted.sum()),
-            "accepted_per_position": self.accepted.sum(0).tolist(),
-            "blocks": int(self.blocks.sum()),
-            "new_tokens": int(self.new_tokens.sum()),
-            "target_calls": self.target_calls,
-            "draft_calls": self.draft_calls,
-        }
-
 
 @dataclass
 class GenerationOutput:

@@ -112,7 +112,8 @@ def test_compiled_decoders_give_the_same_tokens():
     for temperature in (0.0, 1.0):
         outs = eager_and_compiled(speculative_generate, target, draft, gamma=3, temperature=temperature)
         assert torch.equal(outs[0].sequences, outs[1].sequences)
-        assert outs[0].stats.to_dict() == outs[1].stats.to_dict()
+        stats = [vars(o.stats) for o in outs]
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(*(s.values() for s in stats)))
         assert 0 < outs[1].stats.alpha < 1  # the draft differs from the target, so rejections were exercised
         plain = eager_and_compiled(autoregressive_generate, target, temperature=temperature)
         assert torch.equal(plain[0].sequences, plain[1].sequences)
