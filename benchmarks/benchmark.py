@@ -86,11 +86,15 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.suites.common import BENCHMARK_GARDEN, TASKS
 from distillspec.cli import run_main
-from distillspec.config import load_config
+from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
+
+if TYPE_CHECKING:
+    import torch
 
 #: The pipelines of suite async: the one-process loop, and the Ray pipeline with the target scored by the learner
 #: (the default) or by a scoring actor beside one rollout actor (one thread each: three stages on the cores).
@@ -922,6 +926,25 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
     }
 
 
+def _weight_suite_drafts(overrides: list[str]) -> tuple[JobConfig, dict[str, torch.nn.Module]]:
+    """Suites integrity and trace: the config (Ray connected, an object store large enough) and drafts of two shapes
+    with random float32 weights: the garden's default draft and Llama-160M's (12 layers, 768 wide, 32000 tokens)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cluster.connect import connect
+    from distillspec.garden import make_model, train_tokenizer
+
+    cfg = load_config(None, ["ray.object_store_memory=2000000000", *overrides])
+    connect(cfg.ray)
+    torch.manual_seed(cfg.seed)
+    tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
+    llama = LlamaConfig(
+        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=32000
+    )
+    return cfg, {"garden draft": make_model(cfg.garden.draft, tokenizer), "Llama-160M shape": LlamaForCausalLM(llama)}
+
+
 def suite_integrity(overrides: list[str], budget: float, out: Path) -> dict:
     """What the integrity check adds to a weight sync, for drafts of two shapes (float32, random weights): the
     garden's default draft and Llama-160M's (12 layers, 768 wide, 32000 tokens). A sync without the check: the
@@ -932,22 +955,12 @@ def suite_integrity(overrides: list[str], budget: float, out: Path) -> dict:
 
     import ray
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cluster.connect import connect
-    from distillspec.garden import make_model, train_tokenizer
     from distillspec.integrity import check, checksums
     from distillspec.models import load_arrays, state_arrays
 
     del budget
-    cfg = load_config(None, ["ray.object_store_memory=2000000000", *overrides])
-    connect(cfg.ray)
-    torch.manual_seed(cfg.seed)
-    tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
-    llama = LlamaConfig(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=32000
-    )
-    drafts = {"garden draft": make_model(cfg.garden.draft, tokenizer), "Llama-160M shape": LlamaForCausalLM(llama)}
+    cfg, drafts = _weight_suite_drafts(overrides)
 
     @ray.remote(num_cpus=0)
     class Consumer:
@@ -1021,25 +1034,15 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
     import numpy as np
     import ray
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.buffer import BufferActor
     from actors.weights import WeightStore
-    from cluster.connect import connect
     from distillspec.batches import RolloutBatch
-    from distillspec.garden import make_model, train_tokenizer
     from distillspec.integrity import check, checksums
     from distillspec.models import load_arrays, state_arrays
 
     del budget
-    cfg = load_config(None, ["ray.object_store_memory=2000000000", *overrides])
-    connect(cfg.ray)
-    torch.manual_seed(cfg.seed)
-    tokenizer = train_tokenizer([f"{i} + {i} = {2 * i}" for i in range(200)], cfg.garden.vocab_size)
-    llama = LlamaConfig(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=32000
-    )
-    drafts = {"garden draft": make_model(cfg.garden.draft, tokenizer), "Llama-160M shape": LlamaForCausalLM(llama)}
+    cfg, drafts = _weight_suite_drafts(overrides)
     rounds = 5
 
     def timed(f, *args):
