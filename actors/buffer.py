@@ -1,9 +1,11 @@
 """The sample buffer: a named actor between the rollout actors and the learner.
 
-Rollout actors put :class:`~distillspec.batches.RolloutBatch` objects into it and the learner takes them. It holds
-object *references*; it keeps its own copy of each batch it accepts (it owns it, so a batch outlives a producer that
-dies). ``put`` waits while the buffer is full, ``take`` while it is empty. Its bookkeeping (capacity, staleness,
-ledger) is :class:`distillspec.batches.SampleBuffer`.
+It pulls batches: :meth:`BufferActor.feed` asks a rollout actor for its next
+:class:`~distillspec.batches.RolloutBatch` once it holds a slot for it, and keeps the reference to the answer. The
+answer of a call is owned by its caller, so the buffer owns each batch with the one copy the rollout actor wrote
+when it returned it (serialised once, and it outlives a producer that dies); the learner reads that copy. ``put``
+takes a batch from any other producer and keeps its own copy of it. ``take`` waits while the buffer is empty. Its
+bookkeeping (capacity, staleness, ledger) is :class:`distillspec.batches.SampleBuffer`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from distillspec.batches import RolloutBatch, SampleBuffer
 @ray.remote(num_cpus=0, max_concurrency=16)
 class BufferActor:
     """The sample buffer of one run (see the module docstring). Staleness is measured against the weight store's
-    current version at ``put`` and against the learner's version at ``take``."""
+    current version when a batch arrives and against the learner's version at ``take``."""
 
     def __init__(
         self,
@@ -44,43 +46,61 @@ class BufferActor:
         self.reserved: set[int] = set()  #: producers that were promised a slot
         self.closed = False
 
-    def reserve(self, producer: int, timeout_s: float) -> bool:
-        """Wait until there is a slot for ``producer``'s next batch and hold it (a producer samples only when its
-        batch has a place, so what it samples is fresh). False once the buffer is closed."""
-        with self.changed:
-            self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
-            if self._room(producer) > 0 and not self.closed:
-                self.reserved.add(producer)
-            return not self.closed
-
     def examples(self) -> list[ray.ObjectRef]:
         return self.examples_ref
 
     def _room(self, producer: int) -> int:
         return self.buffer.capacity - len(self.buffer) - len(self.reserved - {producer})
 
+    def feed(self, producer: ray.actor.ActorHandle, rank: int, batches: int = 0) -> list[dict]:
+        """Pull batches from the rollout actor ``producer`` (``producer.sample()``) until the buffer closes, or
+        ``batches`` of them (0 = no limit). A batch is asked for only once there is a slot for it, so what it samples
+        is fresh. Returns the version, source and the buffer's answer of each batch; raises the producer's error.
+        Ray restarts a rollout actor that dies and retries the call it was serving."""
+        sampled: list[dict] = []
+        while not batches or len(sampled) < batches:
+            with self.changed:
+                self.changed.wait_for(lambda: self.closed or self._room(rank) > 0)
+                if self.closed:
+                    break
+                self.reserved.add(rank)
+            ref = producer.sample.remote()
+            try:
+                status, version, source = self._offer(ref, rank, owned=True)
+            finally:
+                with self.changed:
+                    self.reserved.discard(rank)
+                    self.changed.notify_all()
+            sampled.append({"version": version, "source": source, "status": status})
+            if status == "closed":
+                break
+        return sampled
+
     def put(self, refs: list[ray.ObjectRef], producer: int = -1, timeout_s: float = 600.0) -> str:
-        """Offer the batch ``refs[0]`` (a :class:`RolloutBatch`), waiting while the buffer is full: ``ok``,
-        ``refused: why``, ``closed``, or ``full`` when no room came within ``timeout_s``."""
-        # The content check reads the batch in place (zero-copy from the local object store).
-        batch = ray.get(refs[0])
+        """Offer the batch ``refs[0]`` (a :class:`RolloutBatch`) from a producer the buffer does not call, waiting
+        while the buffer is full: ``ok``, ``refused: why``, ``closed``, or ``full`` when no room came within
+        ``timeout_s``. The buffer keeps its own copy (the producer owns ``refs[0]``)."""
+        return self._offer(refs[0], producer, owned=False, timeout_s=timeout_s)[0]
+
+    def _offer(
+        self, ref: ray.ObjectRef, producer: int, *, owned: bool, timeout_s: float = 600.0
+    ) -> tuple[str, int, str | None]:
+        """Check the batch at ``ref`` and hold it: its status, version and source."""
+        batch = ray.get(ref)  # read in place (zero-copy from the local object store); a producer's error raises here
         if isinstance(batch, RolloutBatch):
-            owned = ray.put(batch)
-            version, problem = (
-                batch.version,
-                batch.problem(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size),
-            )
+            version, source = batch.version, batch.source
+            problem = batch.problem(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size)
+            held = ref if owned else ray.put(batch)
         else:
-            version, problem = -1, f"a batch must be a RolloutBatch, got {type(batch).__name__}"
-            owned = None
+            version, source, held = -1, None, None
+            problem = f"a batch must be a RolloutBatch, got {type(batch).__name__}"
         del batch
         current = ray.get(self.store.version.remote())
         with self.changed:
-            self.reserved.discard(producer)
             self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
             if self.closed:
-                return "closed"
-            status = self.buffer.put(owned, version=version, current_version=current, problem=problem)
+                return "closed", version, source
+            status = self.buffer.put(held, version=version, current_version=current, problem=problem)
             self.changed.notify_all()
         if status.startswith("refused"):
             log.warning("buffer %s: refused a batch of version %d: %s", self.run, version, status[9:])
@@ -88,7 +108,7 @@ class BufferActor:
         if status != "full":
             count("distillspec_samples", run=self.run, column="produced")
         gauge("distillspec_buffer_size", len(self.buffer), run=self.run)
-        return status
+        return status, version, source
 
     def take(self, n: int, version: int, timeout_s: float) -> list[ray.ObjectRef] | None:
         """Up to ``n`` fresh batches for the learner at ``version`` (stale ones are dropped first), waiting up to

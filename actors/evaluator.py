@@ -1,19 +1,20 @@
 """The evaluation actor: measures alpha and tau of the latest draft on held-out prompts as versions arrive, raises
 an alarm when alpha collapses after a weight sync, and is the serving gate's canary: a version becomes the serving
 version only when its alpha, decoded as the Serve replicas decode (``serve.backend``), is not more than
-``ray.canary_margin`` below the serving version's."""
+``evaluator.canary_margin`` below the serving version's."""
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.dashboard import count, gauge
 from actors.weights import pull_held
-from distillspec.config import JobConfig
+from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, VLLMConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
@@ -25,15 +26,45 @@ from distillspec.versions import DraftVersion
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the evaluation actor reads of the job's config."""
+
+    models: Models
+    evaluator: EvaluatorConfig
+    eval: EvalConfig  #: the decoding of its measurements: eval.speedup_gamma, max_new_tokens, batch_size
+    canary_backend: str  #: serve.backend: the canary decodes as the replicas do
+    canary_gamma: int  #: serve.fixed_gamma
+    canary_temperature: float  #: JobConfig.canary_temperature
+    vllm: VLLMConfig
+    run: str
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> EvalSettings:
+        return cls(
+            cfg.models,
+            cfg.evaluator,
+            cfg.eval,
+            cfg.serve.backend,
+            cfg.serve.fixed_gamma,
+            cfg.canary_temperature,
+            cfg.vllm,
+            cfg.ray.run_name,
+            cfg.seed,
+        )
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
 class EvalActor:
-    def __init__(self, cfg: JobConfig, prompts: list[str]) -> None:
+    def __init__(self, settings: EvalSettings, prompts: list[str]) -> None:
         setup_worker()
-        self.cfg, self.prompts = cfg, prompts
+        s, m = settings, settings.models
+        self.settings, self.prompts = s, prompts
         self.target, self.draft, self.tokenizer = load_pair(
-            cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype
+            m.target, m.draft, device=m.device, target_dtype=m.target_dtype
         )
-        self.store = ray.get_actor(weights_name(cfg.ray.run_name))
+        self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
         self.held: DraftVersion | None = None  #: the store's entry of ``version``: what the gate promotes
         self.history: list[dict] = []
@@ -41,18 +72,18 @@ class EvalActor:
         #: the canary's alpha of the serving version on these prompts; a restarted evaluator takes it from the store
         self.serving_alpha: float | None = ray.get(self.store.follow.remote()).alpha
         self.canary = None  #: with serve.backend=vllm, the canary decodes with vLLM, as the replicas do
-        if cfg.serve.backend == "vllm":
+        if s.canary_backend == "vllm":
             from distillspec.vllm_backend import VLLMGenerator
 
             self.canary = VLLMGenerator(
-                cfg.vllm,
-                cfg.target,
-                cfg.draft,
+                s.vllm,
+                m.target,
+                m.draft,
                 self.tokenizer,
-                max_new_tokens=cfg.eval.max_new_tokens,
-                temperature=cfg.canary_temperature,
-                gamma=cfg.serve.fixed_gamma,
-                seed=cfg.seed,
+                max_new_tokens=s.eval.max_new_tokens,
+                temperature=s.canary_temperature,
+                gamma=s.canary_gamma,
+                seed=s.seed,
             )
         self.stopped = threading.Event()
 
@@ -66,13 +97,13 @@ class EvalActor:
             "version": self.version,
             "step": self.held.step if self.held is not None else None,
             "time": time.time(),
-            **self._measure(self.cfg.eval.speedup_gamma),
+            **self._measure(self.settings.eval.speedup_gamma),
         }
-        run = self.cfg.ray.run_name
+        run = self.settings.run
         gauge("distillspec_acceptance_rate", rec["alpha"], run=run)
         gauge("distillspec_block_efficiency", rec["tau"], run=run)
         gauge("distillspec_eval_version", self.version, run=run)
-        if self.history and rec["alpha"] < self.history[-1]["alpha"] - self.cfg.ray.alarm_drop:
+        if self.history and rec["alpha"] < self.history[-1]["alpha"] - self.settings.evaluator.alarm_drop:
             prev = self.history[-1]
             alarm = (
                 f"alpha collapsed from {prev['alpha']:.3f} (version {prev['version']}) to {rec['alpha']:.3f} "
@@ -94,28 +125,28 @@ class EvalActor:
             self.prompts,
             gamma=gamma,
             temperature=temperature,
-            max_new_tokens=self.cfg.eval.max_new_tokens,
-            batch_size=self.cfg.eval.batch_size,
-            seed=self.cfg.seed,
+            max_new_tokens=self.settings.eval.max_new_tokens,
+            batch_size=self.settings.eval.batch_size,
+            seed=self.settings.seed,
         )
 
     def measure_canary(self, rec: dict) -> dict:
         """Alpha of the evaluated version decoded as the replicas decode: at ``serve.fixed_gamma`` and the canary's
         temperature (:attr:`~distillspec.config.JobConfig.canary_temperature`), with this project's decoder or,
         with ``serve.backend=vllm``, vLLM's engine."""
-        gamma, temperature = self.cfg.serve.fixed_gamma, self.cfg.canary_temperature
+        gamma, temperature = self.settings.canary_gamma, self.settings.canary_temperature
         if self.canary is not None:
             self.canary.load_draft(state_arrays(self.draft))
             counts = self.canary.measure([Example(prompt=p, reference="") for p in self.prompts])
             return {"backend": "vllm", "temperature": temperature, "alpha": counts.alpha, "tau": counts.tau}
-        if (gamma, temperature) != (self.cfg.eval.speedup_gamma, EVAL_TEMPERATURE):
+        if (gamma, temperature) != (self.settings.eval.speedup_gamma, EVAL_TEMPERATURE):
             rec = self._measure(gamma, temperature)
         return {"backend": "hf", "temperature": temperature, "alpha": rec["alpha"], "tau": rec["tau"]}
 
     def gate(self, rec: dict) -> bool:
         """The canary: promote the measured version to serving, or refuse it with the reason."""
         alpha = rec["canary"]["alpha"]
-        reason = canary_refusal(alpha, self.serving_alpha, self.cfg.ray.canary_margin)
+        reason = canary_refusal(alpha, self.serving_alpha, self.settings.evaluator.canary_margin)
         if reason is not None:
             log.warning("serving gate refused version %d (%s)", self.version, reason)
             ray.get(self.store.refuse.remote(self.version, reason))
@@ -125,8 +156,8 @@ class EvalActor:
         return True
 
     def run(self) -> int:
-        """Evaluate every ``ray.eval_every`` versions until stopped; returns the number of evaluations."""
-        every = self.cfg.ray.eval_every
+        """Evaluate every ``evaluator.every`` versions until stopped; returns the number of evaluations."""
+        every = self.settings.evaluator.every
         while not self.stopped.is_set() and every:
             latest = ray.get(self.store.version.remote())
             if latest >= 0 and (not self.history or latest >= self.history[-1]["version"] + every):
@@ -151,17 +182,19 @@ def _measure_task(phase: str, cfg: JobConfig, draft: str, task: Task, threads: i
 
 def measure_on_cluster(phase: str, cfg: JobConfig, draft: str, task: Task, *, threads: int = 1) -> list[dict]:
     """The job's before/after measurements (:func:`distillspec.study.measure_phase`) of the pair ``cfg.target`` and
-    ``draft`` as a Ray task with ``ray.eval_cpus`` CPUs and ``ray.eval_gpus`` GPUs (``threads`` torch threads), so a
+    ``draft`` as a Ray task with ``evaluator.cpus`` CPUs and ``evaluator.gpus`` GPUs (``threads`` torch threads), so a
     driver on a head node without the job's device still measures on it. A user's mistake (a bad path, a tokenizer
     mismatch) comes back as the :class:`DistillSpecError` it is."""
-    r, e = cfg.ray, cfg.eval
+    e = cfg.eval
     speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts" if e.speedup_prompts else ""
     print(
         f"measure {phase}: alpha and tau at gamma {e.gammas} x temperature {e.temperatures} on {e.num_prompts} "
         f"prompts{speedup} ..."
     )
     start = time.perf_counter()
-    ref = _measure_task.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(phase, cfg, draft, task, threads)
+    ref = _measure_task.options(num_cpus=cfg.evaluator.cpus, num_gpus=cfg.evaluator.gpus).remote(
+        phase, cfg, draft, task, threads
+    )
     try:
         records = ray.get(ref)
         print(f"measure {phase}: done in {time.perf_counter() - start:.0f}s")

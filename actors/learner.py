@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -24,7 +25,7 @@ from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.dashboard import gauge
 from actors.weights import publish
 from distillspec.batches import RolloutBatch
-from distillspec.config import JobConfig
+from distillspec.config import DistillConfig, JobConfig, LearnerConfig, Models
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog
 from distillspec.learner import LOG_FILE, Learner, checkpoint_log, load_checkpoint, save_checkpoint
@@ -35,6 +36,21 @@ RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints liv
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  #: Ray Train's record of the registered checkpoints, in RUN_DIR
 
 
+@dataclass(frozen=True)
+class LearnerSettings:
+    """What a learner worker reads of the job's config."""
+
+    models: Models
+    distill: DistillConfig
+    learner: LearnerConfig
+    run: str
+    gpu_dry_run: bool  #: ray.gpu_dry_run: hold GPU shares, compute on CPU
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> LearnerSettings:
+        return cls(cfg.models, cfg.distill, cfg.learner, cfg.ray.run_name, cfg.ray.gpu_dry_run)
+
+
 def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> RolloutBatch:
     """The next batch for the learner at ``version``: waits for one, raises when none comes for ``timeout_s``."""
     refs = ray.get(buffer.take.remote(1, version, timeout_s))
@@ -43,7 +59,7 @@ def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) ->
     if not refs:
         raise DistillSpecError(
             f"the learner got no batch for {timeout_s:.0f} s: are the rollout actors alive? "
-            "(see the Ray dashboard's actor logs; ray.take_timeout_s sets this limit)"
+            "(see the Ray dashboard's actor logs; learner.take_timeout_s sets this limit)"
         )
     return ray.get(refs[0])
 
@@ -68,17 +84,18 @@ def _from_rank_0(value: int, device: torch.device) -> int:
 
 def learner_loop(config: dict) -> None:
     """Ray Train's ``train_loop_per_worker``."""
-    cfg: JobConfig = config["cfg"]
-    setup_worker(cfg.ray.learner_threads or max(1, round(cfg.ray.learner_cpus)))
+    s: LearnerSettings = config["settings"]
+    m, distill = s.models, s.distill
+    setup_worker(s.learner.threads or max(1, round(s.learner.cpus)))
     rank = ray.train.get_context().get_world_rank()
     # A dry run holds GPU shares but computes on CPU.
-    device = torch.device("cpu") if cfg.ray.gpu_dry_run else ray.train.torch.get_device()
-    run = cfg.ray.run_name
+    device = torch.device("cpu") if s.gpu_dry_run else ray.train.torch.get_device()
+    run = s.run
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
-    target, _ = load_model(cfg.target, device=str(device), dtype=cfg.target_dtype)
-    draft, tokenizer = load_model(cfg.draft, device=str(device))
-    learner = Learner(draft, target, cfg.distill)
+    target, _ = load_model(m.target, device=str(device), dtype=m.target_dtype)
+    draft, tokenizer = load_model(m.draft, device=str(device))
+    learner = Learner(draft, target, distill)
     records, seconds_before = None, 0.0  # the run's log (rank 0 keeps it)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -96,8 +113,8 @@ def learner_loop(config: dict) -> None:
     shift = _from_rank_0(publish(store, draft, learner.step_count) - learner.step_count if rank == 0 else 0, device)
     start = time.perf_counter() - seconds_before
     rate = Rate()
-    budget = cfg.distill.time_budget_s
-    temperature = train_temperature(cfg.distill.temperature)
+    budget = distill.time_budget_s
+    temperature = train_temperature(distill.temperature)
 
     last = records.records[-1] if rank == 0 and records.records else None
 
@@ -112,10 +129,10 @@ def learner_loop(config: dict) -> None:
             save_checkpoint(d, learner, tokenizer, records, seconds=seconds, extra={"ledger": ledger})
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
-    steps = cfg.distill.steps
+    steps = distill.steps
     while learner.step_count < steps and not _agree(bool(budget) and time.perf_counter() - start > budget, device):
         t_take = time.perf_counter()
-        batch = take_batch(buffer, learner.step_count + shift, cfg.ray.take_timeout_s)
+        batch = take_batch(buffer, learner.step_count + shift, s.learner.take_timeout_s)
         record = learner.step(
             batch.batch(device),
             target_logits=batch.target(temperature, device),
@@ -125,7 +142,7 @@ def learner_loop(config: dict) -> None:
             wait_s=time.perf_counter() - t_take,
             start=start,
         )
-        if rank == 0 and learner.step_count % cfg.ray.publish_every == 0:
+        if rank == 0 and learner.step_count % s.learner.publish_every == 0:
             publish(store, draft, learner.step_count, record)
         last = record
         if rank == 0:
@@ -133,7 +150,7 @@ def learner_loop(config: dict) -> None:
         gauge("distillspec_learner_loss", record["loss"], run=run)
         for name, value in rate.add(batch.rows, record["tokens"]).items():
             gauge(f"distillspec_learner_{name}_per_s", value, run=run)
-        every = cfg.distill.checkpoint_every
+        every = distill.checkpoint_every
         if every and learner.step_count % every == 0 and learner.step_count < steps:
             save(final=False)
     save(final=True)
@@ -159,18 +176,18 @@ class Rate:
 def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
     return TorchTrainer(
         learner_loop,
-        train_loop_config={"cfg": cfg, "log": str(storage.resolve() / LOG_FILE)},
-        torch_config=TorchConfig(backend="gloo" if cfg.ray.gpu_dry_run or not cfg.ray.use_gpu else "nccl"),
+        train_loop_config={"settings": LearnerSettings.of(cfg), "log": str(storage.resolve() / LOG_FILE)},
+        torch_config=TorchConfig(backend="gloo" if cfg.ray.gpu_dry_run or not cfg.learner.use_gpu else "nccl"),
         scaling_config=ScalingConfig(
-            num_workers=cfg.ray.num_learner_workers,
-            use_gpu=cfg.ray.use_gpu,
-            resources_per_worker={"CPU": cfg.ray.learner_cpus, **({"GPU": 1} if cfg.ray.use_gpu else {})},
+            num_workers=cfg.learner.workers,
+            use_gpu=cfg.learner.use_gpu,
+            resources_per_worker={"CPU": cfg.learner.cpus, **({"GPU": 1} if cfg.learner.use_gpu else {})},
         ),
         run_config=RunConfig(
             name=RUN_DIR,
             storage_path=str(storage.resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            failure_config=FailureConfig(max_failures=cfg.ray.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.learner.max_failures),
         ),
     )
 

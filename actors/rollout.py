@@ -1,10 +1,11 @@
-"""Rollout actors sample training batches from the current draft (and the target, via SD) into the buffer;
+"""Rollout actors sample training batches from the current draft (and the target, via SD) for the buffer;
 scoring actors add the target's distribution to a batch when the learner is not to compute it."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -13,7 +14,7 @@ from actors.common import buffer_name, log, prompts_name, scorer_name, setup_wor
 from actors.dashboard import gauge
 from actors.weights import fetch
 from distillspec.batches import RolloutBatch
-from distillspec.config import JobConfig, resolve_recipe
+from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
 from distillspec.data import Example
 from distillspec.integrity import TransferRefused
 from distillspec.losses import forward_logits, train_temperature
@@ -21,31 +22,65 @@ from distillspec.models import load_arrays, load_model, load_tokenizer
 from distillspec.rollout import Sampler, needs_target_samples
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout actor reads of the job's config."""
+
+    models: Models
+    distill: DistillConfig
+    rollout: RolloutConfig
+    vllm: VLLMConfig
+    run: str  #: the run's name: the actors it finds (buffer, weight store, scorers, prompt log)
+    scorers: int  #: scoring actors to send batches to (0: the learner computes the target's logits)
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> RolloutSettings:
+        scorers = cfg.scorer.workers if cfg.learner.target_logits == "scorer" else 0
+        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, scorers, cfg.seed)
+
+
+@dataclass(frozen=True)
+class ScorerSettings:
+    """What a scoring actor reads of the job's config."""
+
+    models: Models
+    topk: int
+    temperature: float  #: the divergence's temperature (distill.temperature)
+    backend: str  #: hf | vllm (rollout.backend)
+    vllm: VLLMConfig
+    seed: int
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> ScorerSettings:
+        temperature = train_temperature(cfg.distill.temperature)
+        return cls(cfg.models, cfg.scorer.topk, temperature, cfg.rollout.backend, cfg.vllm, cfg.seed)
+
+
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
 class RolloutActor:
-    """Samples training batches from the latest published draft. Ray restarts it when it dies, and retries
-    the call it was serving."""
+    """Samples training batches from the latest published draft when the buffer asks for one. Ray restarts it when it
+    dies, and retries the call it was serving."""
 
-    def __init__(self, cfg: JobConfig, rank: int) -> None:
+    def __init__(self, settings: RolloutSettings, rank: int) -> None:
         setup_worker()
-        r = cfg.ray
-        buffer = ray.get_actor(buffer_name(r.run_name))
+        s, m = settings, settings.models
+        buffer = ray.get_actor(buffer_name(s.run))
         train: list[Example] = ray.get(ray.get(buffer.examples.remote())[0])  # the training examples
         # Found by name, not passed in: an actor that Ray restarts must not depend on arguments in the object store.
-        scorers = range(r.num_scorers) if r.target_logits == "scorer" else ()
-        self.scorers = [ray.get_actor(scorer_name(r.run_name, i)) for i in scorers]
-        self.cfg, self.rank = cfg, rank
-        d = cfg.distill
+        self.scorers = [ray.get_actor(scorer_name(s.run, i)) for i in range(s.scorers)]
+        self.settings, self.rank = s, rank
+        d = s.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        seed = cfg.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
-        if cfg.ray.backend == "vllm":  # the engines hold the draft; new versions load into them in place
+        seed = s.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
+        if s.rollout.backend == "vllm":  # the engines hold the draft; new versions load into them in place
             from distillspec.vllm_backend import VLLMGenerator  # the optional extra, imported only when asked for
 
-            self.draft, self.tokenizer = None, load_tokenizer(cfg.draft)
+            self.draft, self.tokenizer = None, load_tokenizer(m.draft)
             self.engine = VLLMGenerator(
-                cfg.vllm,
-                cfg.target,
-                cfg.draft,
+                s.vllm,
+                m.target,
+                m.draft,
                 self.tokenizer,
                 max_new_tokens=d.max_new_tokens,
                 temperature=d.temperature,
@@ -55,38 +90,23 @@ class RolloutActor:
             )
             self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
         else:
-            self.draft, self.tokenizer = load_model(cfg.draft, device=cfg.device)
+            self.draft, self.tokenizer = load_model(m.draft, device=m.device)
             target = None
             if needs_target_samples(resolve_recipe(d)):
-                target = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)[0]
+                target = load_model(m.target, device=m.device, dtype=m.target_dtype)[0]
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
-        self.store = ray.get_actor(weights_name(cfg.ray.run_name))
-        self.prompts = ray.get_actor(prompts_name(cfg.ray.run_name)) if cfg.ray.online else None
+        self.store = ray.get_actor(weights_name(s.run))
+        self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
         self.version = -1  #: the draft version this actor samples with
         self.made = 0
-        self.sampled: list[dict] = []  #: version, source and the buffer's answer of each batch made
         log.info("rollout %d up (pid %d%s)", rank, os.getpid(), ", restarted" if restarted else "")
 
     def pid(self) -> int:
         return os.getpid()
 
-    def run(self) -> int:
-        """Sample into the buffer until it closes; returns the number of batches made. Each batch is sampled only
-        once the buffer holds a slot for it."""
-        buffer = ray.get_actor(buffer_name(self.cfg.ray.run_name))
-        while ray.get(buffer.reserve.remote(self.rank, timeout_s=5.0)):
-            batch, seconds = self.sample()
-            status = ray.get(buffer.put.remote([ray.put(batch)], self.rank))
-            self.sampled.append({"version": batch.version, "source": batch.source, "status": status})
-            rows, run, name = batch.rows, self.cfg.ray.run_name, str(self.rank)
-            gauge("distillspec_rollout_samples_per_s", rows / seconds, run=run, actor=name)
-            gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
-            if status == "closed":
-                break
-        return self.made
-
-    def sample(self) -> tuple[RolloutBatch, float]:
-        """One batch from the latest draft, and the seconds it took."""
+    def sample(self) -> RolloutBatch:
+        """One batch from the latest draft: the buffer calls this (:meth:`actors.buffer.BufferActor.feed`) when it
+        holds a slot for the batch, and owns the answer."""
         self.sync()
         if self.prompts is not None:
             self.sampler.train = self.served_prompts()
@@ -96,12 +116,17 @@ class RolloutActor:
         if self.scorers:
             batch = ray.get(self.scorers[self.made % len(self.scorers)].score.remote(batch))
         self.made += 1
-        return batch, time.perf_counter() - start
+        seconds, run, name = time.perf_counter() - start, self.settings.run, str(self.rank)
+        gauge("distillspec_rollout_samples_per_s", batch.rows / seconds, run=run, actor=name)
+        gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
+        return batch
 
     def served_prompts(self) -> list[Example]:
         """Online distillation: the latest prompts the endpoint served (waits until there are enough)."""
-        r = self.cfg.ray
-        while len(prompts := ray.get(self.prompts.sample.remote(self.cfg.distill.batch_size))) < r.online_min_prompts:
+        while (
+            len(prompts := ray.get(self.prompts.sample.remote(self.settings.distill.batch_size)))
+            < self.settings.rollout.online_min_prompts
+        ):
             time.sleep(0.5)
         return [Example(prompt=p, reference="") for p in prompts]
 
@@ -124,7 +149,6 @@ class RolloutActor:
         return {
             "version": self.version,
             "made": self.made,
-            "sampled": self.sampled,
             "weight_loads": loads,
             "pid": os.getpid(),
         }
@@ -133,18 +157,19 @@ class RolloutActor:
 @ray.remote(max_restarts=-1, max_task_retries=-1)
 class ScorerActor:
     """Runs the frozen target over a batch and returns its distribution: full logits or top-k log-probs
-    (with ``ray.backend=vllm``, vLLM's prompt log-probs: top-k only)."""
+    (with ``rollout.backend=vllm``, vLLM's prompt log-probs: top-k only)."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, settings: ScorerSettings) -> None:
         setup_worker()
-        self.topk, self.temperature = cfg.ray.topk, train_temperature(cfg.distill.temperature)
+        s, m = settings, settings.models
+        self.topk, self.temperature = s.topk, s.temperature
         self.target = self.engine = None
-        if cfg.ray.backend == "vllm":
+        if s.backend == "vllm":
             from distillspec.vllm_backend import start_engine  # the optional extra, imported only when asked for
 
-            self.engine = start_engine(cfg.vllm, cfg.target, seed=cfg.seed)
+            self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
-            self.target, _ = load_model(cfg.target, device=cfg.device, dtype=cfg.target_dtype)
+            self.target, _ = load_model(m.target, device=m.device, dtype=m.target_dtype)
 
     @torch.inference_mode()
     def score(self, batch: RolloutBatch) -> RolloutBatch:

@@ -56,7 +56,7 @@ buffer -> learner), each hop timed, for drafts of two sizes and batches with and
     python benchmarks/benchmark.py trace
 
 Suite ``online``: the endpoint serves the task's test prompts (4 clients) and records them; a distill job with
-``ray.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time, and the
+``rollout.online=true`` trains on them for --budget seconds; prints and plots alpha at the endpoint over time, and the
 mean gamma the endpoint chose (``serve.gamma=auto``) as the draft improves.
 
 Suite ``gamma``: tokens/s at the endpoint at concurrency 1, 4, 8 and 16 for gamma 0 (speculation off), 1, 3, 5, 7
@@ -103,9 +103,9 @@ ASYNC_VARIANTS = {
     "async": ["ray.mode=async"],
     "async-scorer": [
         "ray.mode=async",
-        "ray.target_logits=scorer",
-        "ray.num_scorers=1",
-        "ray.num_rollout_workers=1",
+        "learner.target_logits=scorer",
+        "scorer.workers=1",
+        "rollout.workers=1",
     ],
 }
 
@@ -126,7 +126,7 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
                 "eval.gammas=[5]",
                 "eval.temperatures=[1]",
                 "eval.speedup_prompts=0",
-                "ray.eval_every=0",  # the learners compete for the cores alone (sync has no evaluations either)
+                "evaluator.every=0",  # the learners compete for the cores alone (sync has no evaluations either)
                 *overrides,
                 *settings,
             ],
@@ -151,7 +151,7 @@ def suite_async(overrides: list[str], budget: float, out: Path) -> dict:
         }
         if costs is None:  # before Ray starts: the step's parts alone on this machine
             costs = step_costs(load_config(out / name / "config.yaml"))
-        rows[name]["bound"] = 1.0 if name == "sync" else async_bound(costs, cfg.ray)
+        rows[name]["bound"] = 1.0 if name == "sync" else async_bound(costs, cfg)
     for name in ASYNC_VARIANTS:
         rows[name]["ratio_steps_per_s"] = rows[name]["steps_per_s"] / rows["sync"]["steps_per_s"]
         rows[name]["alpha_gap"] = rows[name]["alpha_after"] - rows["sync"]["alpha_after"]
@@ -234,17 +234,17 @@ def step_costs(cfg, steps: int = 8) -> dict:
     }
 
 
-def async_bound(costs: dict, ray_cfg) -> float:
-    """The most ``ray_cfg``'s pipeline can gain over the synchronous loop on this machine's cores, from
+def async_bound(costs: dict, cfg: JobConfig) -> float:
+    """The most ``cfg``'s pipeline can gain over the synchronous loop on this machine's cores, from
     :func:`step_costs`: with one thread per actor, a step takes at least the learner's stage (its update, plus the
     scoring when it holds the target), the rollout actors' and scorers' stages divided among them, and the CPU work of
     all three shared by the cores."""
     one = costs["stages_1thread"]
-    scorers = ray_cfg.target_logits == "scorer"
+    scorers = cfg.learner.target_logits == "scorer"
     floor = max(
         one["update"] + (0.0 if scorers else one["score"]),
-        one["sample"] / ray_cfg.num_rollout_workers,
-        one["score"] / ray_cfg.num_scorers if scorers else 0.0,
+        one["sample"] / cfg.rollout.workers,
+        one["score"] / cfg.scorer.workers if scorers else 0.0,
         sum(one.values()) / costs["cores"],
     )
     return costs["sync_step_s"] / floor
@@ -784,7 +784,7 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
 
 def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
-    job (``ray.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
+    job (``rollout.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
     import os
     import shutil
     import subprocess
@@ -817,9 +817,9 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
         "--output-dir",
         str(out / "distill"),
         f"ray.address={ray.get_runtime_context().gcs_address}",
-        "ray.online=true",
-        "ray.eval_every=0",
-        "ray.resume=false",
+        "rollout.online=true",
+        "evaluator.every=0",
+        "learner.resume=false",
         f"distill.time_budget_s={budget}",
         "distill.steps=100000",
         "eval.gammas=[5]",
@@ -1028,7 +1028,8 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
     consumer (:func:`actors.weights.publish`, then what a consumer does: get, check, load); a batch (the job's
     ``distill.batch_size`` rows of ``distill.max_prompt_tokens + distill.max_new_tokens`` tokens, alone and with the
     target's top-k log-probs or full logits attached by a scorer) from a rollout actor through the buffer to the
-    learner. Each copy of the bytes is named with the hop that writes it."""
+    learner, pulled by the buffer and, beside it, put by a producer the buffer does not call. Each copy of the bytes
+    is named with the hop that writes it."""
     import statistics
 
     import numpy as np
@@ -1071,6 +1072,16 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
             batch, get = timed(ray.get, refs[0])
             _, to_torch = timed(batch.batch)
             return {"learner get": get, "learner to tensors (copy)": to_torch}
+
+    @ray.remote(num_cpus=0)
+    class Producer:
+        """A rollout actor that has sampled ``batch``."""
+
+        def __init__(self, batch: RolloutBatch) -> None:
+            self.batch = batch
+
+        def sample(self) -> RolloutBatch:
+            return self.batch
 
     def median_rows(samples: list[dict[str, float]]) -> dict[str, float]:
         return {k: statistics.median(s[k] for s in samples[1:]) for k in samples[0]}  # the first round warms up
@@ -1117,16 +1128,22 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
             batch.target_topk_indices = np.zeros((rows, columns, 20), np.int64)
         elif kind == "full logits":
             batch.target_logits = np.zeros((rows, columns, vocab), np.float32)
+        producer = Producer.remote(batch)
         samples = []
         for _ in range(rounds):
+            (answer,), pulled = timed(call, buffer.feed, producer, 0, 1)
+            assert answer["status"] == "ok", answer
+            samples.append({"buffer pulls: the rollout returns it (the one copy), the buffer checks it": pulled})
+            samples[-1].update(ray.get(learner.take.remote(ray.get(buffer.take.remote(1, 0, 10.0)))))
+            # the path of a producer the buffer does not call: it puts the batch, the buffer keeps its own copy
             refs, put = timed(lambda b: [ray.put(b)], batch)
             status, offered = timed(call, buffer.put, refs)
             assert status == "ok", status
             del refs
-            taken = ray.get(buffer.take.remote(1, 0, 10.0))
-            samples.append({"rollout put (copy 1)": put, "buffer put (copy 2, the buffer's own)": offered})
-            samples[-1].update(ray.get(learner.take.remote(taken)))
-        for actor in (learner, buffer, store):
+            ray.get(buffer.take.remote(1, 0, 10.0))
+            samples[-1]["(put path) producer put (copy 1)"] = put
+            samples[-1]["(put path) buffer's own copy (copy 2)"] = offered
+        for actor in (learner, buffer, store, producer):
             ray.kill(actor)
         mb = sum(getattr(batch, k).nbytes for k in vars(batch) if isinstance(getattr(batch, k), np.ndarray))
         batches[kind] = {"mib": mb / 2**20, "seconds": median_rows(samples)}
@@ -1138,7 +1155,8 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
             print(f"\nthe path of a batch ({rows} rows x {length} tokens), milliseconds per hop:")
         for name, r in table.items():
             hops = ", ".join(f"{hop} {1000 * t:.1f}" for hop, t in r["seconds"].items())
-            print(f"  {name} ({r['mib']:.1f} MiB): {hops}; total {1000 * sum(r['seconds'].values()):.1f}")
+            total = sum(t for hop, t in r["seconds"].items() if not hop.startswith("(put path)"))
+            print(f"  {name} ({r['mib']:.1f} MiB): {hops}; total {1000 * total:.1f}")
     return {"versions": versions, "batches": batches, "batch_rows": rows, "batch_tokens": length}
 
 

@@ -4,7 +4,7 @@ resources). For dry runs of a cluster job (``ray.gpu_dry_run=true``) on a machin
 
     python -m cluster.autoscaling up                    # prints the address; workers come when a job needs them
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:<dashboard port> --working-dir . -- \\
-        python jobs/distill.py device=cpu ray.gpu_dry_run=true ray.use_gpu=true ray.rollout_gpus=1 ray.eval_gpus=0.5
+        python jobs/distill.py device=cpu ray.gpu_dry_run=true learner.use_gpu=true rollout.gpus=1 evaluator.gpus=0.5
     python -m cluster.autoscaling status                # nodes by type
     python -m cluster.autoscaling down
 

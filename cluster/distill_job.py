@@ -34,7 +34,7 @@ def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dic
     ``out/checkpoint`` in the learner's format; a rerun of an unfinished run resumes from there."""
     distiller = Distiller(target, draft, tokenizer, task.train, cfg.distill, seed=cfg.seed)
     learner, folder, seconds, resumed = distiller.learner, out / SYNC_CHECKPOINT, 0.0, None
-    if cfg.ray.resume and (folder / "state.pt").exists():
+    if cfg.learner.resume and (folder / "state.pt").exists():
         seconds, log = load_checkpoint(folder, learner), checkpoint_log(folder, out / LOG_FILE)
         resumed = learner.step_count
         print(f"resuming from the checkpoint at step {resumed} in {folder}")
@@ -131,7 +131,7 @@ def check_resume(cfg: JobConfig, out: Path) -> None:
     ``config.yaml``), or stops with what changed; a run that starts afresh is not checked."""
     sync = cfg.ray.mode == "sync"
     checkpoint = (out / SYNC_CHECKPOINT / "state.pt").exists() if sync else bool(checkpoint_steps(out))
-    if not (cfg.ray.resume and checkpoint and (out / "config.yaml").exists()):
+    if not (cfg.learner.resume and checkpoint and (out / "config.yaml").exists()):
         return
     try:
         before, now = yaml.safe_load((out / "config.yaml").read_text()) or {}, to_dict(cfg)

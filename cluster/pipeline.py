@@ -24,10 +24,10 @@ from transformers import AutoConfig
 
 from actors.buffer import BufferActor
 from actors.common import buffer_name, prompts_name, scorer_name, weights_name
-from actors.evaluator import EvalActor
+from actors.evaluator import EvalActor, EvalSettings
 from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
 from actors.prompts import PromptLog
-from actors.rollout import RolloutActor, ScorerActor
+from actors.rollout import RolloutActor, RolloutSettings, ScorerActor, ScorerSettings
 from actors.weights import WeightStore, publish
 from distillspec.config import JobConfig
 from distillspec.data import Task
@@ -54,19 +54,22 @@ class PipelineResult:
 
 def check_devices(cfg: JobConfig) -> None:
     """With ``device=cuda`` every model-holding part of the pipeline needs a GPU share, or it fails on load."""
-    r = cfg.ray
     if not cfg.device.startswith("cuda"):
         return
-    for key, value in (("use_gpu", r.use_gpu), ("rollout_gpus", r.rollout_gpus), ("eval_gpus", r.eval_gpus)):
+    for key, value in (
+        ("learner.use_gpu", cfg.learner.use_gpu),
+        ("rollout.gpus", cfg.rollout.gpus),
+        ("evaluator.gpus", cfg.evaluator.gpus),
+    ):
         if not value:
             raise DistillSpecError(
-                f"device={cfg.device!r} runs the pipeline's models on GPUs, but ray.{key}={value!r}: set "
-                "ray.use_gpu=true, ray.rollout_gpus and ray.eval_gpus > 0 (fractions share a GPU, e.g. 0.25), "
+                f"device={cfg.device!r} runs the pipeline's models on GPUs, but {key}={value!r}: set "
+                "learner.use_gpu=true, rollout.gpus and evaluator.gpus > 0 (fractions share a GPU, e.g. 0.25), "
                 "or device=cpu"
             )
-    if r.target_logits == "scorer":
+    if cfg.learner.target_logits == "scorer":
         raise DistillSpecError(
-            f"device={cfg.device!r}: the scoring actors run on CPUs; use ray.target_logits=learner (the learner's "
+            f"device={cfg.device!r}: the scoring actors run on CPUs; use learner.target_logits=learner (the learner's "
             "frozen target copy on its GPU)"
         )
 
@@ -74,15 +77,16 @@ def check_devices(cfg: JobConfig) -> None:
 def check_resources(cfg: JobConfig, strict: bool) -> None:
     """A request the cluster cannot meet would wait forever: refuse it on a fixed (local) cluster, warn otherwise
     (an autoscaler may add nodes)."""
-    r = cfg.ray
-    cpus = r.num_learner_workers * r.learner_cpus + r.num_rollout_workers * r.rollout_cpus
-    cpus += (r.eval_cpus if r.eval_every else 0) + (r.num_scorers * r.scorer_cpus if r.target_logits == "scorer" else 0)
-    gpus = r.num_learner_workers * int(r.use_gpu) + r.num_rollout_workers * r.rollout_gpus
-    gpus += r.eval_gpus if r.eval_every else 0
+    cpus = cfg.learner.workers * cfg.learner.cpus + cfg.rollout.workers * cfg.rollout.cpus
+    cpus += (cfg.evaluator.cpus if cfg.evaluator.every else 0) + (
+        cfg.scorer.workers * cfg.scorer.cpus if cfg.learner.target_logits == "scorer" else 0
+    )
+    gpus = cfg.learner.workers * int(cfg.learner.use_gpu) + cfg.rollout.workers * cfg.rollout.gpus
+    gpus += cfg.evaluator.gpus if cfg.evaluator.every else 0
     have = ray.cluster_resources()
     for kind, need, fix in (
-        ("CPU", cpus, "lower ray.learner_cpus, ray.rollout_cpus, ray.eval_cpus or the worker counts"),
-        ("GPU", gpus, "set ray.use_gpu=false, ray.rollout_gpus=0 and ray.eval_gpus=0, or use a cluster with GPUs"),
+        ("CPU", cpus, "lower learner.cpus, rollout.cpus, evaluator.cpus or the worker counts"),
+        ("GPU", gpus, "set learner.use_gpu=false, rollout.gpus=0 and evaluator.gpus=0, or use a cluster with GPUs"),
     ):
         if need > have.get(kind, 0) + 1e-9:
             message = f"the pipeline asks for {need:g} {kind}s but the cluster has {have.get(kind, 0):g}: {fix}"
@@ -127,10 +131,10 @@ class Pipeline:
                 if e.get("step", e["version"]) <= self.resumed_from
             ]
         saved = checkpoint_steps(self.out)
-        if saved and not r.resume:
+        if saved and not cfg.learner.resume:
             raise DistillSpecError(
                 f"{self.out / RUN_DIR} holds a learner checkpoint (step {saved[-1]}): "
-                "set ray.resume=true to go on from it, or give another --output-dir"
+                "set learner.resume=true to go on from it, or give another --output-dir"
             )
         check_resources(cfg, strict=fixed_cluster)
         wait_for_names([weights_name(r.run_name), buffer_name(r.run_name)])
@@ -138,35 +142,45 @@ class Pipeline:
         # The stores live beside the driver (on a cluster: the head), not on a worker node that may go away.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.store = WeightStore.options(name=weights_name(r.run_name), scheduling_strategy=here).remote(r.run_name)
-        self.buffer = BufferActor.options(name=buffer_name(r.run_name), scheduling_strategy=here).remote(
-            capacity=r.buffer_capacity,
-            max_policy_lag=r.max_policy_lag,
-            max_batch_tokens=r.max_batch_tokens,
+        # A thread per rollout actor pulls its batches (BufferActor.feed), beside the learner's and the console's calls.
+        self.buffer = BufferActor.options(
+            name=buffer_name(r.run_name), scheduling_strategy=here, max_concurrency=16 + cfg.rollout.workers
+        ).remote(
+            capacity=cfg.buffer.capacity,
+            max_policy_lag=cfg.buffer.max_policy_lag,
+            max_batch_tokens=cfg.buffer.max_batch_tokens,
             vocab_size=vocab,
             run=r.run_name,
             store=self.store,
             examples=[ray.put(task.train)],  # the rollout actors read them there (a restarted one again)
         )
         self.prompt_log = None
-        if r.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
+        if cfg.rollout.online:  # the Serve endpoint (serve.record_prompts) fills it; the rollouts sample from it
             wait_for_names([prompts_name(r.run_name)])
             self.prompt_log = PromptLog.options(name=prompts_name(r.run_name), scheduling_strategy=here).remote(
-                r.run_name, r.online_window
+                r.run_name, cfg.rollout.online_window
             )
             ray.get(self.prompt_log.stats.remote())
         self.scorers = []
-        if r.target_logits == "scorer":
-            names = [scorer_name(r.run_name, i) for i in range(r.num_scorers)]
+        if cfg.learner.target_logits == "scorer":
+            names = [scorer_name(r.run_name, i) for i in range(cfg.scorer.workers)]
             wait_for_names(names)
-            self.scorers = [ScorerActor.options(name=n, num_cpus=r.scorer_cpus).remote(cfg) for n in names]
+            self.scorers = [
+                ScorerActor.options(name=n, num_cpus=cfg.scorer.cpus).remote(ScorerSettings.of(cfg)) for n in names
+            ]
 
+        rollout = RolloutSettings.of(cfg)  # each actor is given the part of the config it reads
         self.rollouts = [
-            RolloutActor.options(num_cpus=r.rollout_cpus, num_gpus=r.rollout_gpus).remote(cfg, i)
-            for i in range(r.num_rollout_workers)
+            RolloutActor.options(num_cpus=cfg.rollout.cpus, num_gpus=cfg.rollout.gpus).remote(rollout, i)
+            for i in range(cfg.rollout.workers)
         ]
-        prompts = [e.prompt for e in task.test[: r.eval_prompts]]
+        prompts = [e.prompt for e in task.test[: cfg.evaluator.prompts]]
         self.evaluator = (
-            EvalActor.options(num_cpus=r.eval_cpus, num_gpus=r.eval_gpus).remote(cfg, prompts) if r.eval_every else None
+            EvalActor.options(num_cpus=cfg.evaluator.cpus, num_gpus=cfg.evaluator.gpus).remote(
+                EvalSettings.of(cfg), prompts
+            )
+            if cfg.evaluator.every
+            else None
         )
         # Every actor is created before any is waited for: their processes start (and import torch) side by side;
         # the rollout actors find the buffer and the store by name, before those are up.
@@ -191,7 +205,7 @@ class Pipeline:
     def run(self) -> PipelineResult:
         start = time.perf_counter()
         self.stopping, self.sampled, self.feed_error = threading.Event(), [], None
-        self.runs = [actor.run.remote() for actor in self.rollouts]
+        self.runs = [self.buffer.feed.remote(actor, i) for i, actor in enumerate(self.rollouts)]
         watcher = threading.Thread(target=self.watch, name="rollout-watcher", daemon=True)
         watcher.start()
         eval_run = self.evaluator.run.remote() if self.evaluator else None
@@ -208,8 +222,10 @@ class Pipeline:
             watcher.join()
             console.join()
             ledger = ray.get(self.buffer.close.remote())
-            stats = ray.get([actor.stats.remote() for actor in self.rollouts], timeout=60)
-            self.sampled = [s for actor in stats for s in actor["sampled"]]
+            try:  # each feed returns once the buffer is closed, after the batch it was pulling
+                self.sampled = [s for feed in ray.get(self.runs, timeout=60) for s in feed]
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # a feed that failed is the watcher's report
             if self.evaluator is not None:
                 ray.get(self.evaluator.stop.remote())
                 ray.get(eval_run)
@@ -220,7 +236,7 @@ class Pipeline:
             write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
             train_log = checkpoint_log(d, self.out / LOG_FILE).records
         if train_log and ray.get(self.store.status.remote())[1] != train_log[-1]["step"]:
-            # the learner publishes every ray.publish_every steps: the final draft, for the evaluator and replicas
+            # the learner publishes every learner.publish_every steps: the final draft, for the evaluator and replicas
             publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
         report = {"history": [], "alarms": []}
         if self.evaluator is not None:
@@ -276,7 +292,7 @@ class Pipeline:
                         f"loss {record['loss']:.4f}" if "loss" in record else "",
                         f"alpha {latest['alpha']:.3f} tau {latest['tau']:.2f}" if latest else "",
                         f"v{version} lag {record.get('lag', 0)}",
-                        f"buffer {ledger['held']}/{self.cfg.ray.buffer_capacity}",
+                        f"buffer {ledger['held']}/{self.cfg.buffer.capacity}",
                         f"{bar.n * batch / max(1e-9, time.perf_counter() - start):.0f} samples/s",
                     )
                     if part

@@ -26,7 +26,7 @@ FLAGS = {
 FLAG_KEYS = {"run": "serve.run"}
 #: The config sections each job reads (its --help lists their keys).
 SECTIONS = {
-    "distill": ("garden", "distill", "eval", "ray", "vllm"),
+    "distill": ("garden", "distill", "eval", "ray", "rollout", "scorer", "buffer", "learner", "evaluator", "vllm"),
     "serve": ("garden", "serve", "ray", "vllm"),
     "sweep": ("garden", "distill", "eval", "ray", "sweep"),
     "garden": ("garden", "eval"),

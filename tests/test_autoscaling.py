@@ -21,7 +21,7 @@ from distillspec import DistillSpecError
 from distillspec.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_SETTINGS = ["device=cpu", "ray.gpu_dry_run=true", "ray.use_gpu=true", "ray.rollout_gpus=1", "ray.eval_gpus=0.5"]
+GPU_SETTINGS = ["device=cpu", "ray.gpu_dry_run=true", "learner.use_gpu=true", "rollout.gpus=1", "evaluator.gpus=0.5"]
 
 
 def test_the_local_cluster_keeps_the_cluster_yamls_node_types():
@@ -40,9 +40,9 @@ def test_the_local_cluster_keeps_the_cluster_yamls_node_types():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["device=cuda", "ray.gpu_dry_run=true", "ray.use_gpu=true"], "computes on CPU but device='cuda'"),
+        (["device=cuda", "ray.gpu_dry_run=true", "learner.use_gpu=true"], "computes on CPU but device='cuda'"),
         (["ray.gpu_dry_run=true"], "no GPU share is asked for"),
-        (["ray.use_gpu=true"], "set device=cuda, or ray.gpu_dry_run=true"),
+        (["learner.use_gpu=true"], "set device=cuda, or ray.gpu_dry_run=true"),
     ],
 )
 def test_the_gpu_dry_run_is_refused_where_it_makes_no_sense(overrides, message):
@@ -105,11 +105,11 @@ def test_the_cluster_job_scales_gpu_nodes_from_zero_and_back(autoscaling, tiny_g
         sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", autoscaling.dashboard,
         "--", sys.executable, str(ROOT / "jobs" / "distill.py"),
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft),
-        "--output-dir", str(out), *GPU_SETTINGS, "ray.learner_cpus=0.5", "ray.rollout_cpus=0.25",
-        "ray.eval_cpus=0.25", "distill.steps=16", "ray.eval_every=8", "distill.batch_size=4",
+        "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5", "rollout.cpus=0.25",
+        "evaluator.cpus=0.25", "distill.steps=16", "evaluator.every=8", "distill.batch_size=4",
         "distill.max_new_tokens=8", "eval.max_new_tokens=8", "eval.batch_size=4", "eval.num_prompts=4",
-        "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0", "ray.eval_prompts=4",
-        "ray.take_timeout_s=300",
+        "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0", "evaluator.prompts=4",
+        "learner.take_timeout_s=300",
     ]  # fmt: skip
     env = {**os.environ, "TQDM_DISABLE": "1"}
     for _ in range(10):  # the head's job agent takes a moment after the cluster starts
@@ -155,11 +155,11 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
     entrypoint = " ".join(
         [
             sys.executable, str(ROOT / "jobs" / "distill.py"), "--target", str(tiny_garden.target),
-            "--draft", str(tiny_garden.draft), "--output-dir", str(out), *GPU_SETTINGS, "ray.learner_cpus=0.5",
-            "ray.rollout_cpus=0.25", "ray.eval_cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4",
-            "ray.eval_every=0", "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8",
+            "--draft", str(tiny_garden.draft), "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5",
+            "rollout.cpus=0.25", "evaluator.cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4",
+            "evaluator.every=0", "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8",
             "eval.batch_size=4", "eval.num_prompts=4", "eval.gammas=[2]", "eval.temperatures=[0]",
-            "eval.speedup_prompts=0", "ray.take_timeout_s=300", "ray.log_to_driver=true",
+            "eval.speedup_prompts=0", "learner.take_timeout_s=300", "ray.log_to_driver=true",
         ]
     )  # fmt: skip
     job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})

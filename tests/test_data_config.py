@@ -85,7 +85,7 @@ def test_config_yaml_and_overrides(tmp_path):
 def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
     assert load_config(None, []).canary_temperature == 1.0  # requests that name none: OpenAI's default
     assert load_config(None, ["serve.temperature=0.7"]).canary_temperature == 0.7
-    assert load_config(None, ["serve.temperature=0.7", "ray.canary_temperature=0"]).canary_temperature == 0.0
+    assert load_config(None, ["serve.temperature=0.7", "evaluator.canary_temperature=0"]).canary_temperature == 0.0
 
 
 @pytest.mark.parametrize(
@@ -97,15 +97,16 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["distill.divergence=kl"], "distill.divergence='kl'"),
         (["distill.max_new_tokens=0"], "distill.max_new_tokens=0"),
         (["distill.stepz=3"], r"unknown config key 'distill.stepz' \(did you mean 'steps'\?\)"),
-        (["ray.num_rollout_worker=3"], "did you mean 'num_rollout_workers'"),
+        (["rollout.worker=3"], "did you mean 'workers'"),
+        (["ray.eval_every=3"], "config key 'ray.eval_every' is now 'evaluator.every'"),
         (["distill.steps=many"], "distill.steps='many': input should be a valid integer"),
         (["target=a"], "give both --target and --draft"),
         (["target_dtype=half"], "target_dtype='half'"),
         (["nonsense"], "section.key=value"),
         (["serve.sync_every_s=.inf"], r"serve\.sync_every_s=inf: input should be a finite number"),
         (["distill.lr=nan"], "distill.lr='nan': input should be a finite number"),
-        (["ray.max_batch_tokens=1000"], r"distill.batch_size=32 x \(max_prompt_tokens 256 \+ max_new_tokens 64\)"),
-        (["ray.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),
+        (["buffer.max_batch_tokens=1000"], r"distill.batch_size=32 x \(max_prompt_tokens 256 \+ max_new_tokens 64\)"),
+        (["rollout.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),
     ],
 )
 def test_bad_config(overrides, match):

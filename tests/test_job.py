@@ -137,7 +137,7 @@ def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
         (["distill.stepz=3"], "unknown config key 'distill.stepz' (did you mean 'steps'?)"),
         (["--draft", "./x"], "give both --target and --draft"),
         (["ray.mode=asyn"], "ray.mode='asyn': choose one of ['async', 'sync'] (did you mean 'async'?)"),
-        (["ray.num_rollout_workers=0"], "ray.num_rollout_workers=0: input should be greater than or equal to 1"),
+        (["rollout.workers=0"], "rollout.workers=0: input should be greater than or equal to 1"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tmp_path):

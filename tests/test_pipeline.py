@@ -21,7 +21,7 @@ import yaml
 
 from actors.buffer import BufferActor
 from actors.common import weights_name
-from actors.evaluator import EvalActor
+from actors.evaluator import EvalActor, EvalSettings
 from actors.learner import checkpoint_steps, latest_step
 from actors.weights import WeightStore, publish
 from cluster.connect import metrics_url
@@ -36,8 +36,8 @@ PIPELINE_TINY = [
     "distill.max_new_tokens=8",
     "eval.max_new_tokens=8",
     "eval.batch_size=4",
-    "ray.eval_prompts=4",
-    "ray.take_timeout_s=120",
+    "evaluator.prompts=4",
+    "learner.take_timeout_s=120",
 ]
 
 
@@ -55,7 +55,7 @@ def scrape(name: str) -> list[float]:
 
 
 def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_garden, task, tmp_path):
-    cfg = job_config(tiny_garden, tmp_path, "distill.steps=8", "distill.checkpoint_every=4", "ray.eval_every=3")
+    cfg = job_config(tiny_garden, tmp_path, "distill.steps=8", "distill.checkpoint_every=4", "evaluator.every=3")
     pipeline = Pipeline(cfg, task, tmp_path)
     try:
         result = pipeline.run()
@@ -63,7 +63,7 @@ def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_gard
     finally:
         pipeline.shutdown()
     assert [r["step"] for r in result.train_log] == list(range(1, 9))
-    assert all(np.isfinite(r["loss"]) and 0 <= r["lag"] <= cfg.ray.max_policy_lag for r in result.train_log)
+    assert all(np.isfinite(r["loss"]) and 0 <= r["lag"] <= cfg.buffer.max_policy_lag for r in result.train_log)
     ledger = result.ledger
     assert ledger["balanced"] and ledger["consumed"] == 8 and ledger["held"] == 0, ledger
     assert store_version == 8
@@ -86,9 +86,9 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
         tmp_path,
         "distill.steps=14",
         "distill.checkpoint_every=0",
-        "ray.eval_every=0",
-        "ray.target_logits=scorer",
-        "ray.topk=16",
+        "evaluator.every=0",
+        "learner.target_logits=scorer",
+        "scorer.topk=16",
     )
     pipeline = Pipeline(cfg, task, tmp_path)
     box = {}
@@ -144,6 +144,44 @@ def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster
     ray.kill(buffer)
 
 
+@ray.remote(num_cpus=0)
+class Producer:
+    """A rollout actor whose batches are large enough to live in the object store (not inline in a reply)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def sample(self) -> RolloutBatch:
+        self.calls += 1
+        ids = np.ones((64, 512), dtype=np.int64)  # 256 KiB per array
+        return RolloutBatch(ids, ids, ids, version=0, source="draft")
+
+    def count(self) -> int:
+        return self.calls
+
+
+def test_buffer_pulls_a_batch_only_for_a_free_slot_and_keeps_it_when_its_producer_dies(ray_cluster):
+    store = WeightStore.remote("pull")
+    buffer = BufferActor.remote(
+        capacity=1, max_policy_lag=4, max_batch_tokens=10**6, vocab_size=100, run="pull", store=store
+    )
+    producer = Producer.remote()
+    feed = buffer.feed.remote(producer, 0, 2)
+    deadline = time.monotonic() + 30
+    while ray.get(buffer.ledger.remote())["held"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert ray.get(producer.count.remote()) == 1  # the buffer is full: it has not asked for a second batch
+    ray.kill(producer, no_restart=True)  # the batch it returned is the buffer's: it outlives its producer
+    (ref,) = ray.get(buffer.take.remote(1, 0, 5.0))
+    assert ray.get(ref).rows == 64
+    with pytest.raises(ray.exceptions.RayError):  # a slot opened; the dead producer's error ends the feed
+        ray.get(feed, timeout=60)
+    ledger = ray.get(buffer.ledger.remote())
+    assert ledger["produced"] == ledger["consumed"] == 1 and ledger["balanced"], ledger
+    ray.kill(buffer)
+
+
 def test_buffer_put_waits_while_full_and_take_while_empty(ray_cluster):
     store = WeightStore.remote("waits")
     buffer = BufferActor.remote(
@@ -178,12 +216,17 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
     import torch
 
     # The draft is a copy of the target (alpha ~ 1) until noise replaces its weights.
-    overrides = [f"draft={tiny_garden.target}", "ray.run_name=alarm", "ray.alarm_drop=0.1", "eval.speedup_gamma=3"]
+    overrides = [
+        f"draft={tiny_garden.target}",
+        "ray.run_name=alarm",
+        "evaluator.alarm_drop=0.1",
+        "eval.speedup_gamma=3",
+    ]
     cfg = job_config(tiny_garden, Path("unused"), *overrides)
     store = WeightStore.options(name=weights_name("alarm")).remote("alarm")
     draft, _ = load_model(str(tiny_garden.target))
     publish(store, draft, 0)
-    evaluator = EvalActor.remote(cfg, [e.prompt for e in task.test[:8]])
+    evaluator = EvalActor.remote(EvalSettings.of(cfg), [e.prompt for e in task.test[:8]])
     good = ray.get(evaluator.evaluate.remote())
     with torch.no_grad():
         for p in draft.parameters():
@@ -191,7 +234,9 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
     publish(store, draft, 1)
     bad = ray.get(evaluator.evaluate.remote())
     report = ray.get(evaluator.report.remote())
-    restarted = EvalActor.remote(cfg, [e.prompt for e in task.test[:8]])  # knows the serving alpha from the store
+    restarted = EvalActor.remote(
+        EvalSettings.of(cfg), [e.prompt for e in task.test[:8]]
+    )  # knows the serving alpha from the store
     assert not ray.get(restarted.evaluate.remote())["served"]
     gate = ray.get(store.gate.remote())
     ray.kill(evaluator)
@@ -239,7 +284,7 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     args = [
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
         f"ray.address={ray_cluster}", *PIPELINE_TINY, "distill.steps=60", "distill.checkpoint_every=3",
-        "ray.eval_every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
+        "evaluator.every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
         "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
     ]  # fmt: skip
     first = run_job(*args)
@@ -297,12 +342,12 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
     from distillspec import DistillSpecError
 
     check_devices(job_config(tiny_garden, tmp_path))  # CPU: nothing to ask
-    ok = ["device=cuda", "ray.use_gpu=true", "ray.rollout_gpus=0.25", "ray.eval_gpus=0.25"]
+    ok = ["device=cuda", "learner.use_gpu=true", "rollout.gpus=0.25", "evaluator.gpus=0.25"]
     check_devices(job_config(tiny_garden, tmp_path, *ok))
-    with pytest.raises(DistillSpecError, match="ray.eval_gpus=0.0"):
+    with pytest.raises(DistillSpecError, match="evaluator.gpus=0.0"):
         check_devices(job_config(tiny_garden, tmp_path, *ok[:-1]))
     with pytest.raises(DistillSpecError, match="target_logits=learner"):
-        check_devices(job_config(tiny_garden, tmp_path, *ok, "ray.target_logits=scorer"))
+        check_devices(job_config(tiny_garden, tmp_path, *ok, "learner.target_logits=scorer"))
 
 
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):

@@ -104,14 +104,14 @@ def check_safe_rollout(
     rollback's bound: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
     (answers per version, requests that started on or touched the collapsing version)."""
     from actors.common import NAMESPACE, weights_name
-    from actors.evaluator import EvalActor
+    from actors.evaluator import EvalActor, EvalSettings
     from actors.weights import WeightStore, publish
     from distillspec.integrity import checksums
     from distillspec.models import state_arrays
 
     run = cfg.ray.run_name
     store = WeightStore.options(name=weights_name(run), namespace=NAMESPACE).remote(run)
-    evaluator = EvalActor.options(num_cpus=0.25).remote(cfg, list(expected))
+    evaluator = EvalActor.options(num_cpus=0.25).remote(EvalSettings.of(cfg), list(expected))
     load, canary = Load(url, list(expected), n), []
     answers, errors, phase = load.answers, load.errors, load.phase
 

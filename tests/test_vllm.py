@@ -317,11 +317,11 @@ def test_cpu_head_sizes_are_checked_before_an_engine_starts(tiny_garden):
 
 
 def test_vllm_config_errors_name_their_key(garden):
-    common = [f"target={garden.target}", f"draft={garden.draft}", "ray.backend=vllm"]
+    common = [f"target={garden.target}", f"draft={garden.draft}", "rollout.backend=vllm"]
     for overrides, key in [
-        (["ray.target_logits=scorer", "ray.topk=0"], "ray.topk"),
-        (["ray.target_logits=scorer", "ray.topk=4", "distill.temperature=0.5"], "distill.temperature"),
-        (["ray.mode=sync"], "ray.backend"),
+        (["learner.target_logits=scorer", "scorer.topk=0"], "scorer.topk"),
+        (["learner.target_logits=scorer", "scorer.topk=4", "distill.temperature=0.5"], "distill.temperature"),
+        (["ray.mode=sync"], "rollout.backend"),
         (["vllm.dtype=fp8"], "vllm.dtype"),
         (["vllm.gpu_memory_utilization=1.5"], "vllm.gpu_memory_utilization"),
     ]:
@@ -342,12 +342,12 @@ def test_pipeline_with_vllm_rollouts_and_scorers(ray_cluster, garden, task, tmp_
         "distill.recipe=fdistill",
         "distill.steps=6",
         "distill.checkpoint_every=0",
-        "ray.eval_every=0",
-        "ray.backend=vllm",
-        "ray.num_rollout_workers=1",
-        "ray.target_logits=scorer",
-        "ray.topk=8",
-        "ray.take_timeout_s=300",
+        "evaluator.every=0",
+        "rollout.backend=vllm",
+        "rollout.workers=1",
+        "learner.target_logits=scorer",
+        "scorer.topk=8",
+        "learner.take_timeout_s=300",
         *VCFG,
     )
     pipeline = Pipeline(cfg, task, tmp_path)
