@@ -16,7 +16,8 @@ in the store, so the whole deployment follows. With ``serve.record_prompts`` the
 every served prompt to the run's prompt log (``<run>-prompts``), from which an online distillation job samples.
 
 Both backends are :class:`distillspec.serving.DraftServer`\ s; the request schemas and the shapes of responses and
-stream events are in :mod:`cluster.openai_api`.
+stream events are in :mod:`cluster.openai_api`; the following of the weight store and the rollback are
+:class:`cluster.follower.DraftFollower`'s.
 """
 
 import asyncio
@@ -24,7 +25,6 @@ import hmac
 import json
 import logging
 import os
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,8 +40,8 @@ from ray import serve
 from ray.serve import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.common import NAMESPACE, prompts_name, weights_name
-from actors.weights import Follow, fetch_held
+from actors.common import NAMESPACE, prompts_name
+from cluster.follower import DraftFollower
 from cluster.openai_api import (
     ChatMessage,
     ChatRequest,
@@ -57,7 +57,6 @@ from cluster.openai_api import (
 )
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.integrity import TransferRefused
 from distillspec.models import load_pair, load_tokenizer
 from distillspec.serving import (
     Completer,
@@ -65,7 +64,6 @@ from distillspec.serving import (
     CompletionJob,
     DecodingArgs,
     DraftServer,
-    LiveAcceptance,
     merge_stats,
 )
 
@@ -251,115 +249,26 @@ class Completions:
             )
             for name, (kind, d, tags) in SERVE_SPECS.items()
         }
-        self.metrics["distillspec_serve_draft_version"].set(self.completer.version)
-        self.swaps: list[dict] = []
-        self.store, self.warned = None, False
-        self.lock = threading.Lock()  #: one change of the draft at a time (the sync thread, a rollback)
-        self.live = LiveAcceptance(s.rollback_window, s.rollback_margin)
         self.held = 0  #: prompts of requests in progress on this replica (``serve.max_queued_prompts``)
-        self.rolled_back: set[int] = set()  #: versions the deployment rolled back: never served again
-        self.refused: dict[int, str] = {}  #: versions this replica refused to load, with the reason
-        self.rollbacks: list[dict] = []
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
-        self.follower: threading.Thread | None = None
-        if s.sync_every_s:
-            self._sync()  # a replica that starts late serves the run's current version from its first request
-            self.follower = threading.Thread(target=self._follow, name="draft-sync", daemon=True)
-            self.follower.start()
+        self.follower = DraftFollower(
+            self.completer,
+            self.run,
+            follow_version=s.follow_version,
+            sync_every_s=s.sync_every_s,
+            rollback_window=s.rollback_window,
+            rollback_margin=s.rollback_margin,
+            version_gauge=self.metrics["distillspec_serve_draft_version"],
+            rollbacks=self.metrics["distillspec_serve_rollbacks"],
+        )
+        self.follower.start()
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose engine died, or whose draft stopped following the run, is
         reported unhealthy, and Serve replaces it (instead of it answering 500 or serving a stale draft)."""
-        if self.follower is not None and not self.follower.is_alive():
+        if not self.follower.alive():
             raise RuntimeError("the draft-sync thread stopped")
         self.completer.check_health()
-
-    # -- the weight store ------------------------------------------------------------------------------------
-    def _follow(self) -> None:
-        """Swap in each new draft version the run's learner publishes (a daemon thread). An unexpected error in one
-        check is logged and the next check goes on: the thread outlives it."""
-        while True:
-            time.sleep(self.s.sync_every_s)
-            try:
-                self._sync()
-            except Exception:
-                log.exception("draft sync failed; retrying in %g s", self.s.sync_every_s)
-
-    def _sync(self) -> None:
-        """Follow the run's weight store: leave a version the deployment rolled back, and take the serving (or
-        latest) version when it is another one that was neither rolled back nor refused here."""
-        if self.store is None:
-            try:
-                self.store = ray.get_actor(weights_name(self.run), namespace=NAMESPACE)
-            except ValueError:
-                return  # no such run (yet): keep serving the draft we have
-        try:
-            follow = ray.get(self.store.follow.remote(self.s.follow_version), timeout=10)  # one call per check
-            wanted = follow.version
-            with self.lock:
-                self.rolled_back.update(follow.rolled_back)
-                if self.completer.version in self.rolled_back:
-                    self._roll_back_held("another replica saw it collapse")
-                current = self.completer.version
-                if wanted >= 0 and wanted != current and wanted not in self.rolled_back and wanted not in self.refused:
-                    self._swap(current, follow)
-        except TransferRefused as exc:  # logged and counted by fetch; served requests never see these weights
-            self.refused[wanted] = str(exc)
-            self.store.refuse.remote(wanted, str(exc))  # a rollback must not return to it
-        except (RuntimeError, ValueError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
-            if not self.warned:
-                log.warning("run %r publishes weights this draft cannot take: %s", self.run, exc)
-                self.warned = True
-        except (ray.exceptions.RayError, TimeoutError):
-            self.store = None  # the store died with its job; look it up again
-
-    def _swap(self, before: int, follow: Follow) -> None:
-        """Load the version the store named (``follow``) into the engine (vLLM: in place) or into a copy of the
-        draft (calls already running keep theirs). Weights that fail their integrity check raise before anything is
-        loaded; a new version's gamma choice starts from its canary alpha."""
-        version, arrays = fetch_held(self.store, follow.held, before)
-        if arrays is None:
-            return
-        version = self.completer.load_draft(arrays, version, follow.alpha)
-        self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
-        self.swaps.append({"from": before, "to": version, "time": time.time()})
-        self.metrics["distillspec_serve_draft_version"].set(version)
-        log.info("draft version %d -> %d", before, version)
-
-    def _judge(self, done: list[Completion]) -> None:
-        """Count each completion for the version that made it (one that spanned a swap counts for neither, one of a
-        version rolled back for nothing), and roll the current version back when its live alpha collapsed against
-        the previous version's (:class:`distillspec.serving.LiveAcceptance`)."""
-        for c in done:
-            if "draft_version_end" not in c.stats and c.version not in self.rolled_back:
-                self.live.record(c.version, c.stats, c.args)
-        previous, current = self.completer.previous, self.completer.version
-        if previous is not None and (reason := self.live.verdict(current, previous[1])):
-            threading.Thread(target=self._roll_back, args=(current, reason), name="rollback", daemon=True).start()
-
-    def _roll_back(self, version: int, reason: str) -> None:
-        """Return to the previous version here, then tell the run's weight store, so the deployment follows."""
-        with self.lock:
-            if self.completer.version != version:
-                return
-            self._roll_back_held(reason)
-        try:
-            ray.get(self.store.roll_back.remote(version, reason), timeout=10)
-        except (AttributeError, ray.exceptions.RayError, TimeoutError) as exc:
-            log.warning("could not tell the weight store of the rollback of version %d: %s", version, exc)
-
-    def _roll_back_held(self, reason: str) -> None:
-        bad = self.completer.version
-        self.rolled_back.add(bad)
-        now = self.completer.roll_back()
-        if now == bad:
-            log.error("ALARM: draft version %d must be rolled back (%s), but this replica holds no other", bad, reason)
-            return
-        self.rollbacks.append({"from": bad, "to": now, "reason": reason, "time": time.time()})
-        self.live.forget({now})
-        self.metrics["distillspec_serve_rollbacks"].inc()
-        self.metrics["distillspec_serve_draft_version"].set(now)
-        log.error("ALARM: draft version %d rolled back to %d: %s", bad, now, reason)
 
     def _record(self, prompts: list[str]) -> None:
         if not self.s.record_prompts:
@@ -391,11 +300,7 @@ class Completions:
     async def stats(self) -> dict:
         return {
             "draft_version": self.completer.version,
-            "swaps": self.swaps,
-            "run": self.run,
-            "refused": [{"version": v, "reason": r} for v, r in self.refused.items()],
-            "rollbacks": self.rollbacks,
-            "live_alpha": {str(v): self.live.alpha(v) for v in self.live.versions()},
+            **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
         }
 
@@ -520,7 +425,7 @@ class Completions:
         return done
 
     def _observe(self, done: list[Completion]) -> None:
-        self._judge(done)
+        self.follower.judge(done)
         sd = merge_stats([c.stats for c in done])
         if sd["alpha"] is not None:
             self.metrics["distillspec_serve_acceptance_rate"].set(sd["alpha"])
