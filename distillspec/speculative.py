@@ -293,6 +293,80 @@ def verify(
     return n, sample(residual, generator)
 
 
+def draft_tokens(
+    drf: CachedLM,
+    x: Tensor,
+    valid: Tensor | None,
+    g: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    compile: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Step 1 of a block: ``g`` tokens from the draft, one call each, after it read ``x`` (the tokens it has not read
+    yet; ``valid``: 0 at holes). Returns the drafts [b, g] and their distributions q [b, g, V] (None at
+    ``temperature == 0``: greedy drafts)."""
+    q, drafts = [], []
+    for _ in range(g):
+        # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
+        logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
+        if temperature == 0:
+            d_j = logits.argmax(-1)
+        else:
+            q.append(torch.softmax(logits / temperature, dim=-1))
+            d_j = sample(q[-1], generator)
+        drafts.append(d_j)
+        x, valid = d_j[:, None], None
+    return (torch.stack(drafts, 1) if g else x[:, :0]), (torch.stack(q, 1) if q else None)
+
+
+def _rewind(
+    tgt: CachedLM, drf: CachedLM, drafts: Tensor, n: Tensor, new: Tensor, draft_in: Tensor, draft_valid: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """After a block (``drafts`` [b, g], ``n`` accepted, then ``new``): both caches drop the drafts that were not
+    accepted, and the inputs of the next block are returned: the target's (the new token), the draft's and its
+    validity. The draft has not read its last draft (read only when all were accepted: a hole otherwise) nor the new
+    token; after a block that drafted nothing, it has read none of that block's input either."""
+    g = drafts.shape[1]
+    tgt.reject_tail(g - n)  # the target read its input, d_1..d_g; it keeps d_1..d_n
+    if g:
+        drf.reject_tail((g - 1 - n).clamp(min=0))  # the draft read its input, d_1..d_{g-1}
+        return new[:, None], torch.stack([drafts[:, -1], new], 1), torch.stack([(n == g).long(), torch.ones_like(n)], 1)
+    ones = torch.ones_like(new[:, None])
+    return new[:, None], torch.cat([draft_in, new[:, None]], 1), torch.cat([draft_valid, ones], 1)
+
+
+class _Tally:
+    """Per row of the call: blocks, drafts, accepted drafts by position, blocks that ended in a rejection."""
+
+    def __init__(self, batch: int, gamma: int, device: torch.device) -> None:
+        self.blocks, self.drafted, self.rejected = (
+            torch.zeros(batch, dtype=torch.long, device=device) for _ in range(3)
+        )
+        self.accepted = torch.zeros(batch, gamma, dtype=torch.long, device=device)
+        self.gammas: list[int] = []
+
+    def add(self, rows: Tensor, g: int, n: Tensor) -> None:
+        """A block of ``g`` drafts, ``n`` accepted, on rows ``rows``. Every draft the target judged counts, also past
+        the row's budget in its last block (as vLLM counts them)."""
+        self.blocks[rows] += 1
+        self.drafted[rows] += g
+        self.accepted[rows, :g] += (torch.arange(g, device=n.device)[None, :] < n[:, None]).long()
+        self.rejected[rows] += (n < g).long()
+
+    def stats(self, gamma: int, new_tokens: Tensor, target_calls: int, draft_calls: int) -> SpecStats:
+        return SpecStats(
+            gamma=gamma,
+            blocks=self.blocks.cpu(),
+            drafted=self.drafted.cpu(),
+            accepted=self.accepted.cpu(),
+            rejected=self.rejected.cpu(),
+            new_tokens=new_tokens.cpu(),
+            target_calls=target_calls,
+            draft_calls=draft_calls,
+            gammas=self.gammas,
+        )
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: PreTrainedModel,
@@ -331,10 +405,7 @@ def speculative_generate(
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
-    emitter = _Emitter(batch, max_new_tokens, eos, pad, dev)
-    blocks, drafted, rejected = (torch.zeros(batch, dtype=torch.long, device=dev) for _ in range(3))
-    accepted = torch.zeros(batch, gamma, dtype=torch.long, device=dev)
-    gammas: list[int] = []
+    emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev), _Tally(batch, gamma, dev)
     rows = torch.arange(batch, device=dev)
 
     # The target reads the whole prompt now: its last logits score the first block's first position (a block that
@@ -351,26 +422,14 @@ def speculative_generate(
     while True:
         b = len(rows)
         g = gamma if schedule is None else schedule.choose(b, explore=drf.calls > 0)
-        gammas.append(g)
+        tally.gammas.append(g)
         start = _clock(dev) if schedule is not None else 0.0
         # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
         # one whose draft reads the prompt.
         typical = first_logits is None and (g == 0 or drf.calls > 0)
 
         # 1. Draft g tokens autoregressively.
-        q, drafts = [], []
-        x, valid = draft_in, draft_valid
-        for _ in range(g):
-            # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
-            logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
-            if temperature == 0:
-                d_j = logits.argmax(-1)
-            else:
-                q.append(torch.softmax(logits / temperature, dim=-1))
-                d_j = sample(q[-1], generator)
-            drafts.append(d_j)
-            x, valid = d_j[:, None], None
-        drafts = torch.stack(drafts, 1) if g else target_in[:, :0]  # [b, g]
+        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile)  # [b, g]
         drafted_at = _clock(dev) if schedule is not None else 0.0
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
@@ -379,31 +438,16 @@ def speculative_generate(
         else:  # the first block: the prompt's last logits, then the drafts'
             target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
             first_logits = None
-        n, new = verify(
-            target_logits, drafts, torch.stack(q, 1) if q else None, temperature, lenience, epsilon, generator
-        )
+        n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator)
 
-        # 5. Bookkeeping: statistics, emitted tokens, cache holes for rejected drafts. Every draft the target judged
-        # counts, also past the row's budget in its last block (as vLLM counts them).
-        blocks[rows] += 1
-        drafted[rows] += g
-        accepted[rows, :g] += (torch.arange(g, device=dev)[None, :] < n[:, None]).long()
-        rejected[rows] += (n < g).long()
+        # 5. Emit d_1..d_n and the new token, count the block; both caches forget the drafts not accepted.
+        tally.add(rows, g, n)
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
         done = emitter.emit(rows, emitted, n + 1)
         if on_block is not None and on_block(emitter.out, emitter.count):
             done = torch.ones_like(done)
-
-        tgt.reject_tail(g - n)  # target saw target_in, d_1..d_g; keep through d_n
-        target_in = new[:, None]
-        if g:
-            drf.reject_tail((g - 1 - n).clamp(min=0))  # draft saw .., d_1..d_{g-1}
-            draft_in = torch.stack([drafts[:, -1], new], 1)
-            draft_valid = torch.stack([(n == g).long(), torch.ones_like(n)], 1)
-        else:
-            draft_in = torch.cat([draft_in, target_in], 1)
-            draft_valid = torch.cat([draft_valid, torch.ones_like(target_in)], 1)
+        target_in, draft_in, draft_valid = _rewind(tgt, drf, drafts, n, new, draft_in, draft_valid)
 
         finished = bool(done.all())
         if not finished and bool(done.any()):
@@ -419,15 +463,5 @@ def speculative_generate(
         if finished:
             break
 
-    stats = SpecStats(
-        gamma=gamma,
-        blocks=blocks.cpu(),
-        drafted=drafted.cpu(),
-        accepted=accepted.cpu(),
-        rejected=rejected.cpu(),
-        new_tokens=emitter.count.cpu(),
-        target_calls=tgt.calls,
-        draft_calls=drf.calls,
-        gammas=gammas,
-    )
+    stats = tally.stats(gamma, emitter.count, tgt.calls, drf.calls)
     return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone(), stats)

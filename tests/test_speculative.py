@@ -327,6 +327,29 @@ def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, ga
     assert fit_to_target(out, target, prompt) > 1e-3
 
 
+def test_the_drafting_step_alone(small_vocab_pair):
+    """Greedy drafts are the draft's own greedy continuation; sampled drafts come with their distributions q."""
+    from distillspec.kvcache import CachedLM
+    from distillspec.speculative import draft_tokens
+
+    _, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+
+    def fresh() -> CachedLM:
+        lm = CachedLM(draft)
+        lm.mask, lm.next_pos = prompt.new_zeros(2, 0), prompt.new_zeros(2)  # nothing read yet
+        return lm
+
+    drafts, q = draft_tokens(fresh(), prompt, torch.ones_like(prompt), 4, 0.0)
+    greedy = autoregressive_generate(draft, prompt, max_new_tokens=4, temperature=0.0, eos_token_id=[])
+    assert q is None and torch.equal(drafts, greedy.sequences[:, 3:])
+    drafts, q = draft_tokens(fresh(), prompt, torch.ones_like(prompt), 3, 1.0, torch.Generator().manual_seed(0))
+    assert drafts.shape == (2, 3) and q.shape == (2, 3, V)
+    assert torch.allclose(q.sum(-1), torch.ones(2, 3)) and bool((q.gather(-1, drafts[..., None]) > 0).all())
+    none, q = draft_tokens(fresh(), prompt, torch.ones_like(prompt), 0, 1.0)
+    assert none.shape == (2, 0) and q is None
+
+
 def test_the_verify_step_alone():
     """Greedy: accept while the argmaxes agree, then the target's argmax. Sampled: a draft q equal to p is always
     accepted (the bonus token comes after); a draft token p gives no mass is rejected and replaced from p - q."""
