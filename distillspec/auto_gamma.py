@@ -10,12 +10,13 @@ tokens per row and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a b
 ``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per row. Gamma 0 is plain decoding: one
 token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: the
 median of a shape's latest measurements where it was measured often, and a least-squares line in the number of tokens
-a forward runs (rows x positions) elsewhere, both robust to a measurement that other work on the machine stretched. Alpha is a decaying count of accepted and judged draft tokens per draft version and
-decoding settings, started from a prior (the serving gate's canary alpha of that version, when known; else the
-alpha of the version before it on the same settings). One block in
-``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured,
-unless that neighbour is expected to reach less than ``explore_within`` of the best's tokens per second (trying a
-clear loser costs more than it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
+a forward runs (rows x positions) elsewhere, both robust to a measurement that other work on the machine stretched.
+Alpha is a decaying count of accepted and judged draft tokens per draft version and decoding settings, started from
+a prior (the serving gate's canary alpha of that version, when known; else the alpha of the version before it on the
+same settings). One block in ``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around
+the choice stay measured, unless that neighbour is expected to reach less than ``explore_within`` of the best's
+tokens per second (trying a clear loser costs more than it teaches; after blocks without drafts, the draft also has
+to catch up on their tokens).
 """
 
 from __future__ import annotations
