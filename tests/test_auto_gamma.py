@@ -98,19 +98,6 @@ def test_a_cost_measured_under_other_load_is_measured_again():
     assert auto.verify_costs.predict(1, 7) == pytest.approx(normal(6)[1], rel=0.2)
 
 
-def test_one_stretched_measurement_does_not_move_the_choice():
-    """A block that other work on the machine stretched ten-fold (a pause, another process) is an outlier: the best
-    gamma stays the best, and the line that predicts unmeasured shapes takes it at most twice its prediction."""
-    auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
-    feed(auto, 0.9, [1])
-    assert auto.choose(KEY, 1) == 7
-    verify = 0.010 + 0.0005 * 8
-    auto.observe(KEY, 1, 7, 0.007, 10 * verify, 630, 700, 1)
-    assert auto.choose(KEY, 1) == 7
-    assert auto.verify_costs.predict(1, 8) == pytest.approx(verify)
-    assert auto.verify_costs.predict(3, 8) < 2 * (0.010 + 0.0005 * 24)  # the line, not pulled up by the spike
-
-
 def run_engine(live: StepGamma, rows: int, steps: int, alpha: float, clock: list[float]) -> list[int]:
     """Steps of an engine that batches continuously, as vLLM runs them: each step verifies the drafts the step before
     it proposed (each accepted with probability ``alpha``, by a fixed pattern) and drafts the gamma its schedule
