@@ -370,7 +370,9 @@ class ServeConfig:
         "settings the previous version also served, against the previous version's on the same settings (0 = off)",
     )
     rollback_margin: NonNegFloat = knob(
-        0.15, "rollback: return to the previous version when the new one's live alpha is more than this below it"
+        0.15,
+        "rollback: return to the previous version when the new one's live alpha is more than this below it, beyond "
+        "two standard errors of sampling noise",
     )
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
 

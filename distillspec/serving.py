@@ -388,6 +388,19 @@ def canary_refusal(alpha: float, serving_alpha: float | None, margin: float) -> 
 
 
 MAX_SETTINGS = 256  #: decoding settings (per version) a replica keeps statistics for; the oldest go first
+NOISE_Z = 2.0  #: a rollback needs a drop this many standard errors beyond the margin (one-sided, about 2%)
+
+
+def ratio_variance(completions: Iterable[tuple[int, int]]) -> tuple[float, float]:
+    """Pooled alpha of ``completions`` ((accepted, judged) draft tokens of each) and its variance over completions:
+    the ratio estimator's, sum((a - alpha * j)^2) / (sum j)^2 * n / (n - 1), which counts a completion as one draw
+    (the tokens of one completion are not independent); 0 for one completion."""
+    pairs = list(completions)
+    judged = sum(j for _, j in pairs)
+    alpha = sum(a for a, _ in pairs) / judged
+    n = len(pairs)
+    spread = sum((a - alpha * j) ** 2 for a, j in pairs) / judged**2
+    return alpha, spread * n / (n - 1) if n > 1 else 0.0
 
 
 class LiveAcceptance:
@@ -398,7 +411,9 @@ class LiveAcceptance:
     when it has made ``window`` completions with settings the previous version also served (at least
     ``window // 4`` times each): its pooled alpha over them is compared with the previous version's alpha on the
     same settings, weighted as the new version's traffic is (like with like, whatever the traffic's mix), and it is
-    rolled back when it is more than ``margin`` lower.
+    rolled back when it is more than ``margin`` lower, beyond sampling noise: by more than ``margin`` plus
+    :data:`NOISE_Z` standard errors of the difference (:func:`ratio_variance`: completions differ, and a window of
+    few completions over a skewed mix of prompts can be well below another window of the same draft).
     """
 
     def __init__(self, window: int, margin: float) -> None:
@@ -439,12 +454,17 @@ class LiveAcceptance:
         self.judged.add(version)
         judged = {args: sum(j for _, j in recent) for args, recent in shared.items()}
         total = sum(judged.values())
-        new = sum(a for recent in shared.values() for a, _ in recent) / total
-        old = sum(judged[args] / total * self.alpha(previous, args) for args in shared)
-        if new < old - self.margin:
+        new, new_var = ratio_variance([x for recent in shared.values() for x in recent])
+        old = old_var = 0.0
+        for args in shared:
+            alpha, var = ratio_variance(self.recent[(previous, args)])
+            old, old_var = old + judged[args] / total * alpha, old_var + (judged[args] / total) ** 2 * var
+        noise = NOISE_Z * math.sqrt(new_var + old_var)
+        if new < old - self.margin - noise:
             return (
                 f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} on the same "
-                f"decoding settings - {self.margin:g} (over {sum(len(r) for r in shared.values())} completions)"
+                f"decoding settings - {self.margin:g} - {noise:.3f} (noise) (over "
+                f"{sum(len(r) for r in shared.values())} completions)"
             )
         return None
 

@@ -329,6 +329,8 @@ class VLLMCompleter:
         self.previous: tuple[Mapping[str, np.ndarray], int] | None = None  #: weights and version the last swap replaced
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop", daemon=True).start()
+        self.admitting = asyncio.Event()  #: cleared while a rollback reloads: no request starts on the version left
+        self.admitting.set()
         #: where the engine's live gamma choice (auto) takes draft versions and reports what it chose
         self.mailbox = GammaMailbox(tempfile.mkdtemp(prefix="distillspec-gamma-")) if self.auto else None
         mailbox = str(self.mailbox.folder) if self.mailbox else None
@@ -382,7 +384,9 @@ class VLLMCompleter:
         """On the engine loop: run ``job``, pass each step's token ids to ``sink``, return the completion."""
         ids, mask = encode_prompts(self.tokenizer, [job.prompt])
         prompt = _token_prompts(ids, mask)[0]
-        start, version, final = time.perf_counter(), self.version, None
+        start = time.perf_counter()
+        await self.admitting.wait()
+        version, final = self.version, None
         async for out in self.engine.generate(prompt, self._params(job), uuid.uuid4().hex):
             final = out.outputs[0]
             sink(list(final.token_ids))
@@ -440,11 +444,17 @@ class VLLMCompleter:
         return version
 
     def roll_back(self) -> int:
-        """Serve the weights the last :meth:`load_draft` replaced again; returns the version served now."""
+        """Serve the weights the last :meth:`load_draft` replaced again; returns the version served now. Requests
+        that arrive while the engine reloads wait for it (a new swap does not hold them: the version it replaces is
+        sound), so none starts on the version left; those in flight finish on the one restored."""
         if self.previous is not None:
             (state, version), self.previous = self.previous, None
-            self._load(state, version, None)
-            self.state, self.version = state, version
+            self.loop.call_soon_threadsafe(self.admitting.clear)  # runs on the loop before the reload below starts
+            try:
+                self._load(state, version, None)
+                self.state, self.version = state, version
+            finally:
+                self.loop.call_soon_threadsafe(self.admitting.set)
         return self.version
 
     def _load(self, state: Mapping[str, np.ndarray], version: int, alpha: float | None) -> None:

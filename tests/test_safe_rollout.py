@@ -184,8 +184,9 @@ def check_safe_rollout(
     reasons = {r["version"]: r["reason"].split(":")[0] for r in gate["refused"]}
     assert reasons == {2: "integrity", 3: "canary", 4: "rollback"}, gate["refused"]
     # The bound: version 4 is judged on its first WINDOW completions; the requests in flight then (at most
-    # CONCURRENCY - 1) and, on vLLM, those that start while the engine reloads version 1 start on it too. On vLLM, the
-    # requests in flight when version 4 came in (at most CONCURRENCY) end on it as well (it swaps in place).
+    # CONCURRENCY - 1) and those that start before the replica acts on the verdict start on it too (on vLLM, requests
+    # wait while the engine reloads version 1). On vLLM, the requests in flight when version 4 came in (at most
+    # CONCURRENCY) end on it as well (it swaps in place).
     started_4 = by_version[4]
     touched_4 = sum(1 for a in answers if 4 in (a["version"], a["end"]))
     assert WINDOW <= started_4 <= WINDOW + slack, by_version

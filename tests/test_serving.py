@@ -12,6 +12,7 @@ from distillspec.serving import (
     canary_refusal,
     cut_at_stop,
     merge_stats,
+    ratio_variance,
 )
 
 from .conftest import greedy_text
@@ -146,6 +147,24 @@ def test_live_acceptance_judges_a_new_version_once_like_with_like():
     off = LiveAcceptance(window=0, margin=0.1)
     off.record(1, {"accepted": 8, "rejected": 2}, greedy), off.record(2, {"accepted": 0, "rejected": 9}, greedy)
     assert off.verdict(2, 1) is None
+
+
+def test_live_acceptance_keeps_a_version_whose_window_drew_harder_prompts():
+    """Same draft, two windows of 16 greedy completions: one prompt has alpha 7/15, the others 12/12 (the tiny
+    garden's). Version 1's window drew it once, version 2's six times: pooled 0.959 against 0.771, more than the margin
+    apart but within sampling noise, so version 2 stays; a draft that accepts nothing is still rolled back."""
+    greedy = DecodingArgs(gamma=3, temperature=0.0)
+    live = LiveAcceptance(window=16, margin=0.15)
+    for i in range(16):
+        live.record(1, {"accepted": 7, "rejected": 8} if i == 0 else {"accepted": 12, "rejected": 0}, greedy)
+        live.record(2, {"accepted": 7, "rejected": 8} if i < 6 else {"accepted": 12, "rejected": 0}, greedy)
+        live.record(3, {"accepted": 0, "rejected": 16}, greedy)
+    assert live.alpha(1) - live.alpha(2) > 0.15
+    assert live.verdict(2, 1) is None
+    assert live.verdict(3, 1).startswith("rollback: live alpha 0.000 of version 3 < 0.959 of version 1")
+    alpha, var = ratio_variance([(12, 12)] * 10 + [(7, 15)] * 6)
+    assert alpha == pytest.approx(162 / 210) and var == pytest.approx(0.00486, rel=0.01)
+    assert ratio_variance([(3, 4)]) == (0.75, 0.0)
 
 
 def test_merge_stats_pools_counts():

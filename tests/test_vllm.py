@@ -437,8 +437,7 @@ def test_vllm_safe_rollout_under_load_with_faults_injected(vllm_endpoint, garden
         "serve.gamma=4",
         *VCFG,
     ]
-    # Slack: the requests that start while the engine reloads version 1 (about a quarter second here) start on 4.
-    figures = check_safe_rollout(vllm_endpoint, load_config(None, overrides), draft, expected, 16, slack=16)
+    figures = check_safe_rollout(vllm_endpoint, load_config(None, overrides), draft, expected, 16)
     print("safe rollout (vLLM backend):", figures)
 
 
