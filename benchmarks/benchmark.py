@@ -81,6 +81,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -420,13 +421,18 @@ def suite_gamma(
     def summary(cell: dict) -> dict:
         sd = merge_stats(cell["sd"]) if cell["sd"] else {"drafted": 0, "target_calls": 1, "alpha": None}
         mean_gamma = sd["drafted"] / sd["target_calls"]  # draft tokens per target call
-        return {"tokens_per_s": cell["tokens"] / cell["seconds"], "mean_gamma": mean_gamma, "alpha": sd["alpha"]}
+        return {
+            "tokens_per_s": cell["tokens"] / cell["seconds"],
+            "per_round": cell["per_round"],
+            "mean_gamma": mean_gamma,
+            "alpha": sd["alpha"],
+        }
 
     try:
         for url in set(urls.values()):  # warm-up: compiles nothing, measures first costs
             _load(url, prompts, 32, 8, body if vllm else {**body, "gamma": "auto"})
         for c in concurrencies:
-            sums = {str(g): {"tokens": 0, "seconds": 0.0, "sd": []} for g in settings}
+            sums = {str(g): {"tokens": 0, "seconds": 0.0, "sd": [], "per_round": []} for g in settings}
             for r in range(rounds):
                 for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
                     extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
@@ -438,6 +444,7 @@ def suite_gamma(
                     cell["tokens"] += sum(x["tokens"] for x in rows)
                     cell["seconds"] += seconds
                     cell["sd"] += [x["sd"] for x in rows]
+                    cell["per_round"].append(sum(x["tokens"] for x in rows) / seconds)
             table[str(c)] = {g: summary(v) for g, v in sums.items()}
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
@@ -453,7 +460,7 @@ def suite_gamma(
     print(
         f"{'concurrency':>11} "
         + " ".join(f"{'g=' + str(g):>8}" for g in settings)
-        + "  auto/best  auto/g=5  auto's mean gamma"
+        + "  auto/best  auto/g=5  auto's mean gamma; auto/best round by round (median, min-max)"
     )
     for c, row in table.items():
         fixed = {g: row[str(g)]["tokens_per_s"] for g in settings if g != "auto"}
@@ -462,9 +469,12 @@ def suite_gamma(
         row["auto_vs_best"], row["best_fixed"], row["auto_vs_default"] = auto / fixed[best], best, auto / fixed[5]
         cells = " ".join(f"{row[str(g)]['tokens_per_s']:>8.1f}" for g in settings)
         mean = row["auto"]["mean_gamma"]
+        # The same ratio within each round (settings measured side by side): how far one round's noise moves it.
+        paired = sorted(a / b for a, b in zip(row["auto"]["per_round"], row[str(best)]["per_round"], strict=True))
+        row["auto_vs_best_per_round"] = paired
         print(
             f"{c:>11} {cells}  {row['auto_vs_best']:>8.2f}x {row['auto_vs_default']:>8.2f}x  "
-            f"{mean:.2f} (best fixed: {best})"
+            f"{mean:.2f} (best fixed: {best}); {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x"
         )
     nan = float("nan")
     expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))

@@ -72,6 +72,10 @@ class StepCosts:
         for k, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self.sums[k] = self.forget * self.sums[k] + v
 
+    def table(self) -> dict[str, float]:
+        """Milliseconds of each shape measured ``trust`` times or more, by ``"{rows}x{positions}"``."""
+        return {f"{r}x{p}": round(c[0] * 1e3, 3) for (r, p), c in sorted(self.cells.items()) if c[1] >= self.trust}
+
     def predict(self, rows: int, positions: int) -> float | None:
         """Predicted seconds, or None before any measurement."""
         cell = self.cells.get((rows, positions))
@@ -256,6 +260,8 @@ class AutoGamma:
                 "expected_tokens_per_s": self.expected_tps,
                 "measured_tokens_per_s": self.measured_tps,
                 "alpha": {_key_name(k): c[0] / c[1] for k, c in self.counts.items()},
+                #: the costs behind the choice: a verify step (whole blocks: a block) and a draft step, by shape
+                "step_ms": {"verify": self.verify_costs.table(), "draft": self.draft_costs.table()},
             }
 
 

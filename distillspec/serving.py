@@ -414,6 +414,10 @@ class LiveAcceptance:
     rolled back when it is more than ``margin`` lower, beyond sampling noise: by more than ``margin`` plus
     :data:`NOISE_Z` standard errors of the difference (:func:`ratio_variance`: completions differ, and a window of
     few completions over a skewed mix of prompts can be well below another window of the same draft).
+
+    With gamma chosen live, a completion may draft nothing (the choice stopped speculating, as it does soon after a
+    version collapses): it still counts towards the window, so a version the choice gave up on is judged on the few
+    draft tokens it had judged, rather than never; a window without a single judged token waits for one.
     """
 
     def __init__(self, window: int, margin: float) -> None:
@@ -424,9 +428,9 @@ class LiveAcceptance:
 
     def record(self, version: int, stats: dict, args: DecodingArgs) -> None:
         """Count one completion's ``stats`` (:func:`counts_stats`) for ``version`` and the settings ``args`` it was
-        made with; plain decoding counts nothing."""
+        made with; plain decoding counts nothing (gamma chosen live that drafted nothing counts: see the class)."""
         judged = stats["accepted"] + stats["rejected"]
-        if judged:
+        if judged or args.gamma == "auto":
             if (version, args) not in self.recent and len(self.recent) >= MAX_SETTINGS:
                 del self.recent[next(iter(self.recent))]  # the oldest: clients' settings never grow it unbounded
             recent = self.recent.setdefault((version, args), deque(maxlen=self.window))
@@ -434,9 +438,10 @@ class LiveAcceptance:
 
     def alpha(self, version: int, args: DecodingArgs | None = None) -> float | None:
         """Pooled alpha of ``version``'s last ``window`` completions with settings ``args`` (None: all settings
-        together); None before any."""
+        together); None before any draft token was judged."""
         pooled = [x for (v, a), recent in self.recent.items() if v == version and args in (None, a) for x in recent]
-        return sum(a for a, _ in pooled) / sum(j for _, j in pooled) if pooled else None
+        judged = sum(j for _, j in pooled)
+        return sum(a for a, _ in pooled) / judged if judged else None
 
     def verdict(self, version: int, previous: int) -> str | None:
         """The reason to roll ``version`` back to ``previous``, once, as soon as ``window`` of its completions have a
@@ -447,13 +452,15 @@ class LiveAcceptance:
         shared = {
             args: recent
             for (v, args), recent in self.recent.items()
-            if v == version and len(self.recent.get((previous, args), ())) >= least
+            if v == version
+            and len(reference := self.recent.get((previous, args), ())) >= least
+            and any(j for _, j in reference)
         }
-        if sum(len(recent) for recent in shared.values()) < self.window:
-            return None
-        self.judged.add(version)
         judged = {args: sum(j for _, j in recent) for args, recent in shared.items()}
         total = sum(judged.values())
+        if sum(len(recent) for recent in shared.values()) < self.window or not total:
+            return None
+        self.judged.add(version)
         new, new_var = ratio_variance([x for recent in shared.values() for x in recent])
         old = old_var = 0.0
         for args in shared:

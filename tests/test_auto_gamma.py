@@ -72,7 +72,11 @@ def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored(
     feed(auto, 0.9, [1])
     chosen = [auto.choose(KEY, 1) for _ in range(6)]
     assert chosen.count(7) == 3 and chosen.count(6) == 3  # every second block a neighbour of the best
-    assert auto.summary()["chosen"] == {"6": 3, "7": 3}
+    summary = auto.summary()
+    assert summary["chosen"] == {"6": 3, "7": 3}
+    assert summary["step_ms"]["verify"]["1x8"] == pytest.approx(10.0 + 0.5 * 8) and summary["step_ms"]["draft"] == {
+        "1x1": 1.0
+    }
     assert [auto.choose(KEY, 1, explore=False) for _ in range(4)] == [7] * 4  # the draft has yet to read the prompt
     auto.forget({3})
     assert set(auto.counts) == {(3, 1.0, None, 1.0)}

@@ -162,7 +162,8 @@ def check_safe_rollout(
             publish(store, collapse, 4, serving=True)
             wait_for("the replica to take version 4", lambda: any(s["to"] == 4 for s in stats()["swaps"]))
             swapped_at.append(len(answers))
-            wait_for("the rollback of version 4", lambda: stats()["rollbacks"], timeout_s=120)
+            seen = lambda: {k: stats().get(k) for k in ("draft_version", "swaps", "live_alpha", "auto_gamma")}
+            wait_for("the rollback of version 4", lambda: stats()["rollbacks"], 120, seen)
 
         phase(PHASES[3], collapse_4)
         final, gate = stats(), ray.get(store.gate.remote())

@@ -167,6 +167,21 @@ def test_live_acceptance_keeps_a_version_whose_window_drew_harder_prompts():
     assert ratio_variance([(3, 4)]) == (0.75, 0.0)
 
 
+def test_live_acceptance_judges_a_version_gamma_auto_stopped_speculating_with():
+    """gamma=auto drafts nothing soon after a version collapses: its completions still fill the window, and the few
+    draft tokens judged (an exploring block) decide; a window without any waits."""
+    auto = DecodingArgs(gamma="auto", temperature=0.0)
+    live = LiveAcceptance(window=8, margin=0.15)
+    for _ in range(8):
+        live.record(1, {"accepted": 6, "rejected": 2}, auto)
+        live.record(2, {"accepted": 0, "rejected": 0}, auto)
+    assert live.alpha(2) is None and live.verdict(2, 1) is None and 2 not in live.judged
+    live.record(2, {"accepted": 0, "rejected": 3}, auto)
+    assert live.verdict(2, 1).startswith("rollback: live alpha 0.000 of version 2 < 0.750 of version 1")
+    live.record(3, {"accepted": 0, "rejected": 0}, DecodingArgs(gamma=3))  # a fixed gamma that judged nothing
+    assert live.versions() == [1, 2]
+
+
 def test_merge_stats_pools_counts():
     a = {"gamma": 4, "drafted": 8, "accepted": 6, "rejected": 1, "target_calls": 2}
     b = {"gamma": 4, "drafted": 4, "accepted": 0, "rejected": 1, "target_calls": 1}
