@@ -440,11 +440,11 @@ def suite_gamma(
                     rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
                     if errors:
                         raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
-                    cell = sums[str(g)]
-                    cell["tokens"] += sum(x["tokens"] for x in rows)
+                    cell, tokens = sums[str(g)], sum(x["tokens"] for x in rows)
+                    cell["tokens"] += tokens
                     cell["seconds"] += seconds
                     cell["sd"] += [x["sd"] for x in rows]
-                    cell["per_round"].append(sum(x["tokens"] for x in rows) / seconds)
+                    cell["per_round"].append(tokens / seconds)
             table[str(c)] = {g: summary(v) for g, v in sums.items()}
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())

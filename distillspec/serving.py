@@ -458,7 +458,8 @@ class LiveAcceptance:
         }
         judged = {args: sum(j for _, j in recent) for args, recent in shared.items()}
         total = sum(judged.values())
-        if sum(len(recent) for recent in shared.values()) < self.window or not total:
+        completions = sum(len(recent) for recent in shared.values())
+        if completions < self.window or not total:
             return None
         self.judged.add(version)
         new, new_var = ratio_variance([x for recent in shared.values() for x in recent])
@@ -470,8 +471,7 @@ class LiveAcceptance:
         if new < old - self.margin - noise:
             return (
                 f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} on the same "
-                f"decoding settings - {self.margin:g} - {noise:.3f} (noise) (over "
-                f"{sum(len(r) for r in shared.values())} completions)"
+                f"decoding settings - {self.margin:g} - {noise:.3f} (noise) (over {completions} completions)"
             )
         return None
 
