@@ -66,6 +66,12 @@ and auto, settings measured side by side; ``serve.temperature=0`` makes every se
     python benchmarks/benchmark.py gamma serve.temperature=0 eval.max_new_tokens=16 --scale real --rounds 4 \
         -o outputs/real
 
+With ``--distilling`` the draft improves during the run: at each concurrency a distill job trains the undistilled
+draft for --budget seconds while the settings take turns, and the replica takes every version it publishes; the suite
+adds tokens/s over each third of the run and the gamma chosen live over time.
+
+    python benchmarks/benchmark.py gamma --distilling --budget 240
+
 Suite ``soak``: --budget seconds (e.g. 1200) of mixed traffic at concurrency 8 (temperatures, streams, gamma auto,
 fixed or off) with a new draft version every minute: errors and the replica's memory over time. Suite ``fuzz``:
 Schemathesis (``pip install -e .[fuzz]``) sends property-based requests to every route of the OpenAPI schema and
@@ -82,6 +88,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -381,18 +388,55 @@ def _gamma(cfg, gamma: int | str):
     return replace(cfg, serve=replace(cfg.serve, gamma=gamma))
 
 
+def _distill_job(out: Path, overrides: list[str], budget: float) -> subprocess.Popen:
+    """``jobs/distill.py`` joining this process's Ray cluster for ``budget`` seconds of training (no evaluator, a
+    short final evaluation), its output under ``out/distill`` and its log in ``out/distill.log``."""
+    import shutil
+
+    import ray
+
+    job = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[1] / "jobs" / "distill.py"),
+        "--output-dir",
+        str(out / "distill"),
+        f"ray.address={ray.get_runtime_context().gcs_address}",
+        "evaluator.every=0",
+        "learner.resume=false",
+        f"distill.time_budget_s={budget}",
+        "distill.steps=100000",
+        "eval.gammas=[5]",
+        "eval.temperatures=[1]",
+        "eval.speedup_prompts=0",
+        *overrides,
+    ]
+    shutil.rmtree(out / "distill", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "distill.log").open("w") as log:
+        return subprocess.Popen(job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+
+
 def suite_gamma(
-    overrides: list[str], budget: float, out: Path, rounds: int | None = None, concurrency: list[int] | None = None
+    overrides: list[str],
+    budget: float,
+    out: Path,
+    rounds: int | None = None,
+    concurrency: list[int] | None = None,
+    distilling: bool = False,
 ) -> dict:
     """Gamma chosen live against fixed gammas: tokens/s at the endpoint (one replica, batches up to 16 requests) at
     concurrency 1, 4, 8 and 16, for gamma 0 (speculation off), 1, 3, 5, 7 and auto, on the task's test prompts at
     ``serve.temperature``. Each concurrency runs every setting in turn, ``rounds`` times in rotated order, so that
     each ratio compares settings measured side by side. ``serve.backend=vllm``: vLLM fixes gamma per engine, so each
-    setting has an endpoint of its own (all up at once; gamma 0 left out: the vLLM endpoint always speculates)."""
+    setting has an endpoint of its own (all up at once; gamma 0 left out: the vLLM endpoint always speculates).
+
+    ``distilling``: the draft improves during the run. At each concurrency a fresh replica starts on the undistilled
+    draft and follows every version a distill job publishes (``budget`` seconds of training, on the same cluster),
+    and the rounds go on until the job ends; tokens/s are also reported over each third of the run, and the gamma
+    chosen live over time."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import ray
     import requests
     from ray import serve
@@ -402,67 +446,134 @@ def suite_gamma(
     from distillspec.serving import merge_stats
     from jobs.serve import start
 
-    del budget
-    cfg = load_config(None, ["ray.run_name=gamma-bench", "serve.sync_every_s=0", "serve.max_batch_size=16", *overrides])
-    connect(cfg.ray)
+    run = ["ray.run_name=gamma-bench", "serve.sync_every_s=0", "serve.max_batch_size=16"]
+    if distilling:  # the replica takes every version the learner publishes; the job's actors get the other CPUs
+        run += ["serve.sync_every_s=1", "serve.follow_version=latest", "serve.replica_cpus=0.5"]
+    cfg = load_config(None, [*run, *overrides])
     vllm = cfg.serve.backend == "vllm"
+    if distilling and (vllm or rounds):
+        what = "serve.backend=vllm (gamma fixed per engine)" if vllm else "--rounds (rounds run until the job ends)"
+        raise DistillSpecError(f"--distilling: not with {what}")
+    connect(cfg.ray)
     settings: list[int | str] = [1, 3, 5, 7, "auto"] if vllm else [0, 1, 3, 5, 7, "auto"]
-    if vllm:
-        urls = {g: start(_gamma(cfg, g), name=f"gamma-{g}", route_prefix=f"/gamma-{g}") for g in settings}
-    else:
-        urls = dict.fromkeys(settings, start(cfg))
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
-    # Each setting: ``rounds`` x ``per_client`` requests per client (a pretrained target: 2 x 2, the garden: 3 x 8).
+    # Requests per client per setting and round: a pretrained target 2, the garden 8 (2 while distilling, so that a
+    # round is short against the run); rounds: a pretrained target 2, the garden 3.
     concurrencies, (default_rounds, per_client) = concurrency or [1, 4, 8, 16], (2, 2) if cfg.target else (3, 8)
+    per_client = 2 if distilling else per_client
     rounds = rounds or default_rounds
     body = {"max_tokens": cfg.eval.max_new_tokens}
+
+    def deploy(c: int) -> dict:
+        """The endpoint(s) of one concurrency: by setting, its URL."""
+        if vllm:
+            return {g: start(_gamma(cfg, g), name=f"gamma-{g}", route_prefix=f"/gamma-{g}") for g in settings}
+        if distilling:  # a store of its own: the replica starts on the undistilled draft
+            return dict.fromkeys(settings, start(replace(cfg, ray=replace(cfg.ray, run_name=f"gamma-bench-{c}"))))
+        return dict.fromkeys(settings, start(cfg))
+
+    def one_round(urls: dict, c: int, r: int, t0: float) -> list[dict]:
+        """Every setting in turn (the order rotated by ``r``): a slice of ``per_client`` requests per client each."""
+        slices = []
+        for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
+            extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
+            more = lambda i, n=per_client * c: i < n
+            rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
+            if errors:
+                raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
+            versions = [x["sd"]["draft_version"] for x in rows if x["sd"].get("draft_version") is not None]
+            slices.append(
+                {
+                    "round": r,
+                    "gamma": str(g),
+                    "end_s": time.perf_counter() - t0,
+                    "tokens": sum(x["tokens"] for x in rows),
+                    "seconds": seconds,
+                    "sd": merge_stats([x["sd"] for x in rows]),
+                    "draft_version": max(versions, default=None),
+                }
+            )
+        return slices
+
     table: dict[str, dict[str, dict]] = {}
-
-    def summary(cell: dict) -> dict:
-        sd = merge_stats(cell["sd"]) if cell["sd"] else {"drafted": 0, "target_calls": 1, "alpha": None}
-        mean_gamma = sd["drafted"] / sd["target_calls"]  # draft tokens per target call
-        return {
-            "tokens_per_s": cell["tokens"] / cell["seconds"],
-            "per_round": cell["per_round"],
-            "mean_gamma": mean_gamma,
-            "alpha": sd["alpha"],
-        }
-
+    runs: dict[str, list[dict]] = {}  # distilling: each concurrency's slices
+    chosen: dict = {}
+    urls: dict = {}
     try:
-        for url in set(urls.values()):  # warm-up: compiles nothing, measures first costs
-            _load(url, prompts, 32, 8, body if vllm else {**body, "gamma": "auto"})
         for c in concurrencies:
-            sums = {str(g): {"tokens": 0, "seconds": 0.0, "sd": [], "per_round": []} for g in settings}
-            for r in range(rounds):
-                for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
-                    extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
-                    more = lambda i, n=per_client * c: i < n
-                    rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
-                    if errors:
-                        raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
-                    cell, tokens = sums[str(g)], sum(x["tokens"] for x in rows)
-                    cell["tokens"] += tokens
-                    cell["seconds"] += seconds
-                    cell["sd"] += [x["sd"] for x in rows]
-                    cell["per_round"].append(tokens / seconds)
-            table[str(c)] = {g: summary(v) for g, v in sums.items()}
+            if distilling or not urls:
+                urls = deploy(c)
+                for url in set(urls.values()):  # warm-up: compiles nothing, measures first costs
+                    _load(url, prompts, 32, 8, body if vllm else {**body, "gamma": "auto"})
+            t0, slices = time.perf_counter(), []
+            if distilling:
+                job = [*run, *overrides, f"ray.run_name=gamma-bench-{c}"]
+                proc = _distill_job(out / f"concurrency-{c}", job, budget)
+                while proc.poll() is None or not slices:
+                    slices += one_round(urls, c, len(slices) // len(settings), t0)
+                if proc.wait() != 0:
+                    log = out / f"concurrency-{c}" / "distill.log"
+                    raise DistillSpecError(f"the distill job failed (exit {proc.returncode}); see {log}")
+                runs[str(c)] = slices
+            else:
+                for r in range(rounds):
+                    slices += one_round(urls, c, r, t0)
+            table[str(c)] = _gamma_row(slices, settings)
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
             )
-        chosen = requests.get(f"{urls['auto']}/stats", timeout=10).json().get("auto_gamma", {})
+            chosen = requests.get(f"{urls['auto']}/stats", timeout=10).json().get("auto_gamma", {})
+            if distilling:
+                serve.shutdown()
     finally:
         serve.shutdown()
         ray.shutdown()
+    what = "while a distill job publishes new draft versions, " if distilling else ""
     print(
-        f"\ntokens/s at the endpoint, {body['max_tokens']} tokens, T = {cfg.serve.temperature:g}, "
+        f"\ntokens/s at the endpoint, {what}{body['max_tokens']} tokens, T = {cfg.serve.temperature:g}, "
         f"{cfg.dataset} prompts:"
     )
+    _print_gamma_table(table, settings, "concurrency")
+    if distilling:
+        thirds = {c: _gamma_thirds(slices, settings) for c, slices in runs.items()}
+        print("\nthe same over each third of the run (rounds by order), with alpha and the draft versions served:")
+        for c, parts in thirds.items():
+            print(f"concurrency {c}:")
+            _print_gamma_table({p["name"]: p["row"] for p in parts}, settings, "third", extra=_third_notes(parts))
+        print("\ngamma chosen live over time (auto's draft tokens per target call, one figure per round):")
+        for c, slices in runs.items():
+            autos = [s for s in slices if s["gamma"] == "auto"]
+            line = " ".join(f"{s['sd']['drafted'] / s['sd']['target_calls']:.1f}" for s in autos)
+            print(f"  concurrency {c} ({len(autos)} rounds): {line}")
+        _plot_gamma_distilling(runs, thirds, settings, out, cfg)
+    else:
+        nan = float("nan")
+        expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))
+        print(
+            f"gamma=auto over the run: chosen {chosen.get('chosen')}, tokens/s expected {expected:.1f}, "
+            f"measured {measured:.1f}"
+        )
+        _plot_gamma(table, settings, concurrencies, out, cfg)
+    result = {
+        "table": table,
+        "auto_gamma": chosen,
+        "max_tokens": body["max_tokens"],
+        "temperature": cfg.serve.temperature,
+    }
+    if distilling:
+        result |= {"budget_s": budget, "thirds": thirds, "slices": runs}
+    return result
+
+
+def _print_gamma_table(table: dict, settings: list, label: str, extra: dict | None = None) -> None:
+    """Tokens/s by setting, one row per key of ``table``, with auto against the best fixed gamma and gamma 5 (the
+    whole row, and round by round: settings measured side by side); adds those ratios to each row."""
     print(
-        f"{'concurrency':>11} "
+        f"{label:>11} "
         + " ".join(f"{'g=' + str(g):>8}" for g in settings)
         + "  auto/best  auto/g=5  auto's mean gamma; auto/best round by round (median, min-max)"
     )
-    for c, row in table.items():
+    for key, row in table.items():
         fixed = {g: row[str(g)]["tokens_per_s"] for g in settings if g != "auto"}
         best = max(fixed, key=fixed.get)
         auto = row["auto"]["tokens_per_s"]
@@ -472,16 +583,69 @@ def suite_gamma(
         # The same ratio within each round (settings measured side by side): how far one round's noise moves it.
         paired = sorted(a / b for a, b in zip(row["auto"]["per_round"], row[str(best)]["per_round"], strict=True))
         row["auto_vs_best_per_round"] = paired
+        note = f"; {extra[key]}" if extra else ""
         print(
-            f"{c:>11} {cells}  {row['auto_vs_best']:>8.2f}x {row['auto_vs_default']:>8.2f}x  "
+            f"{key:>11} {cells}  {row['auto_vs_best']:>8.2f}x {row['auto_vs_default']:>8.2f}x  "
             f"{mean:.2f} (best fixed: {best}); {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x"
+            f"{note}"
         )
-    nan = float("nan")
-    expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))
-    print(
-        f"gamma=auto over the run: chosen {chosen.get('chosen')}, tokens/s expected {expected:.1f}, "
-        f"measured {measured:.1f}"
-    )
+
+
+def _gamma_row(slices: list[dict], settings: list) -> dict:
+    """Each setting's tokens/s over ``slices`` (and each slice's), draft tokens per target call and pooled alpha."""
+    from distillspec.serving import merge_stats
+
+    row = {}
+    for g in settings:
+        cells = [s for s in slices if s["gamma"] == str(g)]
+        sd = merge_stats([s["sd"] for s in cells])
+        row[str(g)] = {
+            "tokens_per_s": sum(s["tokens"] for s in cells) / sum(s["seconds"] for s in cells),
+            "per_round": [s["tokens"] / s["seconds"] for s in cells],
+            "mean_gamma": sd["drafted"] / sd["target_calls"],  # draft tokens per target call
+            "alpha": sd["alpha"],
+        }
+    return row
+
+
+def _gamma_thirds(slices: list[dict], settings: list) -> list[dict]:
+    """A distilling run's rounds in three parts (by order): each part's table row, alpha and draft versions."""
+    from distillspec.serving import merge_stats
+
+    n = 1 + max(s["round"] for s in slices)
+    parts = []
+    for k, name in enumerate(["first", "second", "last"]):
+        part = [s for s in slices if k * n // 3 <= s["round"] < (k + 1) * n // 3]
+        if not part:
+            continue
+        speculating = [s["sd"] for s in part if s["sd"]["drafted"]]
+        versions = [s["draft_version"] for s in part if s["draft_version"] is not None]
+        parts.append(
+            {
+                "name": name,
+                "rounds": 1 + part[-1]["round"] - part[0]["round"],
+                "seconds": [part[0]["end_s"] - part[0]["seconds"], part[-1]["end_s"]],
+                "alpha": merge_stats(speculating)["alpha"] if speculating else None,
+                "draft_versions": [min(versions), max(versions)] if versions else None,
+                "row": _gamma_row(part, settings),
+            }
+        )
+    return parts
+
+
+def _third_notes(parts: list[dict]) -> dict[str, str]:
+    notes = {}
+    for p in parts:
+        alpha = "-" if p["alpha"] is None else f"{p['alpha']:.3f}"
+        first, last = p["draft_versions"] or ("-", "-")
+        start, end = p["seconds"]
+        notes[p["name"]] = f"{p['rounds']} rounds, {start:.0f}-{end:.0f} s, alpha {alpha}, versions {first} to {last}"
+    return notes
+
+
+def _plot_gamma(table: dict, settings: list, concurrencies: list[int], out: Path, cfg: JobConfig) -> None:
+    import matplotlib.pyplot as plt
+
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for g in settings:
@@ -501,12 +665,46 @@ def suite_gamma(
     fig.tight_layout()
     fig.savefig(out / "gamma_tokens_per_s.png", dpi=120)
     print(f"wrote {out / 'gamma_tokens_per_s.png'}")
-    return {
-        "table": table,
-        "auto_gamma": chosen,
-        "max_tokens": body["max_tokens"],
-        "temperature": cfg.serve.temperature,
-    }
+
+
+def _plot_gamma_distilling(runs: dict, thirds: dict, settings: list, out: Path, cfg: JobConfig) -> None:
+    """One column per concurrency: alpha and auto's gamma round by round (top), tokens/s by third (bottom)."""
+    import matplotlib.pyplot as plt
+
+    from distillspec.serving import merge_stats
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(2, len(runs), figsize=(3.6 * len(runs), 6), squeeze=False)
+    for (c, slices), top, below in zip(runs.items(), axes[0], axes[1], strict=True):
+        n = 1 + max(s["round"] for s in slices)
+        rounds = [[s for s in slices if s["round"] == r] for r in range(n)]
+        times = [r[-1]["end_s"] for r in rounds]
+        alphas = [merge_stats([s["sd"] for s in r if s["sd"]["drafted"]])["alpha"] for r in rounds]
+        auto = [next(s for s in r if s["gamma"] == "auto")["sd"] for r in rounds]
+        top.plot(times, alphas, color="tab:blue", marker=".")
+        top.set_ylabel("alpha (round)", color="tab:blue")
+        top.set_title(f"concurrency {c}")
+        right = top.twinx()
+        right.plot(times, [a["drafted"] / a["target_calls"] for a in auto], color="tab:green", marker=".")
+        right.set_ylim(0, cfg.serve.max_gamma + 0.5)
+        right.set_ylabel("gamma chosen (mean)", color="tab:green")
+        top.set_xlabel("seconds since the job started")
+        names = [p["name"] for p in thirds[c]]
+        for g in settings:
+            below.plot(
+                names,
+                [p["row"][str(g)]["tokens_per_s"] for p in thirds[c]],
+                marker="o",
+                label=f"gamma {g}" if g else "no speculation",
+                lw=2.5 if g == "auto" else 1.2,
+            )
+        below.set_xlabel("third of the run")
+        below.set_ylabel("tokens/s")
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle(f"gamma chosen live while the draft is distilled\n({cfg.dataset}, T = {cfg.serve.temperature:g})")
+    fig.tight_layout()
+    fig.savefig(out / "gamma_distilling.png", dpi=120)
+    print(f"wrote {out / 'gamma_distilling.png'}")
 
 
 def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
@@ -795,15 +993,10 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
 def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
     job (``rollout.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
-    import os
-    import shutil
-    import subprocess
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import ray
     import requests
     from ray import serve
 
@@ -820,29 +1013,10 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     connect(cfg.ray)
     url = start(cfg)
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
-    out.mkdir(parents=True, exist_ok=True)
-    job = [
-        sys.executable,
-        str(Path(__file__).resolve().parents[1] / "jobs" / "distill.py"),
-        "--output-dir",
-        str(out / "distill"),
-        f"ray.address={ray.get_runtime_context().gcs_address}",
-        "rollout.online=true",
-        "evaluator.every=0",
-        "learner.resume=false",
-        f"distill.time_budget_s={budget}",
-        "distill.steps=100000",
-        "eval.gammas=[5]",
-        "eval.temperatures=[1]",
-        "eval.speedup_prompts=0",
-        *run,
-    ]
-    shutil.rmtree(out / "distill", ignore_errors=True)
-    with (out / "distill.log").open("w") as job_log:
-        proc = subprocess.Popen(job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=job_log, stderr=subprocess.STDOUT)
-        body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
-        rows, errors, _ = _send(url, prompts, body, 4, lambda i: proc.poll() is None)
-        proc.wait()
+    proc = _distill_job(out, ["rollout.online=true", *run], budget)
+    body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
+    rows, errors, _ = _send(url, prompts, body, 4, lambda i: proc.poll() is None)
+    proc.wait()
     choices = requests.get(f"{url}/stats", timeout=10).json().get("auto_gamma")  # gammas chosen over the run
     serve.shutdown()
     if proc.returncode != 0:
@@ -1393,6 +1567,11 @@ def main() -> None:
         "--rounds", type=int, help="suite gamma: rounds per setting (default 3 on the garden, 2 on a pretrained pair)"
     )
     parser.add_argument("--concurrency", type=int, nargs="+", help="suite gamma: concurrencies (default 1 4 8 16)")
+    parser.add_argument(
+        "--distilling",
+        action="store_true",
+        help="suite gamma: while a distill job (--budget seconds of training) publishes new draft versions",
+    )
     args, extra = parser.parse_known_args()
     args.overrides = [x for x in args.suites if "=" in x]  # suites and overrides in any order: one has a "="
     args.suites = [x for x in args.suites if "=" not in x]
@@ -1416,7 +1595,8 @@ def main() -> None:
             continue
         if name in SUITES:
             kw = {"distilled": args.distilled} if name in ("serve", "online", "vllm", "latency") else {}
-            kw = {"rounds": args.rounds, "concurrency": args.concurrency} if name == "gamma" else kw
+            if name == "gamma":
+                kw = {"rounds": args.rounds, "concurrency": args.concurrency, "distilling": args.distilling}
             suite = functools.partial(SUITES[name], [*base, *args.overrides, *extra], budget, out / name, **kw)
             result = timed(name, scale, suite)
         else:  # each task's settings there come from TASKS (the benchmark garden, or the real pair)

@@ -169,3 +169,47 @@ def test_saved_drafts_report_the_steps_they_were_distilled_for(tmp_path):
     grid.mkdir(parents=True)
     (tmp_path / "out" / "recipes.json").write_text(json.dumps({"tasks": {"gsm8k": {"steps": 40}}}))
     assert draft_steps(own) == 25 and draft_steps(grid) == 40 and draft_steps(tmp_path) is None
+
+
+def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_run_in_thirds(capsys):
+    from benchmarks.benchmark import _gamma_row, _gamma_thirds, _print_gamma_table, _third_notes
+
+    def stats(drafted: int, accepted: int, calls: int) -> dict:
+        return {
+            "gamma": 5,
+            "drafted": drafted,
+            "accepted": accepted,
+            "rejected": drafted - accepted,
+            "target_calls": calls,
+        }
+
+    settings, slices = [0, 5, "auto"], []
+    for r in range(6):  # the draft improves: gamma 5 is slower than plain decoding at first, faster at the end
+        alpha = [0.4, 0.4, 0.7, 0.7, 0.9, 0.9][r]
+        speeds = {"0": 100.0, "5": 60.0 + 100 * alpha, "auto": 100.0 if alpha < 0.5 else 55.0 + 100 * alpha}
+        for g, speed in speeds.items():
+            drafted = 0 if g == "0" or (g == "auto" and alpha < 0.5) else 50
+            sd = stats(drafted, int(alpha * drafted), 10)
+            slices.append({"round": r, "gamma": g, "end_s": 10.0 * r + 1, "tokens": speed, "seconds": 1.0, "sd": sd})
+            slices[-1]["draft_version"] = r if drafted else None
+    whole = _gamma_row(slices, settings)
+    assert whole["0"]["tokens_per_s"] == pytest.approx(100.0) and whole["0"]["mean_gamma"] == 0.0
+    assert whole["5"]["alpha"] == pytest.approx((20 + 35 + 45) * 2 / 300) and whole["5"]["mean_gamma"] == 5.0
+    thirds = _gamma_thirds(slices, settings)
+    assert [p["name"] for p in thirds] == ["first", "second", "last"] and all(p["rounds"] == 2 for p in thirds)
+    assert [p["draft_versions"] for p in thirds] == [[0, 1], [2, 3], [4, 5]]
+    assert [p["alpha"] for p in thirds] == pytest.approx([0.4, 0.7, 0.9])
+    _print_gamma_table({p["name"]: p["row"] for p in thirds}, settings, "third", extra=_third_notes(thirds))
+    first, last = thirds[0]["row"], thirds[2]["row"]
+    assert first["best_fixed"] == 0 and first["auto_vs_best"] == pytest.approx(1.0)
+    assert last["best_fixed"] == 5 and last["auto_vs_best"] == pytest.approx(145 / 150)
+    assert last["auto_vs_best_per_round"] == pytest.approx([145 / 150] * 2)
+    printed = capsys.readouterr().out
+    assert "2 rounds, 0-11 s, alpha 0.400, versions 0 to 1" in printed and "(best fixed: 5)" in printed
+
+
+def test_gamma_suite_while_distilling_refuses_a_round_count(tmp_path):
+    from benchmarks.benchmark import suite_gamma
+
+    with pytest.raises(DistillSpecError, match=r"--distilling: not with --rounds \(rounds run until the job ends\)"):
+        suite_gamma([], 60.0, tmp_path, rounds=4, distilling=True)
