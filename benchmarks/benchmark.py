@@ -661,7 +661,7 @@ def _plot_gamma(table: dict, settings: list, concurrencies: list[int], out: Path
     ax.set_xscale("log", base=2)
     ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
     ax.legend(fontsize=8)
-    ax.set_title(f"fixed gamma vs gamma chosen live ({cfg.dataset}, T = {cfg.serve.temperature:g})")
+    ax.set_title(f"fixed gamma vs gamma chosen live ({Path(cfg.dataset).name}, T = {cfg.serve.temperature:g})")
     fig.tight_layout()
     fig.savefig(out / "gamma_tokens_per_s.png", dpi=120)
     print(f"wrote {out / 'gamma_tokens_per_s.png'}")
@@ -701,7 +701,8 @@ def _plot_gamma_distilling(runs: dict, thirds: dict, settings: list, out: Path, 
         below.set_xlabel("third of the run")
         below.set_ylabel("tokens/s")
     axes[1][0].legend(fontsize=7)
-    fig.suptitle(f"gamma chosen live while the draft is distilled\n({cfg.dataset}, T = {cfg.serve.temperature:g})")
+    task = f"{Path(cfg.dataset).name}, T = {cfg.serve.temperature:g}"
+    fig.suptitle(f"gamma chosen live while the draft is distilled\n({task})")
     fig.tight_layout()
     fig.savefig(out / "gamma_distilling.png", dpi=120)
     print(f"wrote {out / 'gamma_distilling.png'}")
