@@ -8,20 +8,21 @@ With acceptance rate alpha, a block that drafts gamma tokens emits on average (L
 
 tokens per row and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a batch of ``b`` rows, where
 ``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per row. Gamma 0 is plain decoding: one
-token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: a
-moving average per shape where a shape was measured often, and a least-squares line in the number of tokens a forward
-runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens per draft version and
-decoding settings, started from a prior (the serving gate's canary alpha of that version, when known; else the
-alpha of the version before it on the same settings). One block in
-``explore_every`` drafts a neighbour of the best gamma, so the costs and alpha around the choice stay measured,
-unless that neighbour is expected to reach less than ``explore_within`` of the best's tokens per second (trying a
-clear loser costs more than it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
+token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: the
+median of a shape's recent measurements where it was measured often, and a least-squares line in the number of
+tokens a forward runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens
+per draft version and decoding settings, started from a prior (the serving gate's canary alpha of that version, when
+known; else the alpha of the version before it on the same settings). One block in ``explore_every`` drafts a
+neighbour of the best gamma, so the costs and alpha around the choice stay measured, unless that neighbour is
+expected to reach less than ``explore_within`` of the best's tokens per second (trying a clear loser costs more than
+it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -41,46 +42,58 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+@dataclass
+class ShapeCost:
+    """One shape's recent measurements (seconds), their median, how many there were and the index of the last."""
+
+    recent: deque[float]
+    median: float = 0.0
+    count: int = 0
+    last: int = 0
+
+
 class StepCosts:
     """Seconds of one model forward by its shape (rows, positions per row), learned from measurements.
 
     A shape measured at least ``trust`` times, the last of them within the last ``stale_after`` measurements, is
-    predicted by its own moving average (weight ``decay`` on the past); any other by a least-squares line in tokens
-    (rows x positions) through all measurements, older ones weighted down by ``forget`` per measurement, slope and
-    intercept kept non-negative (one size measured only: its cost, flat). A shape not measured for ``stale_after``
-    measurements starts its average afresh: the machine's speed drifts (other work on it comes and goes), and a cost
-    measured under other conditions must not keep a gamma from being tried again. Both update and predict in
+    predicted by the median of its last ``window`` measurements: on a machine shared with other work one slow step
+    (another process holding the cores, a shape's first run) moves it by nothing, where it would hold a moving average
+    up for dozens of steps and turn the choice; a change of the machine's speed shows within half a window. Any other
+    shape is predicted by a least-squares line in tokens (rows x positions) through all measurements, older ones
+    weighted down by ``forget`` per measurement, slope and intercept kept non-negative (one size measured only: its
+    cost, flat). A shape not measured for ``stale_after`` measurements starts afresh: the machine's speed drifts, and
+    a cost measured under other conditions must not keep a gamma from being tried again. Both update and predict in
     constant time: the choice runs before every decoding block."""
 
-    def __init__(self, decay: float = 0.95, trust: int = 3, forget: float = 0.995, stale_after: int = 200) -> None:
-        self.decay, self.trust, self.forget, self.stale_after = decay, trust, forget, stale_after
-        #: (rows, positions) -> [average seconds, measurements, index of the last measurement]
-        self.cells: dict[tuple[int, int], list[float]] = {}
+    def __init__(self, window: int = 7, trust: int = 3, forget: float = 0.995, stale_after: int = 200) -> None:
+        self.window, self.trust, self.forget, self.stale_after = window, trust, forget, stale_after
+        self.cells: dict[tuple[int, int], ShapeCost] = {}  #: (rows, positions) -> its measurements
         self.sums = [0.0] * 5  #: decayed sums of 1, x, y, x^2, x*y over measurements (x tokens, y seconds)
         self.measured = 0  #: measurements so far, all shapes
 
     def observe(self, rows: int, positions: int, seconds: float) -> None:
         self.measured += 1
         cell = self.cells.get((rows, positions))
-        if cell is None or self.measured - cell[2] > self.stale_after:
-            self.cells[(rows, positions)] = [seconds, 1, self.measured]
-        else:
-            cell[0] = self.decay * cell[0] + (1 - self.decay) * seconds
-            cell[1] += 1
-            cell[2] = self.measured
+        if cell is None or self.measured - cell.last > self.stale_after:
+            cell = self.cells[(rows, positions)] = ShapeCost(deque(maxlen=self.window))
+        cell.recent.append(seconds)
+        cell.median = statistics.median(cell.recent)
+        cell.count += 1
+        cell.last = self.measured
         x = rows * positions
         for k, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             self.sums[k] = self.forget * self.sums[k] + v
 
     def table(self) -> dict[str, float]:
         """Milliseconds of each shape measured ``trust`` times or more, by ``"{rows}x{positions}"``."""
-        return {f"{r}x{p}": round(c[0] * 1e3, 3) for (r, p), c in sorted(self.cells.items()) if c[1] >= self.trust}
+        cells = sorted(self.cells.items())
+        return {f"{r}x{p}": round(c.median * 1e3, 3) for (r, p), c in cells if c.count >= self.trust}
 
     def predict(self, rows: int, positions: int) -> float | None:
         """Predicted seconds, or None before any measurement."""
         cell = self.cells.get((rows, positions))
-        if cell is not None and cell[1] >= self.trust and self.measured - cell[2] <= self.stale_after:
-            return cell[0]
+        if cell is not None and cell.count >= self.trust and self.measured - cell.last <= self.stale_after:
+            return cell.median
         n, sx, sy, sxx, sxy = self.sums
         if not n:
             return None

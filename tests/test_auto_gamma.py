@@ -32,6 +32,32 @@ def test_step_costs_own_average_where_measured_and_a_line_in_tokens_elsewhere():
     assert costs.predict(1, 1) == pytest.approx(0.2)
 
 
+def test_a_shape_cost_shrugs_off_a_spike_and_follows_a_change_of_speed():
+    costs = StepCosts(trust=3)
+    costs.observe(4, 2, 0.5)  # a shape's slow first run
+    for _ in range(3):
+        costs.observe(4, 2, 0.01)
+    assert costs.predict(4, 2) == pytest.approx(0.01)
+    for _ in range(20):
+        costs.observe(4, 2, 0.01)
+    costs.observe(4, 2, 0.3)  # other work on the machine during one step
+    assert costs.predict(4, 2) == pytest.approx(0.01)
+    for _ in range(4):
+        costs.observe(4, 2, 0.02)  # the machine got slower
+    assert costs.predict(4, 2) == pytest.approx(0.02)
+    assert costs.table() == {"4x2": 20.0}
+
+
+def test_one_slow_block_does_not_turn_the_choice():
+    auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
+    feed(auto, 0.3, [16], blocks=8)
+    before = auto.choose(KEY, 16)
+    assert before == best_by_hand(0.3, 16, 7)
+    verify = 0.010 + 0.0005 * 16 * (before + 1)
+    auto.observe(KEY, 16, before, 0.001 * before, 10 * verify, round(0.3 * 100 * before), 100 * before, 16)
+    assert auto.choose(KEY, 16) == before
+
+
 def feed(auto: AutoGamma, alpha: float, batches: list[int], blocks: int = 4) -> None:
     """Blocks at every gamma and batch size: a draft step 1 ms, a verify 10 ms + 0.5 ms per token, acceptance alpha."""
     for batch in batches:
