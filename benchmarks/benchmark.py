@@ -541,11 +541,11 @@ def suite_gamma(
             print(f"concurrency {c}:")
             _print_gamma_table({p["name"]: p["row"] for p in parts}, settings, "third", extra=_third_notes(parts))
         print("\ngamma chosen live over time (auto's draft tokens per target call, one figure per round):")
-        for c, slices in runs.items():
-            autos = [s for s in slices if s["gamma"] == "auto"]
-            line = " ".join(f"{s['sd']['drafted'] / s['sd']['target_calls']:.1f}" for s in autos)
-            print(f"  concurrency {c} ({len(autos)} rounds): {line}")
-        _plot_gamma_distilling(runs, thirds, settings, out, cfg)
+        over_time = {c: _gamma_rounds(slices) for c, slices in runs.items()}
+        for c, rounds in over_time.items():
+            line = " ".join(f"{r['auto_gamma']:.1f}" for r in rounds)
+            print(f"  concurrency {c} ({len(rounds)} rounds): {line}")
+        _plot_gamma_distilling(over_time, thirds, settings, out, cfg)
     else:
         nan = float("nan")
         expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))
@@ -667,25 +667,39 @@ def _plot_gamma(table: dict, settings: list, concurrencies: list[int], out: Path
     print(f"wrote {out / 'gamma_tokens_per_s.png'}")
 
 
-def _plot_gamma_distilling(runs: dict, thirds: dict, settings: list, out: Path, cfg: JobConfig) -> None:
+def _gamma_rounds(slices: list[dict]) -> list[dict]:
+    """A distilling run round by round: when the round ended, alpha over its speculating slices, and the draft
+    tokens per target call of its gamma=auto slice (the gamma chosen)."""
+    from distillspec.serving import merge_stats
+
+    rounds = [[s for s in slices if s["round"] == r] for r in range(1 + max(s["round"] for s in slices))]
+    over_time = []
+    for r in rounds:
+        speculating = [s["sd"] for s in r if s["sd"]["drafted"]]
+        auto = next(s for s in r if s["gamma"] == "auto")["sd"]
+        over_time.append(
+            {
+                "end_s": r[-1]["end_s"],
+                "alpha": merge_stats(speculating)["alpha"] if speculating else None,
+                "auto_gamma": auto["drafted"] / auto["target_calls"],
+            }
+        )
+    return over_time
+
+
+def _plot_gamma_distilling(over_time: dict, thirds: dict, settings: list, out: Path, cfg: JobConfig) -> None:
     """One column per concurrency: alpha and auto's gamma round by round (top), tokens/s by third (bottom)."""
     import matplotlib.pyplot as plt
 
-    from distillspec.serving import merge_stats
-
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, len(runs), figsize=(3.6 * len(runs), 6), squeeze=False)
-    for (c, slices), top, below in zip(runs.items(), axes[0], axes[1], strict=True):
-        n = 1 + max(s["round"] for s in slices)
-        rounds = [[s for s in slices if s["round"] == r] for r in range(n)]
-        times = [r[-1]["end_s"] for r in rounds]
-        alphas = [merge_stats([s["sd"] for s in r if s["sd"]["drafted"]])["alpha"] for r in rounds]
-        auto = [next(s for s in r if s["gamma"] == "auto")["sd"] for r in rounds]
-        top.plot(times, alphas, color="tab:blue", marker=".")
+    fig, axes = plt.subplots(2, len(over_time), figsize=(3.6 * len(over_time), 6), squeeze=False)
+    for (c, rounds), top, below in zip(over_time.items(), axes[0], axes[1], strict=True):
+        times = [r["end_s"] for r in rounds]
+        top.plot(times, [r["alpha"] for r in rounds], color="tab:blue", marker=".")
         top.set_ylabel("alpha (round)", color="tab:blue")
         top.set_title(f"concurrency {c}")
         right = top.twinx()
-        right.plot(times, [a["drafted"] / a["target_calls"] for a in auto], color="tab:green", marker=".")
+        right.plot(times, [r["auto_gamma"] for r in rounds], color="tab:green", marker=".")
         right.set_ylim(0, cfg.serve.max_gamma + 0.5)
         right.set_ylabel("gamma chosen (mean)", color="tab:green")
         top.set_xlabel("seconds since the job started")
