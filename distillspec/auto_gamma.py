@@ -6,7 +6,8 @@ With acceptance rate alpha, a block that drafts gamma tokens emits on average (L
 
     E(gamma) = (1 - alpha^(gamma + 1)) / (1 - alpha)
 
-tokens per row and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a batch of ``b`` rows, where
+tokens per row (a row with ``r`` tokens left before its budget: ``E(min(gamma, r - 1))``, the drafts past those adding
+nothing) and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a batch of ``b`` rows, where
 ``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per row. Gamma 0 is plain decoding: one
 token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: the
 median of a shape's recent measurements where it was measured often, and a least-squares line in the number of
@@ -23,7 +24,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import Counter, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from distillspec.config import START_GAMMA
@@ -173,20 +174,24 @@ class AutoGamma:
                 del self.counts[key]
 
     # -- the choice ---------------------------------------------------------------------------------------------
-    def plan(self, key: AlphaKey, batch: int) -> GammaPlan:
+    def plan(self, key: AlphaKey, batch: int, left: Sequence[int] | None = None) -> GammaPlan:
         """The gamma with the most expected tokens per second for a block of ``batch`` rows (ties: the smaller),
-        and each gamma's expected tokens per second; before any cost is measured, ``start_gamma``."""
+        and each gamma's expected tokens per second; before any cost is measured, ``start_gamma``. ``left``: the
+        tokens each row may still emit (None: more than any block emits)."""
         with self.lock:
             accepted, judged = self._counts(key)
-            return self._plan(accepted / judged, batch)
+            return self._plan(accepted / judged, batch, left)
 
-    def _plan(self, alpha: float, batch: int) -> GammaPlan:
+    def _plan(self, alpha: float, batch: int, left: Sequence[int] | None) -> GammaPlan:
+        # A row with r tokens left emits at most r: drafts past its (r - 1)th cost and add nothing.
+        budgets = Counter(min(r, self.max_gamma + 1) for r in left) if left else {self.max_gamma + 1: batch}
         rates = {}
         for g in range(self.max_gamma + 1):
             seconds = self._block_seconds(batch, g)
             if seconds is None:
                 return GammaPlan(self.start_gamma)
-            rates[g] = batch * expected_tokens(alpha, g) / seconds
+            tokens = sum(n * expected_tokens(alpha, min(g, r - 1)) for r, n in budgets.items())
+            rates[g] = tokens / seconds
         return GammaPlan(max(rates, key=lambda g: (rates[g], -g)), rates)
 
     def _block_seconds(self, batch: int, gamma: int) -> float | None:
@@ -194,13 +199,13 @@ class AutoGamma:
         draft = self.draft_costs.predict(batch, 1) if gamma and not self.whole_blocks else 0.0
         return None if verify is None or draft is None else gamma * draft + verify
 
-    def choose(self, key: AlphaKey, batch: int, explore: bool = True) -> int:
-        """Gamma for the next block of ``batch`` rows: the plan's, or one block in ``explore_every`` a neighbour
-        (``explore`` False: not this block, e.g. when the draft has yet to read the call's prompt, a cost that
-        trying a neighbour would add and the measurement would not show)."""
+    def choose(self, key: AlphaKey, batch: int, explore: bool = True, left: Sequence[int] | None = None) -> int:
+        """Gamma for the next block of ``batch`` rows (``left``: as in :meth:`plan`): the plan's, or one block in
+        ``explore_every`` a neighbour (``explore`` False: not this block, e.g. when the draft has yet to read the
+        call's prompt, a cost that trying a neighbour would add and the measurement would not show)."""
         with self.lock:
             accepted, judged = self._counts(key)
-            plan = self._plan(accepted / judged, batch)
+            plan = self._plan(accepted / judged, batch, left)
             self.blocks += 1
             gamma = plan.gamma
             if explore and plan.tokens_per_s and self.blocks % self.explore_every == 0:
@@ -297,8 +302,8 @@ class BoundGamma:
     key: AlphaKey
     fixed: int | None = None
 
-    def choose(self, batch: int, explore: bool = True) -> int:
-        return self.auto.choose(self.key, batch, explore) if self.fixed is None else self.fixed
+    def choose(self, batch: int, explore: bool = True, left: Sequence[int] | None = None) -> int:
+        return self.auto.choose(self.key, batch, explore, left) if self.fixed is None else self.fixed
 
     def observe(
         self,

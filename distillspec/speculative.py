@@ -111,12 +111,12 @@ class GenerationOutput:
 
 class GammaSchedule(Protocol):
     """Gamma chosen per block (e.g. :class:`distillspec.auto_gamma.AutoGamma` for one call): ``choose`` gives the
-    next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows, at most the call's
-    ``gamma``, trying another than its best only where ``explore`` (False while the draft has yet to read the
-    call's prompt); ``observe`` gets what the block cost (None: a block whose cost is not its shape's, such as the
-    first) and yielded (all rows together)."""
+    next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows that may each emit ``left``
+    more tokens, at most the call's ``gamma``, trying another than its best only where ``explore`` (False while the
+    draft has yet to read the call's prompt); ``observe`` gets what the block cost (None: a block whose cost is not
+    its shape's, such as the first) and yielded (all rows together)."""
 
-    def choose(self, batch: int, explore: bool = True) -> int: ...
+    def choose(self, batch: int, explore: bool = True, left: Sequence[int] | None = None) -> int: ...
 
     def observe(
         self,
@@ -421,7 +421,10 @@ def speculative_generate(
 
     while True:
         b = len(rows)
-        g = gamma if schedule is None else schedule.choose(b, explore=drf.calls > 0)
+        if schedule is None:
+            g = gamma
+        else:  # the tokens each row may still emit: a row near its budget gains nothing from more drafts
+            g = schedule.choose(b, explore=drf.calls > 0, left=(emitter.limit[rows] - emitter.count[rows]).tolist())
         tally.gammas.append(g)
         start = _clock(dev) if schedule is not None else 0.0
         # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the

@@ -89,6 +89,18 @@ def test_the_choice_maximises_expected_tokens_per_second():
     assert plan.gamma == 0 and plan.tokens_per_s[0] == max(plan.tokens_per_s.values())
 
 
+def test_rows_near_their_budget_are_not_drafted_past_it():
+    """A row with r tokens left emits at most r: drafts past its (r - 1)th cost a longer verify and add nothing."""
+    auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
+    feed(auto, 0.9, [4])
+    assert auto.choose(KEY, 4) == auto.choose(KEY, 4, left=[64] * 4) == best_by_hand(0.9, 4, 7) > 2
+    assert auto.choose(KEY, 4, left=[3, 3, 2, 1]) == 2  # the longest row has 3 left: 2 drafts and its next token
+    assert auto.choose(KEY, 4, left=[1] * 4) == 0  # one token each: plain decoding
+    plan = auto.plan(KEY, 4, left=[2, 2, 2, 2])
+    assert plan.tokens_per_s[1] == pytest.approx(4 * expected_tokens(auto.alpha(KEY), 1) / (0.001 + 0.010 + 0.0005 * 8))
+    assert plan.tokens_per_s[7] < plan.tokens_per_s[1]  # the same two tokens, at a longer block's cost
+
+
 def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored():
     auto = AutoGamma(7, explore_every=2)
     auto.start_version(3, 0.8)

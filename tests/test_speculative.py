@@ -259,10 +259,12 @@ class Cycle:
     """A gamma schedule that drafts the given numbers of tokens in turn and records what it was told."""
 
     def __init__(self, gammas: list[int]) -> None:
-        self.gammas, self.i, self.seen, self.timed, self.explore = gammas, 0, [], [], []
+        self.gammas, self.i, self.seen, self.timed, self.explore, self.left = gammas, 0, [], [], [], []
 
-    def choose(self, batch: int, explore: bool = True) -> int:
+    def choose(self, batch: int, explore: bool = True, left: list[int] | None = None) -> int:
+        assert left is not None and len(left) == batch and min(left) >= 1
         self.explore.append(explore)
+        self.left.append(left)
         self.i += 1
         return self.gammas[(self.i - 1) % len(self.gammas)]
 
@@ -307,6 +309,7 @@ def test_rows_leave_before_the_draft_has_read_anything(close_pair):
     own = autoregressive_generate(target, ids, max_new_tokens=budgets, temperature=0, attention_mask=mask)
     assert torch.equal(sd.sequences, own.sequences) and sd.num_new_tokens.tolist() == budgets
     assert [b for b, *_ in schedule.seen][:4] == [5, 4, 3, 2] and int(sd.stats.drafted.sum()) > 0
+    assert schedule.left[:3] == [budgets, [2, 8, 1, 6], [1, 7, 5]]  # the schedule is told what each row has left
 
 
 @pytest.mark.parametrize("gammas", [[0, 2], [2, 0], [1, 0, 3]])
