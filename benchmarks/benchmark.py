@@ -571,7 +571,7 @@ def _print_gamma_table(table: dict, settings: list, label: str, extra: dict | No
     print(
         f"{label:>11} "
         + " ".join(f"{'g=' + str(g):>8}" for g in settings)
-        + "  auto/best  auto/g=5  auto's mean gamma; auto/best round by round (median, min-max)"
+        + "  auto/best  auto/g=5  auto's mean gamma; auto/best round by round (median, min-max); 90% interval"
     )
     for key, row in table.items():
         fixed = {g: row[str(g)]["tokens_per_s"] for g in settings if g != "auto"}
@@ -583,12 +583,31 @@ def _print_gamma_table(table: dict, settings: list, label: str, extra: dict | No
         # The same ratio within each round (settings measured side by side): how far one round's noise moves it.
         paired = sorted(a / b for a, b in zip(row["auto"]["per_round"], row[str(best)]["per_round"], strict=True))
         row["auto_vs_best_per_round"] = paired
+        row["auto_vs_best_interval"] = low, high = _auto_vs_best_interval(row, settings)
         note = f"; {extra[key]}" if extra else ""
         print(
             f"{key:>11} {cells}  {row['auto_vs_best']:>8.2f}x {row['auto_vs_default']:>8.2f}x  "
-            f"{mean:.2f} (best fixed: {best}); {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x"
-            f"{note}"
+            f"{mean:.2f} (best fixed: {best}); {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x; "
+            f"90% interval {low:.2f}-{high:.2f}x{note}"
         )
+
+
+def _auto_vs_best_interval(row: dict, settings: list, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 90% interval of auto / best fixed gamma, from the run's rounds drawn with replacement (each draw's
+    tokens/s summed as the run's are, its best fixed gamma chosen anew, so the largest-of-noisy-figures bias is in
+    the interval as in the figure): how far the figure could move from one run to the next."""
+    import random
+
+    cells = {str(g): (row[str(g)]["per_round_tokens"], row[str(g)]["per_round_seconds"]) for g in settings}
+    rounds, rng, ratios = len(cells["auto"][0]), random.Random(seed), []
+    for _ in range(draws):
+        pick = [rng.randrange(rounds) for _ in range(rounds)]
+        tps = {
+            g: sum(tokens[i] for i in pick) / sum(seconds[i] for i in pick) for g, (tokens, seconds) in cells.items()
+        }
+        ratios.append(tps.pop("auto") / max(tps.values()))
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
 def _gamma_row(slices: list[dict], settings: list) -> dict:
@@ -602,6 +621,8 @@ def _gamma_row(slices: list[dict], settings: list) -> dict:
         row[str(g)] = {
             "tokens_per_s": sum(s["tokens"] for s in cells) / sum(s["seconds"] for s in cells),
             "per_round": [s["tokens"] / s["seconds"] for s in cells],
+            "per_round_tokens": [s["tokens"] for s in cells],
+            "per_round_seconds": [s["seconds"] for s in cells],
             "mean_gamma": sd["drafted"] / sd["target_calls"],  # draft tokens per target call
             "alpha": sd["alpha"],
         }

@@ -193,6 +193,7 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
             slices.append({"round": r, "gamma": g, "end_s": 10.0 * r + 1, "tokens": speed, "seconds": 1.0, "sd": sd})
             slices[-1]["draft_version"] = r if drafted else None
     whole = _gamma_row(slices, settings)
+    _print_gamma_table({"all": whole}, settings, "run")
     assert whole["0"]["tokens_per_s"] == pytest.approx(100.0) and whole["0"]["mean_gamma"] == 0.0
     assert whole["5"]["alpha"] == pytest.approx((20 + 35 + 45) * 2 / 300) and whole["5"]["mean_gamma"] == 5.0
     thirds = _gamma_thirds(slices, settings)
@@ -204,6 +205,9 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
     assert first["best_fixed"] == 0 and first["auto_vs_best"] == pytest.approx(1.0)
     assert last["best_fixed"] == 5 and last["auto_vs_best"] == pytest.approx(145 / 150)
     assert last["auto_vs_best_per_round"] == pytest.approx([145 / 150] * 2)
+    assert last["auto_vs_best_interval"] == pytest.approx((145 / 150, 145 / 150))  # the same ratio every round
+    low, high = whole["auto_vs_best_interval"]  # over the run: gamma 0 best in some draws, gamma 5 in others
+    assert 0.85 < low < whole["auto_vs_best"] < high <= 1.0
     printed = capsys.readouterr().out
     assert "2 rounds, 0-11 s, alpha 0.400, versions 0 to 1" in printed and "(best fixed: 5)" in printed
 
