@@ -130,10 +130,17 @@ class GammaSchedule(Protocol):
     ) -> None: ...
 
 
-def _clock(device: torch.device) -> float:
-    """Seconds, after the device finished the work queued so far (a GPU runs asynchronously)."""
+def step_clock(device: torch.device) -> float:
+    """Seconds to time a decoding block's steps by (the costs gamma chosen live plans on). On a GPU: wall-clock, once
+    the device has finished the work queued so far (it runs asynchronously). On a CPU where torch runs one thread,
+    the calling thread does all of a step's work: its CPU time, which leaves out the time other processes hold the
+    cores. Their share of the cores slows every step alike, so it would change no choice, yet it moves one step's
+    wall-clock several-fold on a shared machine and, caught in one shape's timings and not another's, turns the
+    choice. With more threads, wall-clock (the pool's work is not the calling thread's time)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif torch.get_num_threads() == 1:
+        return time.thread_time()
     return time.perf_counter()
 
 
@@ -426,14 +433,14 @@ def speculative_generate(
         else:  # the tokens each row may still emit: a row near its budget gains nothing from more drafts
             g = schedule.choose(b, explore=drf.calls > 0, left=(emitter.limit[rows] - emitter.count[rows]).tolist())
         tally.gammas.append(g)
-        start = _clock(dev) if schedule is not None else 0.0
+        start = step_clock(dev) if schedule is not None else 0.0
         # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
         # one whose draft reads the prompt.
         typical = first_logits is None and (g == 0 or drf.calls > 0)
 
         # 1. Draft g tokens autoregressively.
         drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile)  # [b, g]
-        drafted_at = _clock(dev) if schedule is not None else 0.0
+        drafted_at = step_clock(dev) if schedule is not None else 0.0
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
         if first_logits is None:
@@ -461,7 +468,7 @@ def speculative_generate(
         if schedule is not None:  # the whole block: drafting, then verifying and its bookkeeping
             took = int(n.sum())
             judged = took + int((n < g).sum())
-            seconds = (drafted_at - start, _clock(dev) - drafted_at) if typical else (None, None)
+            seconds = (drafted_at - start, step_clock(dev) - drafted_at) if typical else (None, None)
             schedule.observe(b, g, *seconds, took, judged, took + b)
         if finished:
             break

@@ -276,6 +276,28 @@ class Cycle:
         assert 0 <= accepted <= judged <= batch * gamma
 
 
+def test_steps_on_one_cpu_thread_are_timed_by_the_work_they_do():
+    """Gamma chosen live times a block's steps by the calling thread's CPU time when torch runs one thread on a CPU:
+    time the thread spends waiting (another process holding the core; here, a sleep) is not a step's cost."""
+    import time
+
+    from distillspec.speculative import step_clock
+
+    cpu, x, threads = torch.device("cpu"), torch.randn(256, 256), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = step_clock(cpu)
+        time.sleep(0.3)
+        waiting = step_clock(cpu) - start
+        start, wall = step_clock(cpu), time.perf_counter()
+        while time.perf_counter() - wall < 0.3:
+            x @ x
+        working = step_clock(cpu) - start
+    finally:
+        torch.set_num_threads(threads)
+    assert waiting < 0.05 < working
+
+
 def test_gamma_per_block_stays_exact_greedy(close_pair):
     """Blocks of 0 to 3 drafts in turn (0: the target alone; the draft catches up at its next block)."""
     target, draft = close_pair
