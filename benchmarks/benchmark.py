@@ -91,6 +91,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -478,6 +479,7 @@ def suite_gamma(
         for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
             extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
             more = lambda i, n=per_client * c: i < n
+            before = _batch_sizes(urls[g])
             rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
             if errors:
                 raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
@@ -491,6 +493,7 @@ def suite_gamma(
                     "seconds": seconds,
                     "sd": merge_stats([x["sd"] for x in rows]),
                     "draft_version": max(versions, default=None),
+                    "batch_sizes": dict(_batch_sizes(urls[g]) - before),  # the replica's batches in this slice
                 }
             )
         return slices
@@ -522,6 +525,9 @@ def suite_gamma(
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
             )
+            if not vllm:
+                fill = ", ".join(f"gamma {g} {v['requests_per_batch']:.2f}" for g, v in table[str(c)].items())
+                print(f"  requests per decoding batch (of {c} clients): {fill}")
             chosen = requests.get(f"{urls['auto']}/stats", timeout=10).json().get("auto_gamma", {})
             if distilling:
                 serve.shutdown()
@@ -626,7 +632,20 @@ def _gamma_row(slices: list[dict], settings: list) -> dict:
             "mean_gamma": sd["drafted"] / sd["target_calls"],  # draft tokens per target call
             "alpha": sd["alpha"],
         }
+        batches = Counter()
+        for s in cells:
+            batches.update({int(b): n for b, n in s.get("batch_sizes", {}).items()})
+        if batches:  # how full the replica's batches were: concurrent requests it decoded together
+            row[str(g)]["requests_per_batch"] = sum(b * n for b, n in batches.items()) / batches.total()
     return row
+
+
+def _batch_sizes(url: str) -> Counter:
+    """The replica's decoding batches so far by their number of requests (empty where it does not batch them)."""
+    import requests
+
+    sizes = requests.get(f"{url}/stats", timeout=30).json().get("batch_sizes", {})
+    return Counter({int(b): n for b, n in sizes.items()})
 
 
 def _gamma_thirds(slices: list[dict], settings: list) -> list[dict]:

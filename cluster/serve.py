@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_serve_draft_version": (metrics.Gauge, "draft weight version the replica serves", ()),
     "distillspec_serve_rollbacks": (metrics.Counter, "draft versions the replica rolled back (live alpha fell)", ()),
     "distillspec_serve_gamma": (metrics.Histogram, "draft tokens per block chosen by gamma=auto", ()),
+    "distillspec_serve_batch_size": (metrics.Histogram, "requests decoded together in one batch (torch backend)", ()),
     "distillspec_serve_expected_tokens_per_s": (
         metrics.Gauge,
         "gamma=auto: tokens/s its choices were expected to reach (moving average over blocks)",
@@ -242,6 +244,7 @@ class Completions:
         boundaries = {
             "distillspec_serve_latency_s": LATENCY_BOUNDARIES,
             "distillspec_serve_gamma": [g + 0.5 for g in range(s.max_gamma)],  # one bucket per gamma
+            "distillspec_serve_batch_size": [b + 0.5 for b in range(s.max_batch_size)],  # one bucket per size
         }
         self.metrics = {
             name: kind(
@@ -250,6 +253,7 @@ class Completions:
             for name, (kind, d, tags) in SERVE_SPECS.items()
         }
         self.held = 0  #: prompts of requests in progress on this replica (``serve.max_queued_prompts``)
+        self.batch_sizes: Counter[int] = Counter()  #: torch backend: decoding batches by their number of requests
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
         self.follower = DraftFollower(
             self.completer,
@@ -302,6 +306,7 @@ class Completions:
             "draft_version": self.completer.version,
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
+            **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}),
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -419,6 +424,8 @@ class Completions:
     # -- decoding -------------------------------------------------------------------------------------------
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
     async def _batched(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
+        self.batch_sizes[len(jobs)] += 1
+        self.metrics["distillspec_serve_batch_size"].observe(len(jobs))
         done = await asyncio.to_thread(self.completer.complete, jobs)
         if ok := [d for d in done if isinstance(d, Completion)]:
             self._observe(ok)

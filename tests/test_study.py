@@ -192,7 +192,9 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
             sd = stats(drafted, int(alpha * drafted), 10)
             slices.append({"round": r, "gamma": g, "end_s": 10.0 * r + 1, "tokens": speed, "seconds": 1.0, "sd": sd})
             slices[-1]["draft_version"] = r if drafted else None
+            slices[-1]["batch_sizes"] = {"4": 1, "2": 2} if g == "0" else {"4": 2}
     whole = _gamma_row(slices, settings)
+    assert whole["0"]["requests_per_batch"] == pytest.approx(8 / 3) and whole["auto"]["requests_per_batch"] == 4.0
     _print_gamma_table({"all": whole}, settings, "run")
     assert whole["0"]["tokens_per_s"] == pytest.approx(100.0) and whole["0"]["mean_gamma"] == 0.0
     assert whole["5"]["alpha"] == pytest.approx((20 + 35 + 45) * 2 / 300) and whole["5"]["mean_gamma"] == 5.0
