@@ -632,11 +632,10 @@ def _gamma_row(slices: list[dict], settings: list) -> dict:
             "mean_gamma": sd["drafted"] / sd["target_calls"],  # draft tokens per target call
             "alpha": sd["alpha"],
         }
-        batches = Counter()
-        for s in cells:
-            batches.update({int(b): n for b, n in s.get("batch_sizes", {}).items()})
-        if batches:  # how full the replica's batches were: concurrent requests it decoded together
-            row[str(g)]["requests_per_batch"] = sum(b * n for b, n in batches.items()) / batches.total()
+        fills = [Counter({int(b): n for b, n in s["batch_sizes"].items()}) for s in cells if s.get("batch_sizes")]
+        if fills:  # how full the replica's batches were: concurrent requests it decoded together
+            fill = lambda sizes: sum(b * n for b, n in sizes.items()) / sizes.total()
+            row[str(g)] |= {"requests_per_batch": fill(sum(fills, Counter())), "per_round_fill": list(map(fill, fills))}
     return row
 
 

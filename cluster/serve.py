@@ -4,7 +4,8 @@ follows a running distillation job.
     serve run cluster/serve_config.yaml        # or: python jobs/serve.py
 
 One deployment, :class:`Completions`, is both the FastAPI ingress and the model holder. With ``serve.backend=hf`` its
-replicas batch concurrent requests (``@serve.batch``) into :class:`distillspec.serving.Completer` calls; with
+replicas batch concurrent requests (:class:`distillspec.serving.RequestBatcher`) into
+:class:`distillspec.serving.Completer` calls; with
 ``serve.backend=vllm`` each replica runs vLLM's async engine with the draft as its ``draft_model``
 (:class:`distillspec.vllm_backend.VLLMCompleter`, continuous batching), behind the same routes and errors. A thread
 in each replica checks the run's weight store (``<run>-weights`` in namespace ``distillspec``) and swaps in each new
@@ -65,6 +66,7 @@ from distillspec.serving import (
     CompletionJob,
     DecodingArgs,
     DraftServer,
+    RequestBatcher,
     merge_stats,
 )
 
@@ -238,8 +240,7 @@ class Completions:
         self.vllm = s.backend == "vllm"
         self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma
         self.gamma_polled = 0.0  #: when they were last brought to the dashboard (at most once a second)
-        self._batched.set_max_batch_size(s.max_batch_size)
-        self._batched.set_batch_wait_timeout_s(s.batch_wait_timeout_s)
+        self.batcher = RequestBatcher(self._decode, s.max_batch_size, s.batch_wait_timeout_s)
         self.run = s.follow_run or cfg.ray.run_name
         boundaries = {
             "distillspec_serve_latency_s": LATENCY_BOUNDARIES,
@@ -352,7 +353,7 @@ class Completions:
                 done = await asyncio.gather(*[self.completer.complete(job) for job in jobs])
                 self._observe(done)
             else:
-                done = await asyncio.gather(*[self._batched(job) for job in jobs])
+                done = await asyncio.gather(*[self.batcher.submit(job) for job in jobs])
                 for d in done:  # a job that failed alone (its batch's other jobs did not fail with it)
                     if isinstance(d, DistillSpecError):
                         raise HTTPError(400, str(d), param_of(str(d)))
@@ -422,8 +423,8 @@ class Completions:
         return jobs
 
     # -- decoding -------------------------------------------------------------------------------------------
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)
-    async def _batched(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
+    async def _decode(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
+        """One batch of :class:`distillspec.serving.RequestBatcher`: decoded in a thread, observed here."""
         self.batch_sizes[len(jobs)] += 1
         self.metrics["distillspec_serve_batch_size"].observe(len(jobs))
         done = await asyncio.to_thread(self.completer.complete, jobs)

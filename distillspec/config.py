@@ -343,7 +343,11 @@ class ServeConfig:
     max_queued_prompts: PosInt = knob(
         256, "prompts a replica holds at once, queued or decoding; past it a request gets a 429 with Retry-After"
     )
-    batch_wait_timeout_s: NonNegFloat = knob(0.01, "how long a batch waits to fill")
+    batch_wait_timeout_s: NonNegFloat = knob(
+        0.05,
+        "the longest a batch waits, once the decoder is free, for as many requests as the replica held at once "
+        "lately (a lone client never waits)",
+    )
     min_replicas: PosInt = knob(1, "autoscaling: fewest replicas")
     max_replicas: PosInt = knob(1, "autoscaling: most replicas")
     target_ongoing_requests: PosFloat = knob(8.0, "autoscaling target of ongoing requests per replica")

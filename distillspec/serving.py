@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -373,6 +373,85 @@ class Completer:
                 )
             )
         return done
+
+
+class RequestBatcher:
+    """Concurrent requests decoded together, in batches that a replica decoding one batch at a time can keep full.
+
+    A batch decodes to its last row, so the clients whose requests it held all come back at once when it ends, each
+    after its own round trip. A batch formed while another decodes, or sealed a fixed few milliseconds after its first
+    request, splits them: part of them decode alone, the rest wait behind, and with clients that each send their next
+    request when the last one returns, the split repeats batch after batch (8 clients ran as batches of 3.4 to 4.4).
+    Here a batch forms only once the decoder is free, and then waits, at most ``wait_s``, until it holds as many
+    requests as the replica has held at once during any of its last ``memory`` batches (at most ``max_size``): a
+    lone client never waits, and clients that come back together decode together.
+
+    ``run(jobs)``, a coroutine function, decodes one batch and returns one result per job, a :class:`Completion` or
+    the exception of that job alone."""
+
+    def __init__(
+        self,
+        run: Callable[[list[CompletionJob]], Awaitable[list[Completion | Exception]]],
+        max_size: int,
+        wait_s: float,
+        memory: int = 4,
+    ) -> None:
+        self.run, self.max_size, self.wait_s = run, max_size, wait_s
+        self.queue: deque[tuple[CompletionJob, asyncio.Future]] = deque()
+        self.decoding = 0  #: requests in the batch being decoded
+        self.peak = 0  #: the most requests held at once (queued or decoding) since the last batch formed
+        self.peaks: deque[int] = deque(maxlen=memory)  #: ``peak`` at each of the last batches
+        self.arrived: asyncio.Event | None = None
+        self.loop: asyncio.Task | None = None
+
+    @property
+    def expected(self) -> int:
+        """Requests a batch waits for: the most held at once lately, at most ``max_size``."""
+        return max(1, min(self.max_size, max(self.peaks, default=1)))
+
+    async def submit(self, job: CompletionJob) -> Completion | Exception:
+        """Decode ``job`` in the next batch that has room; its completion, or the exception of its own failure."""
+        if self.loop is None or self.loop.done():
+            self.arrived = asyncio.Event()
+            self.loop = asyncio.get_running_loop().create_task(self._batches())
+        future = asyncio.get_running_loop().create_future()
+        self.queue.append((job, future))
+        self.peak = max(self.peak, len(self.queue) + self.decoding)
+        self.arrived.set()
+        return await future
+
+    async def _batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._arrival(None)
+            deadline = loop.time() + self.wait_s
+            while len(self.queue) < self.expected and (left := deadline - loop.time()) > 0:
+                await self._arrival(left)
+            batch = [self.queue.popleft() for _ in range(min(self.max_size, len(self.queue)))]
+            batch = [(job, f) for job, f in batch if not f.done()]  # a client that left cancelled its future
+            self.peaks.append(self.peak)
+            self.peak, self.decoding = len(self.queue) + len(batch), len(batch)
+            if not batch:
+                continue
+            try:
+                done = await self.run([job for job, _ in batch])
+            except Exception as exc:  # the batch failed as a whole: each of its requests is told why
+                done = [exc] * len(batch)
+            finally:
+                self.decoding = 0
+            for (_, future), result in zip(batch, done, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+    async def _arrival(self, timeout: float | None) -> None:
+        """Until the queue holds a request (``timeout`` None) or another arrives (at most ``timeout`` seconds)."""
+        if timeout is None and self.queue:
+            return
+        self.arrived.clear()
+        try:
+            await asyncio.wait_for(self.arrived.wait(), timeout)
+        except TimeoutError:
+            pass
 
 
 def canary_refusal(alpha: float, serving_alpha: float | None, margin: float) -> str | None:

@@ -1,5 +1,9 @@
 """The endpoint's decoding core, without Ray: batching, budgets, seeds, stop strings, draft swaps, statistics."""
 
+import asyncio
+import random
+import time
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ from distillspec.serving import (
     CompletionJob,
     DecodingArgs,
     LiveAcceptance,
+    RequestBatcher,
     canary_refusal,
     cut_at_stop,
     merge_stats,
@@ -196,3 +201,69 @@ def test_the_canary_refuses_a_worse_version_and_one_nothing_was_judged_for():
     for alpha in (float("nan"), float("inf")):  # no draft token judged, or an engine's counters missing
         assert "nothing judged" in canary_refusal(alpha, None, 0.02)
         assert "nothing judged" in canary_refusal(alpha, 0.70, 0.02)
+
+
+def closed_loop(batcher_wait_s: float, clients: int, requests: int, max_size: int = 16) -> list[int]:
+    """``clients`` that each send their next request a random 0-15 ms after the last one returns, to a replica
+    whose batches take 20 ms: the size of every batch it decoded."""
+    sizes, rng = [], random.Random(0)
+
+    async def run(jobs: list) -> list:
+        sizes.append(len(jobs))
+        await asyncio.sleep(0.02)
+        return [f"done {j}" for j in jobs]
+
+    async def main() -> None:
+        batcher = RequestBatcher(run, max_size, batcher_wait_s)
+
+        async def client(c: int) -> None:
+            for i in range(requests):
+                assert await batcher.submit((c, i)) == f"done {(c, i)}"
+                await asyncio.sleep(rng.uniform(0, 0.015))
+
+        await asyncio.gather(*(client(c) for c in range(clients)))
+
+    asyncio.run(main())
+    return sizes
+
+
+def test_clients_that_come_back_together_are_batched_together():
+    """Batches sealed as soon as the decoder is free split 8 clients that return a few ms apart, batch after batch;
+    waiting (at most 50 ms) for as many as the replica held lately keeps every batch full."""
+    split = closed_loop(0.0, clients=8, requests=12)
+    full = closed_loop(0.05, clients=8, requests=12)
+    assert sum(split) == sum(full) == 96
+    assert 96 / len(split) < 6 < 96 / len(full)  # requests per batch: split about 4, full 8 (12 batches of 8)
+
+
+def test_a_lone_client_never_waits_and_batches_keep_to_their_size():
+    start = time.perf_counter()
+    assert closed_loop(5.0, clients=1, requests=5) == [1] * 5
+    assert time.perf_counter() - start < 1.0  # 5 batches of 20 ms and the client's pauses, no 5 s waits
+    sizes = closed_loop(0.05, clients=10, requests=3, max_size=4)
+    assert sum(sizes) == 30 and max(sizes) == 4
+
+
+def test_a_failed_batch_answers_each_request_and_a_request_whose_client_left_is_not_decoded():
+    decoded = []
+
+    async def run(jobs: list) -> list:
+        decoded.append(list(jobs))
+        await asyncio.sleep(0.01)
+        if "bad" in jobs:
+            raise RuntimeError("the decoder failed")
+        return [ValueError(j) if j == "own" else j for j in jobs]
+
+    async def main() -> list:
+        batcher = RequestBatcher(run, 8, 0.0)
+        first = await asyncio.gather(batcher.submit("bad"), batcher.submit("x"))
+        left = asyncio.ensure_future(batcher.submit("gone"))
+        blocker = asyncio.ensure_future(batcher.submit("busy"))  # decodes while "gone" waits in the queue
+        await asyncio.sleep(0)
+        left.cancel()
+        return [*first, await blocker, await batcher.submit("own")]
+
+    bad, x, busy, own = asyncio.run(main())
+    assert isinstance(bad, RuntimeError) and x is bad  # each request of the failed batch gets its exception
+    assert busy == "busy" and isinstance(own, ValueError)  # a job's own failure is its own
+    assert all("gone" not in jobs for jobs in decoded)
