@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -254,7 +253,6 @@ class Completions:
             for name, (kind, d, tags) in SERVE_SPECS.items()
         }
         self.held = 0  #: prompts of requests in progress on this replica (``serve.max_queued_prompts``)
-        self.batch_sizes: Counter[int] = Counter()  #: torch backend: decoding batches by their number of requests
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
         self.follower = DraftFollower(
             self.completer,
@@ -307,7 +305,7 @@ class Completions:
             "draft_version": self.completer.version,
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
-            **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batch_sizes.items())}}),
+            **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batcher.sizes.items())}}),
         }
 
     @app.post("/v1/completions", response_model=None)
@@ -425,7 +423,6 @@ class Completions:
     # -- decoding -------------------------------------------------------------------------------------------
     async def _decode(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
         """One batch of :class:`distillspec.serving.RequestBatcher`: decoded in a thread, observed here."""
-        self.batch_sizes[len(jobs)] += 1
         self.metrics["distillspec_serve_batch_size"].observe(len(jobs))
         done = await asyncio.to_thread(self.completer.complete, jobs)
         if ok := [d for d in done if isinstance(d, Completion)]:

@@ -14,7 +14,7 @@ import copy
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -401,7 +401,8 @@ class RequestBatcher:
         self.decoding = 0  #: requests in the batch being decoded
         self.peak = 0  #: the most requests held at once (queued or decoding) since the last batch formed
         self.peaks: deque[int] = deque(maxlen=memory)  #: ``peak`` at each of the last batches
-        self.arrived: asyncio.Event | None = None
+        self.sizes: Counter[int] = Counter()  #: the batches decoded, by their number of requests
+        self.arrived = asyncio.Event()
         self.loop: asyncio.Task | None = None
 
     @property
@@ -412,7 +413,6 @@ class RequestBatcher:
     async def submit(self, job: CompletionJob) -> Completion | Exception:
         """Decode ``job`` in the next batch that has room; its completion, or the exception of its own failure."""
         if self.loop is None or self.loop.done():
-            self.arrived = asyncio.Event()
             self.loop = asyncio.get_running_loop().create_task(self._batches())
         future = asyncio.get_running_loop().create_future()
         self.queue.append((job, future))
@@ -433,6 +433,7 @@ class RequestBatcher:
             self.peak, self.decoding = len(self.queue) + len(batch), len(batch)
             if not batch:
                 continue
+            self.sizes[len(batch)] += 1
             try:
                 done = await self.run([job for job, _ in batch])
             except Exception as exc:  # the batch failed as a whole: each of its requests is told why
