@@ -559,6 +559,9 @@ def suite_gamma(
             f"gamma=auto over the run: chosen {chosen.get('chosen')}, tokens/s expected {expected:.1f}, "
             f"measured {measured:.1f}"
         )
+        for settings_name, rates in (chosen.get("alpha_by_position") or {}).items():
+            shown = " ".join("-" if r is None else f"{r:.3f}" for r in rates)
+            print(f"acceptance by draft position (given the ones before accepted), {settings_name}: {shown}")
         _plot_gamma(table, settings, concurrencies, out, cfg)
     result = {
         "table": table,

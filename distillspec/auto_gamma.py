@@ -6,9 +6,19 @@ With acceptance rate alpha, a block that drafts gamma tokens emits on average (L
 
     E(gamma) = (1 - alpha^(gamma + 1)) / (1 - alpha)
 
-tokens per row (a row with ``r`` tokens left before its budget: ``E(min(gamma, r - 1))``, the drafts past those adding
-nothing) and costs ``gamma * draft(b) + verify(b, gamma)`` seconds for a batch of ``b`` rows, where
-``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per row. Gamma 0 is plain decoding: one
+tokens per row if every draft token were accepted with the same probability. It is not: a draft token is judged only
+once those before it were accepted, and the blocks that get that far are the easier ones (a draft that follows the
+target through a phrase keeps following it), so the i-th draft token's acceptance rate ``a_i`` given the ones before
+accepted varies with ``i``. The choice therefore plans on
+
+    E(gamma) = 1 + sum_{k=1..gamma} a_1 * ... * a_k,    a_i = alpha * s_i,
+
+``s_i`` the shape of acceptance by draft position (``a_i`` over the pooled alpha), counted over many blocks of every
+draft version with the same decoding settings (each position shrunk toward the pool where it was judged rarely), and
+alpha the live level of the version being served. A row with ``r`` tokens left before its budget emits
+``E(min(gamma, r - 1))``, the drafts past those adding nothing. A block costs ``gamma * draft(b) + verify(b, gamma)``
+seconds for a batch of ``b`` rows, where ``verify(b, gamma)`` is one target forward over ``gamma + 1`` positions per
+row. Gamma 0 is plain decoding: one
 token per target forward ``verify(b, 0)``. Both costs are measured on the blocks themselves, never configured: the
 median of a shape's recent measurements where it was measured often, and a least-squares line in the number of
 tokens a forward runs (rows x positions) elsewhere. Alpha is a decaying count of accepted and judged draft tokens
@@ -30,17 +40,38 @@ from dataclasses import dataclass, field
 from distillspec.config import START_GAMMA
 
 #: what alpha is kept per: (draft version, temperature, lenience, epsilon); gamma is what is being chosen.
-#: An engine whose steps mix requests (vLLM) keeps one alpha per version: temperature None.
+#: An engine whose steps mix requests (vLLM) keeps one alpha per version: temperature None. The shape of acceptance
+#: by draft position is kept per the same key without the version.
 AlphaKey = tuple[int, float | None, str | None, float]
 MAX_KEYS = 256  #: alpha keys kept at once
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Expected tokens per row of a block drafting ``gamma`` tokens at acceptance rate ``alpha`` (i.i.d. acceptance),
-    the bonus or corrected token included: ``E(0) = 1``, at most ``gamma + 1``."""
+def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
+    """Expected tokens per row of a block drafting ``gamma`` tokens, the bonus or corrected token included:
+    ``E(0) = 1``, at most ``gamma + 1``. ``alpha``: one acceptance rate for every draft token (i.i.d. acceptance), or
+    the rate of each draft position given the ones before it accepted (at least ``gamma`` of them)."""
+    if not isinstance(alpha, int | float):
+        tokens, reach = 1.0, 1.0
+        for rate in alpha[:gamma]:
+            reach *= rate
+            tokens += reach
+        return tokens
     if alpha >= 1.0:
         return gamma + 1.0
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Draft tokens accepted and judged at each draft position (first, second, ...) of a block whose rows drafted
+    ``drafted[r]`` tokens and had ``accepted[r]`` of them accepted: a row's drafts are judged up to its first rejected
+    one."""
+    width = max(drafted, default=0)
+    acc, judged = [0] * width, [0] * width
+    for g, n in zip(drafted, accepted, strict=True):
+        for i in range(min(n + 1, g)):
+            judged[i] += 1
+            acc[i] += i < n
+    return acc, judged
 
 
 @dataclass
@@ -125,6 +156,8 @@ class AutoGamma:
         prior_alpha: float = 0.5,
         prior_weight: float = 16.0,
         memory: int = 64,
+        shape_memory: int = 1024,
+        shape_weight: float = 32.0,
         explore_every: int = 10,
         explore_within: float = 0.8,
         start_gamma: int | None = None,
@@ -134,10 +167,15 @@ class AutoGamma:
         #: a block's cost is measured whole (:meth:`observe_block`), not as its draft and verify steps apart
         self.whole_blocks = whole_blocks
         self.keep = 1.0 - 1.0 / memory  #: weight of the past in alpha's counts, per block
+        #: the same for the counts by draft position (the shape changes slowly; it needs many blocks to be measured),
+        #: and the judged tokens at which a position's own rate weighs as much as the pool's
+        self.shape_keep, self.shape_weight = 1.0 - 1.0 / shape_memory, shape_weight
         self.explore_every, self.explore_within = explore_every, explore_within
         self.start_gamma = min(max_gamma, START_GAMMA) if start_gamma is None else start_gamma
         self.draft_costs, self.verify_costs = StepCosts(), StepCosts()  #: whole blocks: in verify_costs
         self.counts: dict[Hashable, list[float]] = {}  #: alpha key -> [accepted, judged], decayed
+        #: alpha key without its version -> [accepted, judged] by draft position, decayed
+        self.positions: dict[Hashable, list[list[float]]] = {}
         self.priors: dict[int, float] = {}  #: draft version -> its canary alpha
         self.lock = threading.Lock()
         self.blocks = 0
@@ -157,6 +195,22 @@ class AutoGamma:
         with self.lock:
             accepted, judged = self._counts(key)
             return accepted / judged
+
+    def rates(self, key: AlphaKey) -> list[float]:
+        """The acceptance rate of each draft position given the ones before it accepted: the live alpha of ``key``
+        times the shape of acceptance by position on its decoding settings (all 1 before any block)."""
+        with self.lock:
+            return self._rates(key)
+
+    def _rates(self, key: AlphaKey) -> list[float]:
+        accepted, judged = self._counts(key)
+        alpha = accepted / judged
+        counts = self.positions.get(key[1:])
+        if counts is None or not sum(counts[1]) or not sum(counts[0]):
+            return [alpha] * self.max_gamma
+        pooled = sum(counts[0]) / sum(counts[1])
+        w = self.shape_weight
+        return [min(1.0, alpha * (a + w * pooled) / (j + w) / pooled) for a, j in zip(*counts, strict=True)]
 
     def _counts(self, key: AlphaKey) -> list[float]:
         if key not in self.counts:
@@ -179,19 +233,18 @@ class AutoGamma:
         and each gamma's expected tokens per second; before any cost is measured, ``start_gamma``. ``left``: the
         tokens each row may still emit (None: more than any block emits)."""
         with self.lock:
-            accepted, judged = self._counts(key)
-            return self._plan(accepted / judged, batch, left)
+            return self._plan(self._rates(key), batch, left)
 
-    def _plan(self, alpha: float, batch: int, left: Sequence[int] | None) -> GammaPlan:
+    def _plan(self, alpha: list[float], batch: int, left: Sequence[int] | None) -> GammaPlan:
         # A row with r tokens left emits at most r: drafts past its (r - 1)th cost and add nothing.
         budgets = Counter(min(r, self.max_gamma + 1) for r in left) if left else {self.max_gamma + 1: batch}
+        emits = [expected_tokens(alpha, g) for g in range(self.max_gamma + 1)]
         rates = {}
         for g in range(self.max_gamma + 1):
             seconds = self._block_seconds(batch, g)
             if seconds is None:
                 return GammaPlan(self.start_gamma)
-            tokens = sum(n * expected_tokens(alpha, min(g, r - 1)) for r, n in budgets.items())
-            rates[g] = tokens / seconds
+            rates[g] = sum(n * emits[min(g, r - 1)] for r, n in budgets.items()) / seconds
         return GammaPlan(max(rates, key=lambda g: (rates[g], -g)), rates)
 
     def _block_seconds(self, batch: int, gamma: int) -> float | None:
@@ -204,8 +257,7 @@ class AutoGamma:
         ``explore_every`` a neighbour (``explore`` False: not this block, e.g. when the draft has yet to read the
         call's prompt, a cost that trying a neighbour would add and the measurement would not show)."""
         with self.lock:
-            accepted, judged = self._counts(key)
-            plan = self._plan(accepted / judged, batch, left)
+            plan = self._plan(self._rates(key), batch, left)
             self.blocks += 1
             gamma = plan.gamma
             if explore and plan.tokens_per_s and self.blocks % self.explore_every == 0:
@@ -225,13 +277,14 @@ class AutoGamma:
         gamma: int,
         draft_s: float | None,
         verify_s: float | None,
-        accepted: int,
-        judged: int,
+        accepted: Sequence[float],
+        judged: Sequence[float],
         tokens: int,
         chosen: bool = True,
     ) -> None:
         """What a block of ``batch`` rows drafting ``gamma`` tokens took: seconds drafting and verifying (None: not
-        its shape's cost), draft tokens accepted and judged (all rows), tokens emitted (all rows); ``chosen``: gamma
+        its shape's cost), draft tokens accepted and judged by draft position (all rows; see
+        :func:`acceptance_by_position`), tokens emitted (all rows); ``chosen``: gamma
         was this instance's choice (the tokens/s it reached count against what it expected), not a request's fixed
         gamma."""
         with self.lock:
@@ -253,16 +306,26 @@ class AutoGamma:
                 self.verify_costs.observe(batch, gamma + 1, seconds)
                 self.measured_tps = _average(self.measured_tps, tokens / max(seconds, 1e-9))
 
-    def count(self, key: AlphaKey, accepted: int, judged: int) -> None:
-        """Draft tokens accepted of those judged, for the alpha of ``key``."""
+    def count(self, key: AlphaKey, accepted: Sequence[float], judged: Sequence[float]) -> None:
+        """Draft tokens accepted of those judged, by draft position, for the alpha of ``key`` and the shape of
+        acceptance on its decoding settings."""
         with self.lock:
             self._count(key, accepted, judged)
 
-    def _count(self, key: AlphaKey, accepted: int, judged: int) -> None:
-        if judged:
-            counts = self._counts(key)
-            counts[0] = self.keep * counts[0] + accepted
-            counts[1] = self.keep * counts[1] + judged
+    def _count(self, key: AlphaKey, accepted: Sequence[float], judged: Sequence[float]) -> None:
+        if not sum(judged):
+            return
+        counts = self._counts(key)
+        counts[0] = self.keep * counts[0] + sum(accepted)
+        counts[1] = self.keep * counts[1] + sum(judged)
+        shape = self.positions.get(key[1:])
+        if shape is None:
+            if len(self.positions) >= MAX_KEYS:
+                del self.positions[next(iter(self.positions))]
+            shape = self.positions[key[1:]] = [[0.0] * self.max_gamma, [0.0] * self.max_gamma]
+        for i in range(self.max_gamma):
+            shape[0][i] = self.shape_keep * shape[0][i] + (accepted[i] if i < len(accepted) else 0.0)
+            shape[1][i] = self.shape_keep * shape[1][i] + (judged[i] if i < len(judged) else 0.0)
 
     def for_call(self, key: AlphaKey, fixed: int | None = None) -> BoundGamma:
         """The schedule one decoding call follows (see :class:`distillspec.speculative.GammaSchedule`): gamma
@@ -278,6 +341,13 @@ class AutoGamma:
                 "expected_tokens_per_s": self.expected_tps,
                 "measured_tokens_per_s": self.measured_tps,
                 "alpha": {_key_name(k): c[0] / c[1] for k, c in self.counts.items()},
+                #: by decoding settings, each draft position's acceptance rate given the ones before it accepted
+                "alpha_by_position": {
+                    _key_name((-1, *k)).removeprefix("v-1 ").removeprefix("v-1") or "all": [
+                        round(a / j, 4) if j else None for a, j in zip(*c, strict=True)
+                    ]
+                    for k, c in self.positions.items()
+                },
                 #: the costs behind the choice: a verify step (whole blocks: a block) and a draft step, by shape
                 "step_ms": {"verify": self.verify_costs.table(), "draft": self.draft_costs.table()},
             }
@@ -311,8 +381,8 @@ class BoundGamma:
         gamma: int,
         draft_s: float | None,
         verify_s: float | None,
-        accepted: int,
-        judged: int,
+        accepted: Sequence[float],
+        judged: Sequence[float],
         tokens: int,
     ) -> None:
         self.auto.observe(self.key, batch, gamma, draft_s, verify_s, accepted, judged, tokens, self.fixed is None)
@@ -357,13 +427,19 @@ class StepGamma:
         self.version, self.last = version, None
 
     def step_done(
-        self, end: float, rows: int, verified: list[int], drafted: int, accepted: int, tokens: int, decoding: bool
+        self,
+        end: float,
+        rows: int,
+        verified: list[int],
+        drafted: int,
+        accepted: list[int],
+        tokens: int,
+        decoding: bool,
     ) -> None:
         """A step of ``rows`` requests ended at ``end`` (seconds, a monotonic clock): it verified ``verified[i]``
-        draft tokens of row i and accepted ``accepted`` of them, emitted ``tokens``, drafted ``drafted`` per row for
-        the next step; ``decoding``: no row was prefilling."""
-        judged = sum(verified)
-        self.auto.count(self.key, accepted, judged)
+        draft tokens of row i and accepted ``accepted[i]`` of them, emitted ``tokens``, drafted ``drafted`` per row
+        for the next step; ``decoding``: no row was prefilling."""
+        self.auto.count(self.key, *acceptance_by_position(verified, accepted))
         last, self.last = self.last, (end, rows, drafted)
         same = last is not None and last[1] == rows and last[2] == drafted and all(v == drafted for v in verified)
         if same and decoding:

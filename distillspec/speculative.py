@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from distillspec.auto_gamma import acceptance_by_position
 from distillspec.config import Lenience
 from distillspec.errors import DistillSpecError
 from distillspec.kvcache import CachedLM, bucketed_capacity
@@ -124,8 +125,8 @@ class GammaSchedule(Protocol):
         gamma: int,
         draft_s: float | None,
         verify_s: float | None,
-        accepted: int,
-        judged: int,
+        accepted: Sequence[float],
+        judged: Sequence[float],
         tokens: int,
     ) -> None: ...
 
@@ -466,10 +467,9 @@ def speculative_generate(
             tgt.select_rows(keep)
             drf.select_rows(keep)
         if schedule is not None:  # the whole block: drafting, then verifying and its bookkeeping
-            took = int(n.sum())
-            judged = took + int((n < g).sum())
+            took = n.tolist()
             seconds = (drafted_at - start, step_clock(dev) - drafted_at) if typical else (None, None)
-            schedule.observe(b, g, *seconds, took, judged, took + b)
+            schedule.observe(b, g, *seconds, *acceptance_by_position([g] * b, took), sum(took) + b)
         if finished:
             break
 

@@ -85,7 +85,7 @@ def _step_done(live: StepGamma, scheduled: Any, output: Any) -> None:
     verified = [len(spec.get(r, ())) for r in rows]
     index, sampled = output.req_id_to_index, output.sampled_token_ids
     emitted = [len(sampled[index[r]]) if r in index and index[r] < len(sampled) else 0 for r in rows]
-    accepted = sum(max(0, e - 1) for e, v in zip(emitted, verified) if v)
+    accepted = [max(0, e - 1) if v else 0 for e, v in zip(emitted, verified, strict=True)]
     decoding = not scheduled.scheduled_new_reqs and all(n == 1 + v for n, v in zip(rows.values(), verified))
     drafted = scheduled.num_spec_tokens_to_schedule
     live.step_done(time.perf_counter(), len(rows), verified, drafted, accepted, sum(emitted), decoding)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from distillspec.auto_gamma import AutoGamma, StepCosts, StepGamma, expected_tokens
+from distillspec.auto_gamma import AutoGamma, StepCosts, StepGamma, acceptance_by_position, expected_tokens
 from distillspec.serving import Completer, CompletionJob, DecodingArgs
 
 from .conftest import greedy_text
@@ -18,6 +18,20 @@ def test_expected_tokens_per_block():
     assert expected_tokens(0.5, 3) == pytest.approx(1.875)
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.0, 7) == 1.0
+    assert expected_tokens([0.5] * 7, 3) == pytest.approx(1.875)  # by position: the same where all are alike
+    assert expected_tokens([0.5, 1.0, 1.0, 0.0], 4) == pytest.approx(1 + 0.5 * 3)  # past the 1st, all or none
+
+
+def test_acceptance_by_position_judges_each_row_up_to_its_first_rejection():
+    accepted, judged = acceptance_by_position([3, 3, 3, 1], [0, 1, 3, 1])
+    assert judged == [4, 2, 1] and accepted == [3, 1, 1]
+    assert acceptance_by_position([0, 0], [0, 0]) == ([], [])
+
+
+def iid(alpha: float, rows: float, gamma: int) -> tuple[list[float], list[float]]:
+    """Draft tokens accepted and judged by position when ``rows`` rows draft ``gamma`` at i.i.d. rate ``alpha`` (the
+    expected counts)."""
+    return [rows * alpha ** (i + 1) for i in range(gamma)], [rows * alpha**i for i in range(gamma)]
 
 
 def test_step_costs_own_average_where_measured_and_a_line_in_tokens_elsewhere():
@@ -56,7 +70,7 @@ def test_one_slow_block_does_not_turn_the_choice():
     before = auto.choose(KEY, 16)
     assert before == best_by_hand(0.3, 16, 7)
     verify = 0.010 + 0.0005 * 16 * (before + 1)
-    auto.observe(KEY, 16, before, 0.001 * before, 10 * verify, round(0.3 * 100 * before), 100 * before, 16)
+    auto.observe(KEY, 16, before, 0.001 * before, 10 * verify, *iid(0.3, 100, before), 16)
     assert auto.choose(KEY, 16) == before
 
 
@@ -65,9 +79,8 @@ def feed(auto: AutoGamma, alpha: float, batches: list[int], blocks: int = 4) -> 
     for batch in batches:
         for gamma in range(auto.max_gamma + 1):
             for _ in range(blocks):
-                judged = 100 * gamma
                 verify = 0.010 + 0.0005 * batch * (gamma + 1)
-                auto.observe(KEY, batch, gamma, 0.001 * gamma, verify, round(alpha * judged), judged, batch)
+                auto.observe(KEY, batch, gamma, 0.001 * gamma, verify, *iid(alpha, 100, gamma), batch)
 
 
 def best_by_hand(alpha: float, batch: int, max_gamma: int) -> int:
@@ -103,11 +116,16 @@ def test_rows_near_their_budget_are_not_drafted_past_it():
     assert plan.tokens_per_s[7] < plan.tokens_per_s[1]  # the same two tokens, at a longer block's cost
 
 
-def simulated_tokens_per_s(gamma: int | str, alpha: float, batch: int, seed: int, calls: int = 40) -> float:
-    """A replica on a simulated machine: calls of ``batch`` rows of 64 tokens each, i.i.d. acceptance ``alpha``, a
+def simulated_tokens_per_s(
+    gamma: int | str, alpha: float | tuple[float, float], batch: int, seed: int, calls: int = 40, **kwargs
+) -> float:
+    """A replica on a simulated machine: calls of ``batch`` rows of 64 tokens each, i.i.d. acceptance ``alpha`` (a
+    pair: streaks, each row's block easy or hard with even odds, its drafts accepted at the first or second rate), a
     draft step 1.2 ms + 0.06 ms per row and a verify step 8 ms + 0.4 ms per token, each timing off by a lognormal
-    15%; rows leave as they end. Tokens per simulated second at a fixed gamma or with gamma chosen live."""
-    rng, auto, clock, tokens = random.Random(seed), AutoGamma(7), 0.0, 0
+    15%; rows leave as they end. Tokens per simulated second at a fixed gamma or with gamma chosen live
+    (``kwargs``: :class:`AutoGamma`'s)."""
+    rng, auto, clock, tokens = random.Random(seed), AutoGamma(7, **kwargs), 0.0, 0
+    rates = alpha if isinstance(alpha, tuple) else (alpha, alpha)
     for _ in range(calls):
         left = [64] * batch
         while left:
@@ -115,10 +133,11 @@ def simulated_tokens_per_s(gamma: int | str, alpha: float, batch: int, seed: int
             g = auto.choose(KEY, b, left=left) if gamma == "auto" else gamma
             draft_s = sum((0.0012 + 0.00006 * b) * rng.lognormvariate(0, 0.15) for _ in range(g))
             verify_s = (0.008 + 0.0004 * b * (g + 1)) * rng.lognormvariate(0, 0.15)
-            accepted = [next((k for k in range(g) if rng.random() >= alpha), g) for _ in left]
+            row_rates = [rates[rng.random() < 0.5] for _ in left]
+            accepted = [next((k for k in range(g) if rng.random() >= a), g) for a in row_rates]
             emitted = [min(n + 1, r) for n, r in zip(accepted, left, strict=True)]
-            judged = sum(n + (n < g) for n in accepted)
-            auto.observe(KEY, b, g, draft_s, verify_s, sum(accepted), judged, sum(emitted), gamma == "auto")
+            by_position = acceptance_by_position([g] * b, accepted)
+            auto.observe(KEY, b, g, draft_s, verify_s, *by_position, sum(emitted), gamma == "auto")
             clock, tokens = clock + draft_s + verify_s, tokens + sum(emitted)
             left = [r - e for r, e in zip(left, emitted, strict=True) if r > e]
     return tokens / clock
@@ -132,6 +151,25 @@ def test_gamma_chosen_live_keeps_up_with_the_best_fixed_gamma_on_a_simulated_rep
     fixed = {g: sum(simulated_tokens_per_s(g, alpha, batch, seed) for seed in seeds) for g in range(8)}
     auto = sum(simulated_tokens_per_s("auto", alpha, batch, seed) for seed in seeds)
     assert auto >= 0.95 * max(fixed.values()), (auto / max(fixed.values()), max(fixed, key=fixed.get))
+
+
+def test_acceptance_in_streaks_is_planned_by_draft_position():
+    """A draft that either follows the target through a stretch (0.95) or loses it at once (0.1): a block that gets
+    past its first draft token is likely an easy one, so later positions are accepted far more often than the pooled
+    alpha says. Planned by position, gamma chosen live keeps up with the best fixed gamma (7) at batch 1; planned on
+    the pooled alpha alone (the shape weighed as nothing) it drafts too little."""
+    seeds, streaks = range(3), (0.95, 0.1)
+    best = max(sum(simulated_tokens_per_s(g, streaks, 1, seed) for seed in seeds) for g in range(8))
+    by_position = sum(simulated_tokens_per_s("auto", streaks, 1, seed) for seed in seeds)
+    pooled = sum(simulated_tokens_per_s("auto", streaks, 1, seed, shape_weight=1e12) for seed in seeds)
+    assert by_position >= 0.98 * best and pooled < 0.96 * best, (by_position / best, pooled / best)
+    auto, rng = AutoGamma(7), random.Random(0)
+    for _ in range(400):  # the true rates: a_1 = 0.525, a_2 = (0.95^2 + 0.1^2) / (0.95 + 0.1) = 0.87, ...
+        n = [next((k for k in range(7) if rng.random() >= a), 7) for a in rng.choices(streaks, k=4)]
+        auto.count(KEY, *acceptance_by_position([7] * 4, n))
+    true = [(0.95 ** (i + 1) + 0.2 ** (i + 1)) / (0.95**i + 0.2**i) for i in range(7)]
+    assert auto.rates(KEY) == pytest.approx(true, abs=0.08)
+    assert auto.summary()["alpha_by_position"]["T=1"] == pytest.approx(true, abs=0.08)
 
 
 def test_a_new_version_starts_from_its_canary_alpha_and_neighbours_are_explored():
@@ -162,28 +200,28 @@ def test_a_cost_measured_under_other_load_is_measured_again():
     normal = lambda g: (0.001 * g, 0.010 + 0.0005 * (g + 1))
     for _ in range(20):  # gamma 6, measured under load
         draft_s, verify_s = normal(6)
-        auto.observe(KEY, 1, 6, 3 * draft_s, 3 * verify_s, 540, 600, 6)
+        auto.observe(KEY, 1, 6, 3 * draft_s, 3 * verify_s, *iid(0.9, 100, 6), 6)
     assert auto.plan(KEY, 1).tokens_per_s[6] < auto.explore_within * auto.plan(KEY, 1).tokens_per_s[7]
     chosen = []
     for _ in range(400):  # the load is gone: every block runs at the normal speed
         g = auto.choose(KEY, 1)
         chosen.append(g)
-        auto.observe(KEY, 1, g, *normal(g), round(0.9 * 100 * g), 100 * g, 1)
+        auto.observe(KEY, 1, g, *normal(g), *iid(0.9, 100, g), 1)
     assert 6 in chosen[200:] and chosen.count(7) > 0.8 * len(chosen)
     assert auto.verify_costs.predict(1, 7) == pytest.approx(normal(6)[1], rel=0.2)
 
 
 def run_engine(live: StepGamma, rows: int, steps: int, alpha: float, clock: list[float]) -> list[int]:
     """Steps of an engine that batches continuously, as vLLM runs them: each step verifies the drafts the step before
-    it proposed (each accepted with probability ``alpha``, by a fixed pattern) and drafts the gamma its schedule
-    (``live[rows]``) gives. A step costs 10 ms + 0.5 ms per token it verifies + 1 ms per draft token it proposes."""
-    chosen, verified = [], 0
-    for step in range(steps):
+    it proposed (each accepted with probability ``alpha``) and drafts the gamma its schedule (``live[rows]``) gives. A
+    step costs 10 ms + 0.5 ms per token it verifies + 1 ms per draft token it proposes."""
+    chosen, verified, rng = [], 0, random.Random(round(clock[0] * 1e6))
+    for _ in range(steps):
         drafted = live[rows]
         chosen.append(drafted)
-        accepted = sum(int((step * 7 + i) % 100 < 100 * alpha) for i in range(verified)) * rows
+        n = [next((i for i in range(verified) if rng.random() >= alpha), verified) for _ in range(rows)]
         clock[0] += 0.010 + 0.0005 * rows * (verified + 1) + 0.001 * drafted
-        live.step_done(clock[0], rows, [verified] * rows, drafted, accepted, accepted + rows, decoding=True)
+        live.step_done(clock[0], rows, [verified] * rows, drafted, n, sum(n) + rows, decoding=True)
         verified = drafted
     return chosen
 
