@@ -115,7 +115,8 @@ class GammaSchedule(Protocol):
     next block's gamma (0: the target alone for one token) for a batch of ``batch`` rows that may each emit ``left``
     more tokens, at most the call's ``gamma``, trying another than its best only where ``explore`` (False while the
     draft has yet to read the call's prompt); ``observe`` gets what the block cost (None: a block whose cost is not
-    its shape's, such as the first) and yielded (all rows together)."""
+    its shape's, such as the first) and yielded: draft tokens accepted and judged by draft position (see
+    :func:`~distillspec.auto_gamma.acceptance_by_position`) and tokens emitted, all rows together."""
 
     def choose(self, batch: int, explore: bool = True, left: Sequence[int] | None = None) -> int: ...
 
