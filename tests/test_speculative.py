@@ -273,7 +273,9 @@ class Cycle:
         self.timed.append(draft_s is not None)
         assert (draft_s is None) == (verify_s is None)
         assert draft_s is None or (draft_s >= 0 and verify_s > 0)
-        assert 0 <= accepted <= judged <= batch * gamma
+        assert len(accepted) == len(judged) == gamma  # by draft position: every row judges its first draft
+        assert all(0 <= a <= j <= batch for a, j in zip(accepted, judged, strict=True)) and judged[:1] in ([], [batch])
+        assert all(judged[i + 1] <= accepted[i] for i in range(gamma - 1))  # judged only after the one before passed
 
 
 def test_steps_on_one_cpu_thread_are_timed_by_the_work_they_do():
@@ -310,7 +312,7 @@ def test_gamma_per_block_stays_exact_greedy(close_pair):
     assert torch.equal(sd.sequences, own.sequences)
     assert sd.stats.gammas == [schedule.gammas[i % 6] for i in range(len(sd.stats.gammas))]
     assert int(sd.stats.drafted.sum()) == sum(b * g for b, g, *_ in schedule.seen)
-    assert int(sd.stats.accepted.sum()) == sum(a for _, _, a, _, _ in schedule.seen) > 0
+    assert int(sd.stats.accepted.sum()) == sum(sum(a) for _, _, a, _, _ in schedule.seen) > 0
     # Costs of a shape come from every block but the first (emitted from the prompt's logits, no target call) and
     # the third (the draft reads the prompt); the target ran once per block but the first.
     assert schedule.timed[:4] == [False, True, False, True] and all(schedule.timed[4:])
