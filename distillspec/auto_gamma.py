@@ -235,17 +235,17 @@ class AutoGamma:
         with self.lock:
             return self._plan(self._rates(key), batch, left)
 
-    def _plan(self, alpha: list[float], batch: int, left: Sequence[int] | None) -> GammaPlan:
+    def _plan(self, rates: list[float], batch: int, left: Sequence[int] | None) -> GammaPlan:
         # A row with r tokens left emits at most r: drafts past its (r - 1)th cost and add nothing.
         budgets = Counter(min(r, self.max_gamma + 1) for r in left) if left else {self.max_gamma + 1: batch}
-        emits = [expected_tokens(alpha, g) for g in range(self.max_gamma + 1)]
-        rates = {}
+        emits = [expected_tokens(rates, g) for g in range(self.max_gamma + 1)]
+        speeds = {}
         for g in range(self.max_gamma + 1):
             seconds = self._block_seconds(batch, g)
             if seconds is None:
                 return GammaPlan(self.start_gamma)
-            rates[g] = sum(n * emits[min(g, r - 1)] for r, n in budgets.items()) / seconds
-        return GammaPlan(max(rates, key=lambda g: (rates[g], -g)), rates)
+            speeds[g] = sum(n * emits[min(g, r - 1)] for r, n in budgets.items()) / seconds
+        return GammaPlan(max(speeds, key=lambda g: (speeds[g], -g)), speeds)
 
     def _block_seconds(self, batch: int, gamma: int) -> float | None:
         verify = self.verify_costs.predict(batch, gamma + 1)
@@ -343,9 +343,7 @@ class AutoGamma:
                 "alpha": {_key_name(k): c[0] / c[1] for k, c in self.counts.items()},
                 #: by decoding settings, each draft position's acceptance rate given the ones before it accepted
                 "alpha_by_position": {
-                    _key_name((-1, *k)).removeprefix("v-1 ").removeprefix("v-1") or "all": [
-                        round(a / j, 4) if j else None for a, j in zip(*c, strict=True)
-                    ]
+                    _settings_name(k): [round(a / j, 4) if j else None for a, j in zip(*c, strict=True)]
                     for k, c in self.positions.items()
                 },
                 #: the costs behind the choice: a verify step (whole blocks: a block) and a draft step, by shape
@@ -353,11 +351,17 @@ class AutoGamma:
             }
 
 
-def _key_name(key: AlphaKey) -> str:
-    version, temperature, lenience, epsilon = key
+def _settings_name(settings: tuple) -> str:
+    """An alpha key's decoding settings by name ("all": an engine that keeps one alpha over every request's)."""
+    temperature, lenience, epsilon = settings
     if temperature is None:
-        return f"v{version}"
-    return f"v{version} T={temperature:g}" + (f" {lenience} eps={epsilon:g}" if lenience else "")
+        return "all"
+    return f"T={temperature:g}" + (f" {lenience} eps={epsilon:g}" if lenience else "")
+
+
+def _key_name(key: AlphaKey) -> str:
+    version, *settings = key
+    return f"v{version}" if key[1] is None else f"v{version} {_settings_name(tuple(settings))}"
 
 
 def _average(old: float | None, new: float, keep: float = 0.95) -> float:

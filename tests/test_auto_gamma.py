@@ -167,7 +167,8 @@ def test_acceptance_in_streaks_is_planned_by_draft_position():
     for _ in range(400):  # the true rates: a_1 = 0.525, a_2 = (0.95^2 + 0.1^2) / (0.95 + 0.1) = 0.87, ...
         n = [next((k for k in range(7) if rng.random() >= a), 7) for a in rng.choices(streaks, k=4)]
         auto.count(KEY, *acceptance_by_position([7] * 4, n))
-    true = [(0.95 ** (i + 1) + 0.2 ** (i + 1)) / (0.95**i + 0.2**i) for i in range(7)]
+    easy, hard = streaks
+    true = [(easy ** (i + 1) + hard ** (i + 1)) / (easy**i + hard**i) for i in range(7)]
     assert auto.rates(KEY) == pytest.approx(true, abs=0.08)
     assert auto.summary()["alpha_by_position"]["T=1"] == pytest.approx(true, abs=0.08)
 
