@@ -479,7 +479,7 @@ def suite_gamma(
         for g in settings[r % len(settings) :] + settings[: r % len(settings)]:
             extra = {} if vllm else {"speculative": False} if g == 0 else {"gamma": g}
             more = lambda i, n=per_client * c: i < n
-            before = _batch_sizes(urls[g])
+            sizes, cpu_s = _replica_use(urls[g])
             rows, errors, seconds = _send(urls[g], prompts, {**body, **extra}, c, more)
             if errors:
                 raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
@@ -493,13 +493,15 @@ def suite_gamma(
                     "seconds": seconds,
                     "sd": merge_stats([x["sd"] for x in rows]),
                     "draft_version": max(versions, default=None),
-                    "batch_sizes": dict(_batch_sizes(urls[g]) - before),  # the replica's batches in this slice
+                    # the replica's batches in this slice, and the CPU seconds it ran
+                    "batch_sizes": dict((after := _replica_use(urls[g]))[0] - sizes),
+                    "cpu_s": after[1] - cpu_s,
                 }
             )
         return slices
 
     table: dict[str, dict[str, dict]] = {}
-    runs: dict[str, list[dict]] = {}  # distilling: each concurrency's slices
+    runs: dict[str, list[dict]] = {}  # each concurrency's slices
     chosen: dict = {}
     urls: dict = {}
     try:
@@ -517,11 +519,10 @@ def suite_gamma(
                 if proc.wait() != 0:
                     log = out / f"concurrency-{c}" / "distill.log"
                     raise DistillSpecError(f"the distill job failed (exit {proc.returncode}); see {log}")
-                runs[str(c)] = slices
             else:
                 for r in range(rounds):
                     slices += one_round(urls, c, r, t0)
-            table[str(c)] = _gamma_row(slices, settings)
+            runs[str(c)], table[str(c)] = slices, _gamma_row(slices, settings)
             print(
                 f"concurrency {c}: " + ", ".join(f"gamma {g} {v['tokens_per_s']:.1f}" for g, v in table[str(c)].items())
             )
@@ -540,18 +541,28 @@ def suite_gamma(
         f"{cfg.dataset} prompts:"
     )
     _print_gamma_table(table, settings, "concurrency")
+    # Per second of the replica's CPU time: what serving cost the machine, whatever share of the cores the clients
+    # (and a distill job) held meanwhile, the share that moves a slice's wall-clock from one round to the next.
+    cpu_table = {c: _gamma_row(slices, settings, "cpu_s") for c, slices in runs.items()}
+    print("\nthe same per second of the replica's CPU time (its processes' user + system seconds):")
+    _print_gamma_table(cpu_table, settings, "concurrency")
     if distilling:
         thirds = {c: _gamma_thirds(slices, settings) for c, slices in runs.items()}
-        print("\nthe same over each third of the run (rounds by order), with alpha and the draft versions served:")
-        for c, parts in thirds.items():
-            print(f"concurrency {c}:")
-            _print_gamma_table({p["name"]: p["row"] for p in parts}, settings, "third", extra=_third_notes(parts))
+        cpu_thirds = {c: _gamma_thirds(slices, settings, "cpu_s") for c, slices in runs.items()}
+        for clock, parts_by_c in (("wall-clock", thirds), ("the replica's CPU time", cpu_thirds)):
+            print(
+                f"\nthe same over each third of the run (rounds by order), per second of {clock}, with alpha and "
+                "the draft versions served:"
+            )
+            for c, parts in parts_by_c.items():
+                print(f"concurrency {c}:")
+                _print_gamma_table({p["name"]: p["row"] for p in parts}, settings, "third", extra=_third_notes(parts))
         print("\ngamma chosen live over time (auto's draft tokens per target call, one figure per round):")
         over_time = {c: _gamma_rounds(slices) for c, slices in runs.items()}
         for c, rounds in over_time.items():
             line = " ".join(f"{r['auto_gamma']:.1f}" for r in rounds)
             print(f"  concurrency {c} ({len(rounds)} rounds): {line}")
-        _plot_gamma_distilling(over_time, thirds, settings, out, cfg)
+        _plot_gamma_distilling(over_time, {"wall-clock": thirds, "replica CPU": cpu_thirds}, settings, out, cfg)
     else:
         nan = float("nan")
         expected, measured = (chosen.get(f"{k}_tokens_per_s") or nan for k in ("expected", "measured"))
@@ -565,12 +576,13 @@ def suite_gamma(
         _plot_gamma(table, settings, concurrencies, out, cfg)
     result = {
         "table": table,
+        "table_replica_cpu": cpu_table,
         "auto_gamma": chosen,
         "max_tokens": body["max_tokens"],
         "temperature": cfg.serve.temperature,
     }
     if distilling:
-        result |= {"budget_s": budget, "thirds": thirds, "slices": runs}
+        result |= {"budget_s": budget, "thirds": thirds, "thirds_replica_cpu": cpu_thirds, "slices": runs}
     return result
 
 
@@ -619,8 +631,9 @@ def _auto_vs_best_interval(row: dict, settings: list, draws: int = 2000, seed: i
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
-def _gamma_row(slices: list[dict], settings: list) -> dict:
-    """Each setting's tokens/s over ``slices`` (and each slice's), draft tokens per target call and pooled alpha."""
+def _gamma_row(slices: list[dict], settings: list, clock: str = "seconds") -> dict:
+    """Each setting's tokens/s over ``slices`` (and each slice's), draft tokens per target call and pooled alpha.
+    ``clock``: per second of wall-clock (``"seconds"``) or of the replica's CPU time (``"cpu_s"``)."""
     from distillspec.serving import merge_stats
 
     row = {}
@@ -628,10 +641,10 @@ def _gamma_row(slices: list[dict], settings: list) -> dict:
         cells = [s for s in slices if s["gamma"] == str(g)]
         sd = merge_stats([s["sd"] for s in cells])
         row[str(g)] = {
-            "tokens_per_s": sum(s["tokens"] for s in cells) / sum(s["seconds"] for s in cells),
-            "per_round": [s["tokens"] / s["seconds"] for s in cells],
+            "tokens_per_s": sum(s["tokens"] for s in cells) / sum(s[clock] for s in cells),
+            "per_round": [s["tokens"] / s[clock] for s in cells],
             "per_round_tokens": [s["tokens"] for s in cells],
-            "per_round_seconds": [s["seconds"] for s in cells],
+            "per_round_seconds": [s[clock] for s in cells],
             "mean_gamma": sd["drafted"] / sd["target_calls"],  # draft tokens per target call
             "alpha": sd["alpha"],
         }
@@ -642,16 +655,18 @@ def _gamma_row(slices: list[dict], settings: list) -> dict:
     return row
 
 
-def _batch_sizes(url: str) -> Counter:
-    """The replica's decoding batches so far by their number of requests (empty where it does not batch them)."""
+def _replica_use(url: str) -> tuple[Counter, float]:
+    """The replica's decoding batches so far by their number of requests (empty where it does not batch them), and
+    the CPU seconds it has run."""
     import requests
 
-    sizes = requests.get(f"{url}/stats", timeout=30).json().get("batch_sizes", {})
-    return Counter({int(b): n for b, n in sizes.items()})
+    stats = requests.get(f"{url}/stats", timeout=30).json()
+    return Counter({int(b): n for b, n in stats.get("batch_sizes", {}).items()}), stats["cpu_s"]
 
 
-def _gamma_thirds(slices: list[dict], settings: list) -> list[dict]:
-    """A distilling run's rounds in three parts (by order): each part's table row, alpha and draft versions."""
+def _gamma_thirds(slices: list[dict], settings: list, clock: str = "seconds") -> list[dict]:
+    """A distilling run's rounds in three parts (by order): each part's table row (``clock``: as in
+    :func:`_gamma_row`), alpha and draft versions."""
     from distillspec.serving import merge_stats
 
     n = 1 + max(s["round"] for s in slices)
@@ -669,7 +684,7 @@ def _gamma_thirds(slices: list[dict], settings: list) -> list[dict]:
                 "seconds": [part[0]["end_s"] - part[0]["seconds"], part[-1]["end_s"]],
                 "alpha": merge_stats(speculating)["alpha"] if speculating else None,
                 "draft_versions": [min(versions), max(versions)] if versions else None,
-                "row": _gamma_row(part, settings),
+                "row": _gamma_row(part, settings, clock),
             }
         )
     return parts
@@ -729,13 +744,15 @@ def _gamma_rounds(slices: list[dict]) -> list[dict]:
     return over_time
 
 
-def _plot_gamma_distilling(over_time: dict, thirds: dict, settings: list, out: Path, cfg: JobConfig) -> None:
-    """One column per concurrency: alpha and auto's gamma round by round (top), tokens/s by third (bottom)."""
+def _plot_gamma_distilling(over_time: dict, thirds: dict[str, dict], settings: list, out: Path, cfg: JobConfig) -> None:
+    """One column per concurrency: alpha and auto's gamma round by round (top), then tokens/s by third, one row per
+    clock of ``thirds`` (its name -> each concurrency's thirds)."""
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, len(over_time), figsize=(3.6 * len(over_time), 6), squeeze=False)
-    for (c, rounds), top, below in zip(over_time.items(), axes[0], axes[1], strict=True):
+    n = len(over_time)
+    fig, axes = plt.subplots(1 + len(thirds), n, figsize=(3.6 * n, 3 * (1 + len(thirds))), squeeze=False)
+    for (c, rounds), top in zip(over_time.items(), axes[0], strict=True):
         times = [r["end_s"] for r in rounds]
         top.plot(times, [r["alpha"] for r in rounds], color="tab:blue", marker=".")
         top.set_ylabel("alpha (round)", color="tab:blue")
@@ -745,18 +762,20 @@ def _plot_gamma_distilling(over_time: dict, thirds: dict, settings: list, out: P
         right.set_ylim(0, cfg.serve.max_gamma + 0.5)
         right.set_ylabel("gamma chosen (mean)", color="tab:green")
         top.set_xlabel("seconds since the job started")
-        names = [p["name"] for p in thirds[c]]
-        for g in settings:
-            below.plot(
-                names,
-                [p["row"][str(g)]["tokens_per_s"] for p in thirds[c]],
-                marker="o",
-                label=f"gamma {g}" if g else "no speculation",
-                lw=2.5 if g == "auto" else 1.2,
-            )
-        below.set_xlabel("third of the run")
-        below.set_ylabel("tokens/s")
-    axes[1][0].legend(fontsize=7)
+    for (clock, by_c), row in zip(thirds.items(), axes[1:], strict=True):
+        for c, below in zip(over_time, row, strict=True):
+            names = [p["name"] for p in by_c[c]]
+            for g in settings:
+                below.plot(
+                    names,
+                    [p["row"][str(g)]["tokens_per_s"] for p in by_c[c]],
+                    marker="o",
+                    label=f"gamma {g}" if g else "no speculation",
+                    lw=2.5 if g == "auto" else 1.2,
+                )
+            below.set_xlabel("third of the run")
+            below.set_ylabel(f"tokens/s ({clock})")
+        row[0].legend(fontsize=7)
     task = f"{Path(cfg.dataset).name}, T = {cfg.serve.temperature:g}"
     fig.suptitle(f"gamma chosen live while the draft is distilled\n({task})")
     fig.tight_layout()

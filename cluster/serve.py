@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import torch
 import yaml
@@ -144,6 +145,20 @@ class _BodyLimit:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds this replica's process and its children (vLLM's engine core) have run so far: the machine's work
+    its serving took, whatever share of the cores other processes held meanwhile."""
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # a child that ended meanwhile
+            continue
+        total += times.user + times.system
+    return total
 
 
 def _too_large(limit: int) -> JSONResponse:
@@ -306,6 +321,7 @@ class Completions:
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
             **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batcher.sizes.items())}}),
+            "cpu_s": _cpu_seconds(),
         }
 
     @app.post("/v1/completions", response_model=None)

@@ -190,7 +190,8 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
         for g, speed in speeds.items():
             drafted = 0 if g == "0" or (g == "auto" and alpha < 0.5) else 50
             sd = stats(drafted, int(alpha * drafted), 10)
-            slices.append({"round": r, "gamma": g, "end_s": 10.0 * r + 1, "tokens": speed, "seconds": 1.0, "sd": sd})
+            cell = {"round": r, "gamma": g, "end_s": 10.0 * r + 1, "tokens": speed, "seconds": 1.0, "sd": sd}
+            slices.append({**cell, "cpu_s": 0.5 if g == "auto" else 0.8})  # the replica's CPU seconds
             slices[-1]["draft_version"] = r if drafted else None
             slices[-1]["batch_sizes"] = {"4": 1, "2": 2} if g == "0" else {"4": 2}
     whole = _gamma_row(slices, settings)
@@ -198,6 +199,9 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
     _print_gamma_table({"all": whole}, settings, "run")
     assert whole["0"]["tokens_per_s"] == pytest.approx(100.0) and whole["0"]["mean_gamma"] == 0.0
     assert whole["5"]["alpha"] == pytest.approx((20 + 35 + 45) * 2 / 300) and whole["5"]["mean_gamma"] == 5.0
+    per_cpu_s = _gamma_row(slices, settings, "cpu_s")  # per second of the replica's CPU time
+    assert per_cpu_s["0"]["tokens_per_s"] == pytest.approx(125.0) and per_cpu_s["auto"]["per_round"][0] == 200.0
+    assert _gamma_thirds(slices, settings, "cpu_s")[0]["row"]["5"]["tokens_per_s"] == pytest.approx(100 / 0.8)
     thirds = _gamma_thirds(slices, settings)
     assert [p["name"] for p in thirds] == ["first", "second", "last"] and all(p["rounds"] == 2 for p in thirds)
     assert [p["draft_versions"] for p in thirds] == [[0, 1], [2, 3], [4, 5]]

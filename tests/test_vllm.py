@@ -472,6 +472,9 @@ def test_a_dead_engine_gets_its_replica_replaced(vllm_endpoint, models, clear_ex
     found = found or engines_of_replicas("spawn_main")
     assert len(found) == 1, {r.pid: [(c.pid, c.name(), c.cmdline()) for c in r.children(recursive=True)] for r in found}
     ((replica, engines),) = found.items()
+    # /v1/stats counts the CPU seconds of the replica's processes, its engine's included
+    used = sum(sum(p.cpu_times()[:2]) for p in [replica, *engines])
+    assert requests.get(f"{vllm_endpoint}/v1/stats", timeout=30).json()["cpu_s"] >= used > 0
     for p in engines:
         p.kill()
     statuses, start = [], time.monotonic()
