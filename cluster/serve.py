@@ -321,7 +321,7 @@ class Completions:
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
             **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batcher.sizes.items())}}),
-            "cpu_s": _cpu_seconds(),
+            "cpu_s": await asyncio.to_thread(_cpu_seconds),  # it reads every process's parent: not on the loop
         }
 
     @app.post("/v1/completions", response_model=None)

@@ -493,7 +493,8 @@ class LiveAcceptance:
     same settings, weighted as the new version's traffic is (like with like, whatever the traffic's mix), and it is
     rolled back when it is more than ``margin`` lower, beyond sampling noise: by more than ``margin`` plus
     :data:`NOISE_Z` standard errors of the difference (:func:`ratio_variance`: completions differ, and a window of
-    few completions over a skewed mix of prompts can be well below another window of the same draft).
+    few completions over a skewed mix of prompts can be well below another window of the same draft; the new
+    version's at least the binomial one of its judged tokens at the previous version's alpha).
 
     With gamma chosen live, a completion may draft nothing (the choice stopped speculating, as it does soon after a
     version collapses): it still counts towards the window, so a version the choice gave up on is judged on the few
@@ -547,6 +548,11 @@ class LiveAcceptance:
         for args in shared:
             alpha, var = ratio_variance(self.recent[(previous, args)])
             old, old_var = old + judged[args] / total * alpha, old_var + (judged[args] / total) ** 2 * var
+        # Were the new version as good as the previous one, its alpha over ``total`` judged tokens would vary at least
+        # as a binomial's (the tokens of one completion, correlated, only add to that); its own spread is 0 when the
+        # window accepted nothing, however few tokens it judged (a draft at alpha 0.3 rejects 3 in a row a third of
+        # the time).
+        new_var = max(new_var, old * (1 - old) / total)
         noise = NOISE_Z * math.sqrt(new_var + old_var)
         if new < old - self.margin - noise:
             return (

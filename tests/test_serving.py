@@ -187,6 +187,20 @@ def test_live_acceptance_judges_a_version_gamma_auto_stopped_speculating_with():
     assert live.versions() == [1, 2]
 
 
+def test_live_acceptance_keeps_a_weak_draft_that_rejected_its_few_judged_tokens():
+    """Against a previous version at alpha 0.3, a window that judged 3 draft tokens and accepted none is what the
+    same draft does a third of the time (0.7^3): kept, although no completion in it accepted anything (the window's
+    own spread is 0). 120 judged and none accepted is a collapse: rolled back."""
+    auto = DecodingArgs(gamma="auto", temperature=0.0)
+    live = LiveAcceptance(window=16, margin=0.1)
+    for i in range(16):
+        live.record(1, {"accepted": 3, "rejected": 7}, auto)
+        live.record(2, {"accepted": 0, "rejected": int(i < 3)}, auto)  # the choice drafted in 3 blocks only
+        live.record(3, {"accepted": 0, "rejected": 8 if i < 15 else 0}, auto)
+    assert live.verdict(2, 1) is None and 2 in live.judged
+    assert live.verdict(3, 1).startswith("rollback: live alpha 0.000 of version 3 < 0.300 of version 1")
+
+
 def test_merge_stats_pools_counts():
     a = {"gamma": 4, "drafted": 8, "accepted": 6, "rejected": 1, "target_calls": 2}
     b = {"gamma": 4, "drafted": 4, "accepted": 0, "rejected": 1, "target_calls": 1}
