@@ -484,6 +484,7 @@ def suite_gamma(
             if errors:
                 raise DistillSpecError(f"gamma {g}, concurrency {c}: {len(errors)} errors, e.g. {errors[0]}")
             versions = [x["sd"]["draft_version"] for x in rows if x["sd"].get("draft_version") is not None]
+            sizes_after, cpu_s_after = _replica_use(urls[g])
             slices.append(
                 {
                     "round": r,
@@ -493,9 +494,8 @@ def suite_gamma(
                     "seconds": seconds,
                     "sd": merge_stats([x["sd"] for x in rows]),
                     "draft_version": max(versions, default=None),
-                    # the replica's batches in this slice, and the CPU seconds it ran
-                    "batch_sizes": dict((after := _replica_use(urls[g]))[0] - sizes),
-                    "cpu_s": after[1] - cpu_s,
+                    "batch_sizes": dict(sizes_after - sizes),  # the replica's batches in this slice
+                    "cpu_s": cpu_s_after - cpu_s,  # and the CPU seconds it ran
                 }
             )
         return slices
