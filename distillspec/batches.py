@@ -39,6 +39,10 @@ class Batch:
     attention_mask: Tensor
     loss_mask: Tensor
 
+    def to(self, device: str | torch.device) -> Batch:
+        """The batch on ``device`` (itself where it is there already)."""
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     @property
     def position_ids(self) -> Tensor:
         return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -67,10 +67,12 @@ def _log_probs_pair(draft_logits: Tensor, target: Tensor | TopKLogprobs, tempera
             f"top-k target was compressed at temperature {target.temperature}, the loss asks for {temperature}: "
             "compress at the training temperature"
         )
-    log_q_top = log_q.gather(-1, target.indices)
-    # The draft's leftover mass summed exactly over the other tokens; the target's is 1 - sum(top-k).
-    log_q_rest = torch.logsumexp(log_q.scatter(-1, target.indices, -math.inf), dim=-1, keepdim=True)
     log_p = target.logprobs.float()
+    scored = log_p > -math.inf  # entries of -inf are no outcome (a draft vocabulary dropped them)
+    log_q_top = log_q.gather(-1, target.indices).masked_fill(~scored, -math.inf)
+    # The draft's leftover mass summed exactly over the other tokens; the target's is 1 - sum(top-k).
+    other = torch.ones_like(log_q).scatter_reduce(-1, target.indices, (~scored).to(log_q.dtype), "amin")
+    log_q_rest = torch.logsumexp(log_q.masked_fill(other == 0, -math.inf), dim=-1, keepdim=True)
     log_p_rest = torch.log((-torch.expm1(torch.logsumexp(log_p, dim=-1, keepdim=True))).clamp(min=0.0))
     return (
         torch.cat([log_q_top, log_q_rest.clamp(min=LOG_REST_FLOOR)], -1),

@@ -9,6 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.batches import make_batch
 from distillspec.data import score
+from distillspec.draft_vocab import d2t, expand_logits, vocab_size
 from distillspec.losses import forward_logits
 from distillspec.metrics import alpha_from_tvd, expected_tau, measure_cost_ratio, predicted_speedup
 from distillspec.models import decode_new, encode_prompts
@@ -65,7 +66,10 @@ def evaluate_sd(
         n = batch.loss_mask.sum().item()
         if n:
             a = alpha_from_tvd(
-                forward_logits(draft, batch), forward_logits(target, batch), batch.window_mask, temperature
+                expand_logits(forward_logits(draft, batch), d2t(draft), vocab_size(target)),
+                forward_logits(target, batch),
+                batch.window_mask,
+                temperature,
             )
             tvd_sum += (1.0 - a) * n
             tvd_count += n

@@ -18,6 +18,7 @@ A lean model may also be **compiled** (``compile=True``): its decoding steps (no
 gpt-fast does. That removes the per-operator dispatch cost that dominates a small draft's one-token steps
 (on this project's CPU garden drafts, 0.43 -> 0.22 ms a step). Each new (batch, tokens, capacity) shape
 compiles once, in seconds, so it pays off for single-stream decoding that runs many steps at one shape.
+:class:`CudaGraphs` replays a static step as CUDA graphs (the GPU suite, ``benchmarks/suites/gpu.py``, times it).
 """
 
 from __future__ import annotations
@@ -91,39 +92,83 @@ def bucketed_capacity(length: int, bucket: int = 128) -> int:
 
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+#: ``step(keys, values, tokens, positions, start, mask) -> logits``: see :func:`static_step`.
+StaticStep = Callable[[list[Tensor], list[Tensor], Tensor, Tensor, Tensor, Tensor], Tensor]
 
-def _compiled_step(model: PreTrainedModel) -> Callable[..., Tensor]:
-    """``step(keys, values, tokens, positions, start, mask) -> logits``, compiled once per model: the new tokens
-    [B, k] go to cache columns ``start + arange(k)`` (``start`` a 0-d tensor, so it never recompiles), and each
-    query attends over the whole cache [B, capacity] where ``mask`` is 1, up to its own column, and itself."""
+
+def static_step(model: PreTrainedModel) -> StaticStep:
+    """A decoding step at static shapes: the new tokens [B, k] go to cache columns ``start + arange(k)`` (``start``
+    a 0-d tensor, so a compiled or captured step never depends on its value), and each query attends over the whole
+    cache [B, capacity] where ``mask`` is 1, up to its own column, and itself."""
+    rope, inner = _rope(model), model.model
+
+    def step(keys: list[Tensor], values: list[Tensor], tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor):
+        own = start + torch.arange(tokens.shape[1], device=tokens.device)
+        visible = _visibility(mask, own)
+
+        def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
+            keys[i].index_copy_(2, own, key)
+            values[i].index_copy_(2, own, value)
+            return F.scaled_dot_product_attention(
+                q,
+                keys[i],
+                values[i],
+                attn_mask=visible,
+                scale=inner.layers[i].self_attn.scaling,
+                enable_gqa=keys[i].shape[1] != q.shape[1],
+            )
+
+        h = _lean_layers(model, rope, inner.embed_tokens(tokens), positions, attend)
+        return model.lm_head(inner.norm(h)).float()
+
+    return step
+
+
+def _compiled_step(model: PreTrainedModel) -> StaticStep:
+    """:func:`static_step` through ``torch.compile``, once per model."""
     if model not in _COMPILED:
-        rope, inner = _rope(model), model.model
-
-        def step(keys: Tensor, values: Tensor, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor):
-            own = start + torch.arange(tokens.shape[1], device=tokens.device)
-            visible = _visibility(mask, own)
-
-            def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
-                keys[i].index_copy_(2, own, key)
-                values[i].index_copy_(2, own, value)
-                return F.scaled_dot_product_attention(
-                    q,
-                    keys[i],
-                    values[i],
-                    attn_mask=visible,
-                    scale=inner.layers[i].self_attn.scaling,
-                    enable_gqa=keys[i].shape[1] != q.shape[1],
-                )
-
-            h = _lean_layers(model, rope, inner.embed_tokens(tokens), positions, attend)
-            return model.lm_head(inner.norm(h)).float()
-
         # Every model's step shares one code object, and dynamo keeps at most ``recompile_limit`` compiled
         # versions of a code object (8 by default) before falling back to eager: 2-3 shapes a model would
         # exhaust it after a few models, so allow more.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _COMPILED[model] = torch.compile(step, dynamic=False)
+        _COMPILED[model] = torch.compile(static_step(model), dynamic=False)
     return _COMPILED[model]
+
+
+class CudaGraphs:
+    """A :data:`StaticStep` replayed as CUDA graphs, one captured per shape and cache (as gpt-fast and vLLM do): at
+    batch 1 a step's hundreds of kernel launches cost more CPU time than its GPU work on models up to a few billion
+    parameters; a replay launches them all at once. The inputs are copied into the graph's own, the logits copied
+    out (the next replay overwrites them). A graph holds the cache tensors' addresses: a cache that grew or lost rows
+    is a new cache, captured anew; at most ``limit`` graphs are kept (the oldest dropped)."""
+
+    def __init__(self, step: StaticStep, limit: int = 32) -> None:
+        self.step, self.limit = step, limit
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+
+    def __call__(
+        self, keys: list[Tensor], values: list[Tensor], tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor
+    ) -> Tensor:
+        inputs = (tokens, positions, start, mask)
+        key = (tuple(tokens.shape), tuple(mask.shape), *(x.data_ptr() for x in (*keys, *values)))
+        if key not in self.graphs:
+            static = [x.clone() for x in inputs]
+            side = torch.cuda.Stream(device=tokens.device)
+            side.wait_stream(torch.cuda.current_stream(tokens.device))
+            with torch.cuda.stream(side):  # warm-up (and compilation) off the capture; it writes what the step writes
+                self.step(keys, values, *static)
+            torch.cuda.current_stream(tokens.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.step(keys, values, *static)
+            if len(self.graphs) >= self.limit:
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[key] = (graph, static, logits)
+        graph, static, logits = self.graphs[key]
+        for buffer, x in zip(static, inputs):
+            buffer.copy_(x)
+        graph.replay()
+        return logits.clone()
 
 
 class CachedLM:

@@ -123,8 +123,16 @@ class Learner:
         this step starts from (both default to the step count: the versions of a run that never restarted), their
         difference the batch's lag; ``start`` is the ``time.perf_counter()`` the record's ``time`` counts from."""
         t0 = time.perf_counter()
+        device = self.draft.device
+        batch = batch.to(device)
+        if isinstance(target_logits, TopKLogprobs):
+            target_logits = TopKLogprobs(
+                target_logits.logprobs.to(device), target_logits.indices.to(device), target_logits.temperature
+            )
+        elif target_logits is not None:
+            target_logits = target_logits.to(device)
         self.model.train()
-        with torch.autocast(self.draft.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.objective(self.model, batch, target_logits)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from distillspec.batches import Batch
 from distillspec.config import Recipe
 from distillspec.divergences import TopKLogprobs, divergence
+from distillspec.draft_vocab import d2t, restrict_target
 
 
 def forward_logits(model: PreTrainedModel, batch: Batch, start: int | None = None) -> Tensor:
@@ -49,7 +50,8 @@ def kd_loss(
     """The sequence-level divergence D(p || q_theta) of Eq. 2 over the continuation.
 
     ``target_logits`` may come precomputed (full logits or top-k log-probs from a scoring actor);
-    otherwise the target model scores the batch here.
+    otherwise the target model scores the batch here. A draft with a draft vocabulary is moved toward the target's
+    distribution conditioned on it (:func:`~distillspec.draft_vocab.restrict_target`).
     """
     if target_logits is None:
         with torch.no_grad():
@@ -58,7 +60,7 @@ def kd_loss(
     return divergence(
         recipe.divergence,
         draft_logits,
-        target_logits,
+        restrict_target(target_logits, d2t(getattr(draft, "module", draft))),
         batch.window_mask,
         temperature=train_temperature(temperature),
         beta=beta,

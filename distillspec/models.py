@@ -7,11 +7,12 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec import hub
+from distillspec import draft_vocab, hub
 from distillspec.errors import DistillSpecError
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,32 @@ def load_model(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        config = AutoConfig.from_pretrained(name)
+        if getattr(config, draft_vocab.CONFIG_KEY, None):
+            model = _load_restricted(name, config, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
     return model.to(device).eval(), tokenizer
+
+
+def _load_restricted(name: str, config, dtype: torch.dtype) -> PreTrainedModel:
+    """A draft saved with a draft vocabulary (:mod:`distillspec.draft_vocab`): the architecture from its config, the
+    head restricted to the saved size, then every weight from its safetensors files."""
+    files = sorted(Path(name).expanduser().glob("*.safetensors"))
+    if not files:
+        raise OSError(f"{name} has a draft vocabulary ({draft_vocab.CONFIG_KEY}) but no *.safetensors weights")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    draft_vocab.restrict_head(model, torch.arange(getattr(config, draft_vocab.CONFIG_KEY)))
+    state = {}
+    for file in files:
+        state.update(safetensors.torch.load_file(file))
+    model.load_state_dict(state, strict=False)  # buffers of the architecture (rotary) are not saved
+    missing = {k for k, _ in model.named_parameters()} - set(state)
+    if missing:
+        raise OSError(f"{name} lacks weights {sorted(missing)[:3]}")
+    return model
 
 
 def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from distillspec.auto_gamma import acceptance_by_position
 from distillspec.config import Lenience
+from distillspec.draft_vocab import d2t, full_probs, vocab_size
 from distillspec.errors import DistillSpecError
 from distillspec.kvcache import CachedLM, bucketed_capacity
 from distillspec.metrics import AcceptanceCounts
@@ -53,8 +54,9 @@ def check_decoding_args(
 
 
 def check_pair(target: PreTrainedModel, draft: PreTrainedModel) -> None:
-    """The target and the draft must share one vocabulary."""
-    vt, vd = target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    """The target and the draft must share one vocabulary (a draft may propose from a part of it: see
+    :mod:`distillspec.draft_vocab`)."""
+    vt, vd = vocab_size(target), vocab_size(draft)
     if vt != vd:
         raise DistillSpecError(f"draft vocab {vd} != target vocab {vt}: the draft and target must share one tokenizer")
 
@@ -248,9 +250,11 @@ def autoregressive_generate(
     eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
     emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device)
     rows = torch.arange(len(input_ids), device=input_ids.device)
+    ids = d2t(model)  # a model with a draft vocabulary samples an index into it
     logits = lm.prefill(input_ids, mask)
     while True:
         token = next_token(logits, temperature, generator)
+        token = token if ids is None else ids[token]
         done = emitter.emit(rows, token[:, None], torch.ones_like(token))
         if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count)):
             break
@@ -312,17 +316,20 @@ def draft_tokens(
     compile: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Step 1 of a block: ``g`` tokens from the draft, one call each, after it read ``x`` (the tokens it has not read
-    yet; ``valid``: 0 at holes). Returns the drafts [b, g] and their distributions q [b, g, V] (None at
-    ``temperature == 0``: greedy drafts)."""
+    yet; ``valid``: 0 at holes). Returns the drafts [b, g] and their distributions q [b, g, V] on the whole
+    vocabulary (None at ``temperature == 0``: greedy drafts). A draft with a draft vocabulary samples inside it."""
     q, drafts = [], []
+    ids, vocab = d2t(drf.model), vocab_size(drf.model)
     for _ in range(g):
         # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
         logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
         if temperature == 0:
             d_j = logits.argmax(-1)
         else:
-            q.append(torch.softmax(logits / temperature, dim=-1))
-            d_j = sample(q[-1], generator)
+            q_j = torch.softmax(logits / temperature, dim=-1)
+            d_j = sample(q_j, generator)
+            q.append(full_probs(q_j, ids, vocab))
+        d_j = d_j if ids is None else ids[d_j]
         drafts.append(d_j)
         x, valid = d_j[:, None], None
     return (torch.stack(drafts, 1) if g else x[:, :0]), (torch.stack(q, 1) if q else None)

@@ -1,0 +1,131 @@
+"""The draft vocabulary (distillspec/draft_vocab.py): exact speculative decoding with a draft that proposes from
+part of the vocabulary, its training target, and its round trip through save_pretrained."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
+from distillspec.divergences import compress_topk, divergence
+from distillspec.draft_vocab import d2t, expand_logits, frequent_tokens, restrict_head, restrict_target
+from distillspec.models import load_model
+
+from .conftest import perturbed, tiny_llama
+from .test_speculative import V, fit_to_target, left_padded_prompts
+
+#: The draft proposes 5 of the 8 tokens: the target's mass on the other 3 can only come from the residual.
+KEPT = torch.tensor([0, 2, 3, 5, 6])
+
+
+@pytest.fixture(scope="module")
+def restricted_pair():
+    target = tiny_llama(V, d=16, seed=3, sharpness=30.0)
+    draft = restrict_head(tiny_llama(V, d=16, seed=4, sharpness=30.0), KEPT)
+    return target, draft
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_sd_with_a_draft_vocabulary_follows_the_target_distribution(restricted_pair, gamma):
+    """Chi-square over 12,000 two-token samples: exact, though the draft never proposes 3 of the 8 tokens."""
+    target, draft = restricted_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    out = speculative_generate(
+        target,
+        draft,
+        prompt.repeat(12_000, 1),
+        gamma=gamma,
+        max_new_tokens=2,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(gamma),
+    )
+    assert 0.0 < out.stats.alpha < 1.0
+    assert not bool(torch.isin(out.sequences[:, 3:], KEPT).all())  # tokens outside the draft's vocabulary came
+    assert fit_to_target(out, target, prompt) > 1e-3
+
+
+def test_the_restricted_draft_samples_only_inside_its_vocabulary(restricted_pair):
+    _, draft = restricted_pair
+    out = autoregressive_generate(
+        draft, torch.tensor([[1, 2, 3]]).repeat(500, 1), max_new_tokens=3, generator=torch.Generator().manual_seed(0)
+    )
+    assert bool(torch.isin(out.sequences[:, 3:], KEPT).all())
+    assert len(torch.unique(out.sequences[:, 3:])) == len(KEPT)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_sd_with_a_draft_vocabulary_equals_target_greedy(gamma):
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
+    draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))  # the even ids only
+    ids, mask = left_padded_prompts()
+    sd = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
+    for row in range(len(ids)):
+        prompt = ids[row : row + 1, mask[row].bool()]
+        own = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
+    assert 0.0 < sd.stats.alpha < 1.0
+
+
+def test_the_head_restricted_keeps_the_rows_and_untie():
+    model = tiny_llama(64, d=32, seed=0)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    full = model(torch.tensor([[1, 2, 3]])).logits
+    keep = torch.tensor([1, 5, 9, 63])
+    restrict_head(model, keep)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert torch.allclose(model(torch.tensor([[1, 2, 3]])).logits, full[..., keep], atol=1e-6)
+    assert torch.equal(d2t(model), keep)
+    expanded = expand_logits(full[..., keep], keep, 64)
+    assert torch.isinf(expanded[..., 0]).all() and torch.equal(expanded[..., keep], full[..., keep])
+
+
+def test_a_restricted_draft_round_trips_through_save_pretrained(tmp_path, tokenizer):
+    model = restrict_head(tiny_llama(len(tokenizer), d=32, seed=0), torch.arange(0, len(tokenizer), 3))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, _ = load_model(str(tmp_path))
+    assert torch.equal(d2t(loaded), d2t(model))
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+def test_frequent_tokens_counts_and_keeps_the_special_ones():
+    ids = frequent_tokens([[5, 5, 5, 7, 7, 9], [7, 5, 1]], 3, 16, always=[15])
+    assert ids.tolist() == [5, 7, 15]
+    assert frequent_tokens([[3]], 4, 8).tolist() == [0, 1, 2, 3]  # unseen ids fill the rest
+    with pytest.raises(DistillSpecError, match="must be in"):
+        frequent_tokens([[1]], 0, 8)
+
+
+def test_bad_ids_are_refused():
+    model = tiny_llama(16, d=16)
+    for ids, match in (([3, 3], "distinct"), ([0, 16], r"\[0, 16\)"), ([], "ids")):
+        with pytest.raises(DistillSpecError, match=match):
+            restrict_head(copy.deepcopy(model), torch.tensor(ids, dtype=torch.long))
+
+
+def test_the_training_target_is_the_target_conditioned_on_the_draft_vocabulary():
+    """Full logits and top-k log-probs give the same loss where the top-k hold the kept tokens; the optimum of every
+    divergence is the conditioned target, whose TVD over the whole vocabulary is the mass outside it."""
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.randn(2, 3, 10, generator=g) * 3
+    keep = torch.tensor([0, 1, 4, 7])
+    conditioned = target_logits[..., keep]  # the draft that matches the target inside its vocabulary
+    for name in ("fkl", "rkl", "jsd", "tvd"):
+        loss = divergence(name, conditioned, restrict_target(target_logits, keep), reduction="token")
+        assert float(loss) == pytest.approx(0.0, abs=1e-6)
+        other = torch.randn(2, 3, 4, generator=g)
+        assert float(divergence(name, other, restrict_target(target_logits, keep), reduction="token")) > 1e-3
+    topk = compress_topk(target_logits, 10)  # every token scored: the same conditioned target
+    draft = torch.randn(2, 3, 4, generator=g)
+    full = divergence("fkl", draft, restrict_target(target_logits, keep), reduction="token")
+    assert float(divergence("fkl", draft, restrict_target(topk, keep), reduction="token")) == pytest.approx(
+        float(full), rel=1e-4
+    )
+    p = torch.softmax(target_logits, -1)
+    outside = 1 - p[..., keep].sum(-1).mean()
+    tvd = divergence("tvd", expand_logits(conditioned, keep, 10), target_logits, reduction="token")
+    assert float(tvd) == pytest.approx(float(outside), rel=1e-4)
+    assert math.isfinite(float(divergence("rkl", draft, restrict_target(compress_topk(target_logits, 3), keep))))
