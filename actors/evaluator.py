@@ -18,7 +18,7 @@ from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, V
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
-from distillspec.models import load_pair, state_arrays
+from distillspec.models import load_model, load_pair, state_arrays
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 from distillspec.versions import DraftVersion
@@ -62,7 +62,7 @@ class EvalActor:
         s, m = settings, settings.models
         self.settings, self.prompts = s, prompts
         self.target, self.draft, self.tokenizer = load_pair(
-            m.target, m.draft, device=m.device, target_dtype=m.target_dtype
+            m.target, m.draft, device=m.device, dtype=m.dtype, decode_only=True
         )
         self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
@@ -174,26 +174,41 @@ class EvalActor:
 
 
 @ray.remote(max_retries=0)
-def _measure_task(phase: str, cfg: JobConfig, draft: str, task: Task, threads: int) -> list[dict]:
+def _measure_task(
+    phase: str, cfg: JobConfig, draft: str, task: Task, threads: int, speed: bool, baseline: str | None
+) -> list[dict]:
     setup_worker(threads)
-    target, model, tokenizer = load_pair(cfg.target, draft, device=cfg.device, target_dtype=cfg.target_dtype)
-    return measure_phase(phase, cfg, target, model, tokenizer, task)
+    target, model, tokenizer = load_pair(cfg.target, draft, device=cfg.device, dtype=cfg.dtype, decode_only=True)
+    before = None if baseline is None else load_model(baseline, device=cfg.device, dtype=model.dtype)[0]
+    return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before)
 
 
-def measure_on_cluster(phase: str, cfg: JobConfig, draft: str, task: Task, *, threads: int = 1) -> list[dict]:
+def measure_on_cluster(
+    phase: str,
+    cfg: JobConfig,
+    draft: str,
+    task: Task,
+    *,
+    threads: int = 1,
+    speed: bool = True,
+    baseline: str | None = None,
+) -> list[dict]:
     """The job's before/after measurements (:func:`distillspec.study.measure_phase`) of the pair ``cfg.target`` and
     ``draft`` as a Ray task with ``evaluator.cpus`` CPUs and ``evaluator.gpus`` GPUs (``threads`` torch threads), so a
-    driver on a head node without the job's device still measures on it. A user's mistake (a bad path, a tokenizer
-    mismatch) comes back as the :class:`DistillSpecError` it is."""
+    driver on a head node without the job's device still measures on it; ``speed``/``baseline``: the wall-clock
+    speedup, of ``draft`` alone or side by side with the ``baseline`` draft. A user's mistake (a bad path, a
+    tokenizer mismatch) comes back as the :class:`DistillSpecError` it is."""
     e = cfg.eval
-    speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts" if e.speedup_prompts else ""
+    side = " side by side with the undistilled draft" if baseline else ""
+    speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts{side}" if speed else ""
+    speedup = speedup if e.speedup_prompts else ""
     print(
         f"measure {phase}: alpha and tau at gamma {e.gammas} x temperature {e.temperatures} on {e.num_prompts} "
         f"prompts{speedup} ..."
     )
     start = time.perf_counter()
     ref = _measure_task.options(num_cpus=cfg.evaluator.cpus, num_gpus=cfg.evaluator.gpus).remote(
-        phase, cfg, draft, task, threads
+        phase, cfg, draft, task, threads, speed, baseline
     )
     try:
         records = ray.get(ref)

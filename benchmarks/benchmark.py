@@ -35,7 +35,7 @@ SD with the distilled draft. Reports errors, p50/p95 latency, tokens/s, alpha an
 
 Suite ``precision``: float32 against bfloat16 and float16 on this machine's CPU, with the garden target's shape: a
 training step under bfloat16 autocast (what ``garden.bf16`` does) and a forward pass in each dtype (what
-``target_dtype`` does). Half precision pays off only on CPUs with the hardware for it (AMX or AVX512-BF16).
+``dtype`` does). Half precision pays off only on CPUs with the hardware for it (AMX or AVX512-BF16).
 
     python benchmarks/benchmark.py precision
 
@@ -208,7 +208,7 @@ def step_costs(cfg, steps: int = 8) -> dict:
 
     cfg, task = with_garden(cfg)
     threads, cores = torch.get_num_threads(), os.cpu_count() or torch.get_num_threads()
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
     dcfg = replace(cfg.distill, steps=10_000)
     sampler, learner = Sampler(target, draft, tokenizer, task.train, dcfg, seed=cfg.seed), Learner(draft, target, dcfg)
     medians: dict[int, dict[str, float]] = {}
@@ -1131,7 +1131,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
 def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
     """float32 against half precision on this machine, with the garden target's shape (random weights, no garden
     needed): a garden training step under bfloat16 autocast, and a target forward pass in each dtype. Tells
-    whether ``garden.bf16`` and ``target_dtype=bfloat16`` pay off here (they do only with bfloat16 hardware)."""
+    whether ``garden.bf16`` and ``dtype=bfloat16`` pay off here (they do only with bfloat16 hardware)."""
     import statistics
 
     import torch
@@ -1439,7 +1439,7 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
     if cfg.target is None:
         raise DistillSpecError("suite latency: give target=... and draft=... (and --distilled for a distilled draft)")
     target_dir, draft_dir = resolve_pair(cfg.target, cfg.draft)
-    target, draft, tokenizer = load_pair(target_dir, draft_dir, device=cfg.device, target_dtype=cfg.target_dtype)
+    target, draft, tokenizer = load_pair(target_dir, draft_dir, device=cfg.device, dtype=cfg.dtype)
     task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), tokenizer, cfg.chat_template)
     prompts = [e.prompt for e in task.test[: cfg.eval.speedup_prompts]]
     drafts = {"undistilled": (draft_dir, draft)}
@@ -1513,7 +1513,7 @@ def suite_vllm_acceptance(overrides: list[str], budget: float, out: Path) -> dic
     del budget
     cfg = resolve_models(load_config(None, overrides))
     e, gamma = cfg.eval, cfg.eval.speedup_gamma
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
     task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), tokenizer, cfg.chat_template)
     prompts = [x.prompt for x in task.test[: e.num_prompts]]
     print(f"alpha at gamma {gamma} over {len(prompts)} prompts x {e.max_new_tokens} tokens")

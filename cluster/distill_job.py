@@ -3,6 +3,7 @@ the single-process loop with ``ray.mode=sync``), measure again, write the result
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from dataclasses import replace
@@ -24,7 +25,7 @@ from distillspec.learner import LOG_FILE, Distiller, checkpoint_log, load_checkp
 from distillspec.models import load_pair
 from distillspec.pretrained import prepare_pair
 from distillspec.report import format_table, plot_tau, plot_training
-from distillspec.study import measure_phase
+from distillspec.study import measure_phase, merge_baseline_speed
 
 SYNC_CHECKPOINT = "checkpoint"  #: the single-process loop's checkpoint folder under output_dir
 
@@ -71,7 +72,7 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     if not cfg.ray.log_to_driver:
         print(f"ray: the actors' logs are in {logs_dir()} (ray.log_to_driver=true shows them here)")
     threads = torch.get_num_threads()  # the measurements run alone, before and after the pipeline
-    records = measure_on_cluster("before", cfg, cfg.draft, task, threads=threads)
+    records = measure_on_cluster("before", cfg, cfg.draft, task, threads=threads, speed=False)
     pipeline = Pipeline(cfg, task, out, fixed_cluster=how.startswith("started"))
     if pipeline.resumed_from is not None:
         print(f"resuming the learner from its checkpoint at step {pipeline.resumed_from} in {out / 'learner'}")
@@ -88,7 +89,8 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     )
     for alarm in result.alarms:
         print(f"ALARM: {alarm}")
-    records += measure_on_cluster("after", cfg, str(out / "draft"), task, threads=threads)
+    records += measure_on_cluster("after", cfg, str(out / "draft"), task, threads=threads, baseline=cfg.draft)
+    merge_baseline_speed(records)
     return records, {
         "mode": "async",
         "train_log": result.train_log,
@@ -172,10 +174,14 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
     saved = to_dict(replace(cfg, serve=replace(cfg.serve, api_key=None)))  # the run's folder never holds the key
     write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))
     if cfg.ray.mode == "sync":
-        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
-        records = measure_phase("before", cfg, target, draft, tokenizer, task)
+        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
+        # The draft trains in float32; it is measured as the evaluator decodes it, in the pair's dtype.
+        baseline = copy.deepcopy(draft).to(target.dtype)
+        records = measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)
         training = train_sync(cfg, target, draft, tokenizer, task, out)
-        records += measure_phase("after", cfg, target, draft, tokenizer, task)
+        distilled = draft if draft.dtype == target.dtype else copy.deepcopy(draft).to(target.dtype)
+        records += measure_phase("after", cfg, target, distilled, tokenizer, task, baseline=baseline)
+        merge_baseline_speed(records)
     else:
         records, training = train_async(cfg, task, out)
     write_json(out / "train_log.json", training["train_log"])

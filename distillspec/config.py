@@ -28,6 +28,7 @@ RecipeName = Literal["supkd", "seqkd", "imitkd", "fdistill", "gkd", "distillspec
 Lenience = Literal["lin", "sq", "exp"]
 Backend = Literal["hf", "vllm"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
@@ -162,6 +163,11 @@ class EvalConfig:
     max_new_tokens: PosInt = knob(64, "tokens generated per prompt")
     speedup_prompts: NonNegInt = knob(16, "prompts decoded one at a time for the wall-clock speedup (0 = skip)")
     speedup_gamma: PosInt = knob(5, "gamma of the wall-clock speedup")
+    speedup_repeats: PosInt = knob(
+        3,
+        "passes over the speedup prompts; each pass decodes every prompt with the target alone and with each draft "
+        "in turn (after training: the undistilled and the distilled draft side by side); the spread is reported",
+    )
     compile: bool = knob(False, "time the speedup with torch.compile'd decoding steps (Llama, Mistral, Qwen2)")
 
 
@@ -264,8 +270,9 @@ class EvaluatorConfig:
     )
 
 
-#: Keys that moved out of the ray section, for the error that names their new place.
+#: Keys that moved (out of the ray section) or were renamed, for the error that names their new place.
 MOVED_KEYS = {
+    "target_dtype": "dtype",
     "ray.num_rollout_workers": "rollout.workers",
     "ray.rollout_cpus": "rollout.cpus",
     "ray.rollout_gpus": "rollout.gpus",
@@ -429,12 +436,23 @@ class JobConfig:
         "draft model: as target, or made of the target's layers: first:K, spread:K (K layers evenly over its depth), "
         "layers:i,j,... (ranges i-j); unset = the garden's draft",
     )
+    draft_vocab: NonNegInt = knob(
+        0,
+        "keep this many tokens in the draft's head, the most frequent of the task's training data (a draft "
+        "vocabulary: a cheaper drafting step, SD still exact); 0 = the whole vocabulary. Not with vLLM backends",
+    )
     dataset: str = knob("arith", "arith (embedded), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path")
     output_dir: str = knob("outputs/distill", "where results, plots, checkpoints and the distilled draft go")
     overwrite: bool = knob(False, "run again in an output_dir that holds a finished run (its results.json)")
     seed: int = knob(0, "seed of data order, sampling and the garden")
     device: str = knob("cpu", "cpu | cuda | cuda:N")
-    target_dtype: Dtype = knob("float32", "the frozen target's weights (the draft trains in float32)")
+    dtype: DecodeDtype = knob(
+        "auto",
+        "weights the pair runs in: the frozen target everywhere, the draft wherever it only decodes (the evaluator, "
+        "the endpoint, the speed measurements; it trains in float32). auto = bfloat16 where the device computes it "
+        "natively (CUDA; CPUs with AVX512-BF16 or AMX) and the target is large enough to be bound by reading its "
+        "weights (over 1 GB in float32), else float32",
+    )
     chat_template: bool = knob(
         True,
         "prompt through the target tokenizer's chat template when it has one: a data set's questions become user "
@@ -457,6 +475,11 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
+        if self.draft_vocab and "vllm" in (self.rollout.backend, self.serve.backend):
+            raise DistillSpecError(
+                f"draft_vocab={self.draft_vocab}: vLLM's draft_model drafts take no draft vocabulary (vLLM restricts "
+                "the vocabulary of EAGLE-3 heads only): set rollout.backend=hf and serve.backend=hf, or draft_vocab=0"
+            )
         if self.rollout.backend == "vllm" and self.ray.mode == "sync":
             raise DistillSpecError(
                 "rollout.backend=vllm runs vLLM rollout actors in the Ray pipeline: use ray.mode=async, or "
@@ -520,7 +543,7 @@ class JobConfig:
     @property
     def models(self) -> Models:
         """The pair every actor of the pipeline loads, and where."""
-        return Models(self.target, self.draft, self.device, self.target_dtype)
+        return Models(self.target, self.draft, self.device, self.dtype)
 
     @property
     def canary_temperature(self) -> float:
@@ -542,7 +565,7 @@ class Models:
     target: str
     draft: str
     device: str = "cpu"
-    target_dtype: Dtype = "float32"
+    dtype: DecodeDtype = "float32"
 
 
 def resolve_recipe(cfg: DistillConfig) -> Recipe:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -11,7 +12,14 @@ from distillspec.batches import make_batch
 from distillspec.data import score
 from distillspec.draft_vocab import d2t, expand_logits, vocab_size
 from distillspec.losses import forward_logits
-from distillspec.metrics import alpha_from_tvd, expected_tau, measure_cost_ratio, predicted_speedup
+from distillspec.metrics import (
+    AcceptanceCounts,
+    CostRatio,
+    alpha_from_tvd,
+    expected_tau,
+    measure_cost_ratio,
+    predicted_speedup,
+)
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate, speculative_generate
 
@@ -110,54 +118,119 @@ def measure_speedup(
     max_new_tokens: int,
     seed: int = 0,
     compile: bool = False,
+    repeats: int = 1,
 ) -> dict:
-    """Wall-clock tokens/s of SD vs target-only decoding, one prompt at a time, with the same cache code
-    (``compile``: both decoders' steps compiled, see :func:`distillspec.speculative.cached_lm`; compiling happens
-    in an untimed pass over the prompts first).
-
-    Also returns the measured cost ratio ``c`` and the predicted speedup ``tau / (c * gamma + 1)``.
-    """
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    """Wall-clock tokens/s of SD vs target-only decoding, one prompt at a time, side by side (:func:`race`), with
+    the measured costs and the speedups they predict (:func:`speed_record`)."""
     ids0, _ = encode_prompts(tokenizer, prompts[:1])
     cost = measure_cost_ratio(target, draft, ids0.to(target.device), gamma=gamma, compile=compile)
-    common = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_id=eos, pad_token_id=pad)
-    for prompt in prompts if compile else []:  # each shape compiles once, outside the clock
-        ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
-        autoregressive_generate(target, ids, compile=True, **common)
-        speculative_generate(target, draft, ids, gamma=gamma, compile=True, **common)
-    g_ar = torch.Generator(device=target.device).manual_seed(seed)
-    g_sd = torch.Generator(device=target.device).manual_seed(seed)
-    t_ar = t_sd = 0.0
-    n_ar = n_sd = accepted = blocks = 0
-    for prompt in prompts:  # interleaved, so drifts in machine speed hit both alike
-        ids, _ = encode_prompts(tokenizer, [prompt])
-        ids = ids.to(target.device)
-        start = time.perf_counter()
-        ar = autoregressive_generate(target, ids, generator=g_ar, compile=compile, **common)
-        t_ar += time.perf_counter() - start
-        start = time.perf_counter()
-        sd = speculative_generate(target, draft, ids, gamma=gamma, generator=g_sd, compile=compile, **common)
-        t_sd += time.perf_counter() - start
-        n_ar += int(ar.num_new_tokens.sum())
-        n_sd += int(sd.num_new_tokens.sum())
-        accepted += int(sd.stats.accepted.sum())
-        blocks += int(sd.stats.blocks.sum())
-    tau = (accepted + blocks) / blocks
-    measured = (n_sd / t_sd) / (n_ar / t_ar)
-    predicted = predicted_speedup(tau, cost.c, gamma)
-    predicted_v = predicted_speedup(tau, cost.c, gamma, cost.v)
+    raced = race(
+        target,
+        {"draft": draft},
+        tokenizer,
+        prompts,
+        gammas=[gamma],
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        seed=seed,
+        compile=compile,
+    )
+    return speed_record(raced["sd"][0], raced["target"]["tokens_per_s"], cost, repeats)
+
+
+def speed_record(row: dict, target_tokens_per_s: float, cost: CostRatio, repeats: int) -> dict:
+    """One decoder's speed figures: a :func:`race` row, the target alone's tokens/s, and the measured costs ``c``
+    and ``v`` with the speedups they predict from the measured tau, ``tau / (c gamma + 1)`` and with ``v``."""
+    predicted = predicted_speedup(row["tau"], cost.c, row["gamma"])
+    predicted_v = predicted_speedup(row["tau"], cost.c, row["gamma"], cost.v)
     return {
         "c": cost.c,
         "v": cost.v,
         "target_ms": cost.target_ms,
         "draft_ms": cost.draft_ms,
         "verify_ms": cost.verify_ms,
-        "predicted_speedup_with_v": predicted_v,
-        "measured_over_predicted_with_v": measured / predicted_v,
-        "target_tokens_per_s": n_ar / t_ar,
-        "sd_tokens_per_s": n_sd / t_sd,
-        "speedup_tau": tau,
-        "measured_speedup": measured,
+        "target_tokens_per_s": target_tokens_per_s,
+        "sd_tokens_per_s": row["tokens_per_s"],
+        "speedup_tau": row["tau"],
+        "measured_speedup": row["speedup"],
+        "speedup_min": row["speedup_min"],
+        "speedup_max": row["speedup_max"],
+        "speedup_repeats": repeats,
         "predicted_speedup": predicted,
-        "measured_over_predicted": measured / predicted,
+        "measured_over_predicted": row["speedup"] / predicted,
+        "predicted_speedup_with_v": predicted_v,
+        "measured_over_predicted_with_v": row["speedup"] / predicted_v,
     }
+
+
+@torch.inference_mode()
+def race(
+    target: PreTrainedModel,
+    drafts: dict[str, PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    gammas: Sequence[int],
+    temperature: float,
+    max_new_tokens: int,
+    repeats: int = 1,
+    seed: int = 0,
+    compile: bool = False,
+) -> dict:
+    """Tokens/s at batch 1 of the target alone and of SD with each of ``drafts`` at each of ``gammas``, measured side
+    by side: each prompt is decoded by every decoder in turn (a drift in the machine's speed hits them all alike),
+    and the whole is repeated ``repeats`` times. A decoder's speedup is its tokens/s over the target alone's in the
+    same repeat; the mean and the spread (min, max) over repeats are reported. ``compile``: every decoder's steps
+    compiled (:func:`distillspec.speculative.cached_lm`), each shape once in an untimed pass first.
+
+    Returns ``{"target": {"tokens_per_s"}, "sd": [{"draft", "gamma", "tokens_per_s", "speedup", "speedup_min",
+    "speedup_max", "alpha", "tau"}, ...]}``."""
+    common = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        compile=compile,
+    )
+    cells = [(name, gamma) for name in drafts for gamma in gammas]
+    for prompt in prompts if compile else []:
+        ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
+        autoregressive_generate(target, ids, **common)
+        for name, gamma in cells:
+            speculative_generate(target, drafts[name], ids, gamma=gamma, **common)
+    seconds = {cell: [0.0] * repeats for cell in [None, *cells]}
+    tokens = {cell: [0] * repeats for cell in [None, *cells]}
+    counts = {cell: AcceptanceCounts(0, 0, 0) for cell in cells}
+    generators = {cell: torch.Generator(device=target.device).manual_seed(seed) for cell in [None, *cells]}
+    for r in range(repeats):
+        for prompt in prompts:
+            ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
+            for cell in [None, *cells]:
+                start = time.perf_counter()
+                if cell is None:
+                    out = autoregressive_generate(target, ids, generator=generators[cell], **common)
+                else:
+                    out = speculative_generate(
+                        target, drafts[cell[0]], ids, gamma=cell[1], generator=generators[cell], **common
+                    )
+                    counts[cell] = counts[cell] + out.stats.counts
+                seconds[cell][r] += time.perf_counter() - start
+                tokens[cell][r] += int(out.num_new_tokens.sum())
+    rate = {cell: [n / s for n, s in zip(tokens[cell], seconds[cell])] for cell in seconds}
+    rows = []
+    for cell in cells:
+        speedups = [sd / alone for sd, alone in zip(rate[cell], rate[None])]
+        rows.append(
+            {
+                "draft": cell[0],
+                "gamma": cell[1],
+                "tokens_per_s": sum(tokens[cell]) / sum(seconds[cell]),
+                "speedup": sum(speedups) / len(speedups),
+                "speedup_min": min(speedups),
+                "speedup_max": max(speedups),
+                "alpha": counts[cell].alpha,
+                "tau": counts[cell].tau,
+            }
+        )
+    return {"target": {"tokens_per_s": sum(tokens[None]) / sum(seconds[None])}, "sd": rows}

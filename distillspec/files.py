@@ -19,6 +19,15 @@ from distillspec.errors import DistillSpecError
 LOCK = ".lock"  #: the file :func:`exclusive` locks in a run's folder
 
 
+def cache_root() -> Path:
+    """Where the project caches what it makes once (gardens, dequantized models, drafts, assembled GGUF files):
+    ``$DISTILLSPEC_CACHE``, else ``$XDG_CACHE_HOME/distillspec``, else ``~/.cache/distillspec``."""
+    if os.environ.get("DISTILLSPEC_CACHE"):
+        return Path(os.environ["DISTILLSPEC_CACHE"]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "distillspec"
+
+
 @contextmanager
 def exclusive(folder: str | Path) -> Iterator[Path]:
     """Hold ``folder``'s lock while the block runs: a second job pointed at the same folder stops at once with the

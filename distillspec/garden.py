@@ -22,10 +22,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from distillspec.batches import Batch
 from distillspec.config import DistillConfig, GardenConfig, ModelSize
 from distillspec.data import Example, Task
+from distillspec.files import cache_root
 from distillspec.learner import Learner
 from distillspec.losses import lm_loss
 from distillspec.models import native_bf16
-from distillspec.pretrained import cache_root
 from distillspec.rollout import encode_examples
 
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from distillspec import draft_vocab, hub
 from distillspec.errors import DistillSpecError
+from distillspec.speculative import check_pair
 
 log = logging.getLogger(__name__)
 
@@ -181,22 +182,48 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False) -> Non
         )
 
 
-def load_pair(
-    target: str, draft: str, *, device: str = "cpu", target_dtype: torch.dtype | str = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target (in ``target_dtype``: it is frozen, so bfloat16 halves its memory and time) and the draft (float32,
-    to be trained), checked to share a tokenizer."""
-    from distillspec.speculative import check_pair
+#: ``dtype=auto`` runs a target in bfloat16 (where the device computes it natively) from this many bytes of float32
+#: weights on: a larger model's decoding step is bound by reading its weights, which bfloat16 halves, and on such
+#: hardware a few more rows (a verification) cost about what one does; a smaller one is bound by per-call costs,
+#: which bfloat16 does not lower (the garden, SmolLM2-135M).
+AUTO_BF16_BYTES = 1 << 30
 
-    dtype = getattr(torch, target_dtype) if isinstance(target_dtype, str) else target_dtype
+
+def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, str]:
+    """The concrete dtype that ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) names for the pair whose
+    target is the local folder or hub id ``target`` on ``device``, and why (one line for the console)."""
+    if dtype != "auto":
+        return dtype, "set by dtype"
+    if not native_bf16(device):
+        return "float32", f"auto: {torch.device(device).type} without native bfloat16"
+    files = list(Path(target).expanduser().glob("*.safetensors")) if Path(target).expanduser().is_dir() else []
+    size = sum(f.stat().st_size for f in files)
+    if files and size < AUTO_BF16_BYTES:
+        return "float32", f"auto: {size / 1e9:.2f} GB of weights, too small to be bound by reading them"
+    return "bfloat16", f"auto: native bfloat16 on {torch.device(device).type}, a weight-bound target"
+
+
+def load_pair(
+    target: str,
+    draft: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    decode_only: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`) and the draft in float32, to be
+    trained, or in ``dtype`` too where it only decodes (``decode_only``); checked to share a tokenizer."""
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, target, device)[0]
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if torch.device(device).type == "cpu" and not native_half(dtype):
         log.warning(
-            "target_dtype=%s on a CPU that has no hardware for it (AVX512-BF16, AMX): the target runs several "
-            "times slower than in float32; set target_dtype=float32",
+            "dtype=%s on a CPU that has no hardware for it (AVX512-BF16, AMX): the pair runs several times slower "
+            "than in float32; set dtype=float32 (or auto)",
             str(dtype).removeprefix("torch."),
         )
     target_model, target_tok = load_model(target, device=device, dtype=dtype)
-    draft_model, draft_tok = load_model(draft, device=device)
+    draft_model, draft_tok = load_model(draft, device=device, dtype=dtype if decode_only else torch.float32)
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)
     return target_model, draft_model, target_tok

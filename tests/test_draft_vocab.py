@@ -129,3 +129,33 @@ def test_the_training_target_is_the_target_conditioned_on_the_draft_vocabulary()
     tvd = divergence("tvd", expand_logits(conditioned, keep, 10), target_logits, reduction="token")
     assert float(tvd) == pytest.approx(float(outside), rel=1e-4)
     assert math.isfinite(float(divergence("rkl", draft, restrict_target(compress_topk(target_logits, 3), keep))))
+
+
+def test_a_draft_vocabulary_and_a_pruned_draft_made_from_a_draft_folder(tmp_path, tokenizer, task):
+    """``draft=model@spread:K`` keeps K of that model's own layers; ``draft_vocab=V`` keeps the V most frequent
+    tokens of the task's data in its head, EOS among them; both cached folders that load as they were made."""
+    from distillspec.pretrained import resolve_pair, split_draft, task_vocab, vocab_draft
+
+    for name, layers in (("target", 3), ("draft", 4)):
+        model = tiny_llama(len(tokenizer), d=32, layers=layers, seed=layers)
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    draft_spec = f"{tmp_path / 'draft'}@spread:2"
+    assert split_draft(draft_spec) == (str(tmp_path / "draft"), "spread:2")
+    assert split_draft("first:2") == (None, "first:2") and split_draft("org/m") == ("org/m", None)
+    _, pruned = resolve_pair(str(tmp_path / "target"), draft_spec, log=lambda _: None)
+    small, _ = load_model(pruned)
+    assert small.config.num_hidden_layers == 2
+    ids = task_vocab(task, tokenizer, 64)
+    assert len(ids) == 64 and tokenizer.eos_token_id in ids.tolist()
+    folder = vocab_draft(pruned, ids, log=lambda _: None)
+    restricted, _ = load_model(str(folder))
+    assert torch.equal(d2t(restricted), ids) and restricted.config.num_hidden_layers == 2
+    assert vocab_draft(pruned, ids, log=lambda _: None) == folder  # cached
+
+
+def test_a_draft_vocabulary_with_a_vllm_backend_is_refused_before_any_work():
+    from distillspec.config import load_config
+
+    with pytest.raises(DistillSpecError, match="vLLM's draft_model drafts take no draft vocabulary"):
+        load_config(None, ["draft_vocab=256", "serve.backend=vllm"])

@@ -72,6 +72,10 @@ def test_job_writes_results_plot_and_draft(job_run):
         assert 0.0 <= r["alpha"] <= 1.0 and 1.0 <= r["tau"] <= r["gamma"] + 1 and "accuracy" in r
         if r["gamma"] == 3:
             assert r["measured_speedup"] > 0 and r["c"] > 0 and r["predicted_speedup"] > 0
+            assert r["speedup_min"] <= r["measured_speedup"] <= r["speedup_max"] and "baseline_speed" not in r
+    # before and after raced side by side, in the after phase: one target-alone figure for both
+    alone = {(r["gamma"], r["temperature"], r["phase"]): r["target_tokens_per_s"] for r in records if r["gamma"] == 3}
+    assert all(alone[(3, t, "before")] == alone[(3, t, "after")] for t in (0.0, 1.0))
     assert (out / "run" / "tau.png").stat().st_size > 1000
     assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 2
     assert "tau before" in proc.stdout

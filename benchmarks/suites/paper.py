@@ -34,7 +34,7 @@ from benchmarks.suites.page import pearson
 def _pair(cfg):
     from distillspec.models import load_pair
 
-    return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    return load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
 
 
 def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
@@ -363,9 +363,7 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     rng.shuffle(mixed)
     garden = build_garden(Task("mix-" + "-".join(names), mixed, [], None), base.garden, seed=base.seed)
 
-    target, draft, tokenizer = load_pair(
-        str(garden.target), str(garden.draft), device=base.device, target_dtype=base.target_dtype
-    )
+    target, draft, tokenizer = load_pair(str(garden.target), str(garden.draft), device=base.device, dtype=base.dtype)
     kw = {
         "gammas": [base.eval.speedup_gamma],
         "temperatures": [1.0],

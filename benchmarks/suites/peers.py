@@ -23,7 +23,7 @@ from benchmarks.suites.common import Scale, available, best_recipe, task_config,
 def _load(cfg):
     from distillspec.models import load_pair
 
-    return load_pair(cfg.target, cfg.draft, device=cfg.device, target_dtype=cfg.target_dtype)
+    return load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
 
 
 @torch.inference_mode()

@@ -1,0 +1,195 @@
+"""Where a pair's speed comes from: for each draft kind, gamma and temperature, the step costs (``c``, ``v(gamma+1)``),
+the acceptance (``alpha``, ``tau``) and tokens/s at batch 1, the speedup predicted from them against the one measured,
+in one run, every decoder side by side on the same prompts (:func:`distillspec.evaluate.race`).
+
+Draft kinds: the draft as named; with ``--draft-vocab V`` the same draft with its head restricted to the V most
+frequent tokens of the task's training data (:mod:`distillspec.draft_vocab`); with ``--pruned SPEC`` a draft made of
+the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``). Each extra draft kind is made
+once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it natively, for a target
+bound by reading its weights): the target alone too, so every speedup compares like with like.
+
+    python -m benchmarks.suites.speed target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
+        dataset=../shared/data/gsm8k --draft-vocab 32768 --pruned spread:12 --out outputs/speed
+
+Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with ``E[tau]`` from the alpha measured
+(``(1 - alpha^(gamma+1)) / (1 - alpha)``, which assumes acceptance independent of the position in the block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from distillspec.config import load_config
+from distillspec.data import load_task
+from distillspec.draft_vocab import vocab_size
+from distillspec.evaluate import race
+from distillspec.kvcache import CachedLM
+from distillspec.metrics import expected_tau, predicted_speedup
+from distillspec.models import load_model, load_tokenizer
+from distillspec.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
+
+CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
+
+
+@torch.inference_mode()
+def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT) -> dict[int, float]:
+    """Median milliseconds of one cached decoding step of k new tokens, for each k (the first two calls untimed)."""
+    lm = CachedLM(model, capacity=context + max(ks) + 1)
+    vocab = vocab_size(model)
+    ids = torch.randint(vocab, (1, context), device=model.device)
+    lm.prefill(ids, torch.ones_like(ids))
+    times = {}
+    for k in ks:
+        samples = []
+        for _ in range(reps + 2):
+            tokens = torch.randint(vocab, (1, k), device=model.device)
+            start = time.perf_counter()
+            lm.step(tokens)
+            samples.append(time.perf_counter() - start)
+            lm.reject_tail(torch.tensor([k], device=model.device))
+        times[k] = statistics.median(samples[2:]) * 1e3
+    return times
+
+
+def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], log=print) -> dict[str, str]:
+    """``{kind: draft folder}``: the draft, its draft-vocabulary variant, its pruned variants (and theirs)."""
+    kinds = {"draft": cfg.draft}
+    for spec in pruned:
+        kinds[f"@{spec}"] = resolve_pair(cfg.target, f"{cfg.draft}@{spec}", log=log)[1]
+    if draft_vocab:
+        ids = task_vocab(task, load_tokenizer(cfg.target), draft_vocab)
+        for kind, folder in list(kinds.items()):
+            kinds[f"{kind} V={draft_vocab}"] = str(vocab_draft(folder, ids, log=log))
+    return kinds
+
+
+def suite_speed(
+    overrides: list[str],
+    *,
+    draft_vocab: int,
+    pruned: list[str],
+    gammas: list[int],
+    temperatures: list[float],
+    prompts: int,
+    max_new_tokens: int,
+    repeats: int,
+    out: Path,
+) -> dict:
+    """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, overrides)
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    cfg, task = prepare_pair(cfg, task)
+    cfg = replace(cfg, draft_vocab=0)
+    kinds = draft_kinds(cfg, task, draft_vocab, pruned)
+    dtype = getattr(torch, cfg.dtype)
+    target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype)
+    drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
+    ks = sorted({1, *(g + 1 for g in gammas)})
+    target_ms = step_ms(target, ks)
+    draft_ms = {kind: step_ms(model, [1])[1] for kind, model in drafts.items()}
+    print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
+    texts = [e.prompt for e in task.test[:prompts]]
+    result = {
+        "config": {
+            "target": cfg.target,
+            "draft": cfg.draft,
+            "dtype": cfg.dtype,
+            "threads": torch.get_num_threads(),
+            "prompts": len(texts),
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+        },
+        "kinds": kinds,
+        "target_ms": target_ms,
+        "draft_ms": draft_ms,
+        "rows": [],
+        "target_alone": {},
+    }
+    for temperature in temperatures:
+        raced = race(
+            target,
+            drafts,
+            tokenizer,
+            texts,
+            gammas=gammas,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            repeats=repeats,
+            seed=cfg.seed,
+        )
+        result["target_alone"][str(temperature)] = raced["target"]["tokens_per_s"]
+        for row in raced["sd"]:
+            c, v = draft_ms[row["draft"]] / target_ms[1], target_ms[row["gamma"] + 1] / target_ms[1]
+            row |= {
+                "temperature": temperature,
+                "c": c,
+                "v": v,
+                "predicted_from_tau": predicted_speedup(row["tau"], c, row["gamma"], v),
+                "predicted_from_alpha": predicted_speedup(expected_tau(row["alpha"], row["gamma"]), c, row["gamma"], v),
+            }
+            result["rows"].append(row)
+        print(format_table(result))
+        (out / "speed.json").write_text(json.dumps(result, indent=1))
+    (out / "speed.md").write_text(format_table(result) + "\n")
+    return result
+
+
+def format_table(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}, {c['threads']} threads, batch 1, "
+        f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
+        "",
+        "| T | draft | gamma | c | v(gamma+1) | alpha | tau | tokens/s | target alone tokens/s | speedup (min-max) "
+        "| predicted from tau | predicted from alpha |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        alone = result["target_alone"][str(row["temperature"])]
+        lines.append(
+            f"| {row['temperature']:g} | {row['draft']} | {row['gamma']} | {row['c']:.3f} | {row['v']:.2f} | "
+            f"{row['alpha']:.3f} | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {alone:.2f} | "
+            f"{row['speedup']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}) | "
+            f"{row['predicted_from_tau']:.2f}x | {row['predicted_from_alpha']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="job config keys (target=..., draft=..., dataset=..., dtype=...)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help="also each draft with a V-token draft vocabulary")
+    parser.add_argument("--pruned", nargs="*", default=[], help="also drafts of the draft's layers (spread:12, ...)")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[3, 5])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts, decoded one at a time")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (the spread of the speedup)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/speed"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suite_speed(
+        args.overrides,
+        draft_vocab=args.draft_vocab,
+        pruned=args.pruned,
+        gammas=args.gammas,
+        temperatures=args.temperatures,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        out=args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
