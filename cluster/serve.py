@@ -252,6 +252,8 @@ class Completions:
             self.completer = completer
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
+        #: the weights' dtype that serves (a bfloat16 target is another model than its float32 original)
+        self.dtype = cfg.vllm.dtype if self.vllm else str(target.dtype).removeprefix("torch.")
         self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma
         self.gamma_polled = 0.0  #: when they were last brought to the dashboard (at most once a second)
         self.batcher = RequestBatcher(self._decode, s.max_batch_size, s.batch_wait_timeout_s)
@@ -310,6 +312,7 @@ class Completions:
                     "target": Path(self.cfg.target).name,  # a name, not where the files lie on the server
                     "draft": Path(self.cfg.draft).name,
                     "draft_version": self.completer.version,
+                    "dtype": self.dtype,
                 }
             ],
         }
@@ -318,6 +321,7 @@ class Completions:
     async def stats(self) -> dict:
         return {
             "draft_version": self.completer.version,
+            "dtype": self.dtype,
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
             **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batcher.sizes.items())}}),

