@@ -59,15 +59,17 @@ def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT) -> dict
     return times
 
 
-def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], log=print) -> dict[str, str]:
-    """``{kind: draft folder}``: the draft, its draft-vocabulary variant, its pruned variants (and theirs)."""
-    kinds = {"draft": cfg.draft}
+def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], others: list[str], log=print) -> dict[str, str]:
+    """``{kind: draft folder}``: the draft, its draft-vocabulary variant, its pruned variants (and theirs), and
+    ``others`` as they are (folders, named by their path: a distilled draft, say)."""
+    kinds = {"draft": cfg.draft} | {other: str(Path(other).resolve()) for other in others}
     for spec in pruned:
         kinds[f"@{spec}"] = resolve_pair(cfg.target, f"{cfg.draft}@{spec}", log=log)[1]
     if draft_vocab:
         ids = task_vocab(task, load_tokenizer(cfg.target), draft_vocab)
         for kind, folder in list(kinds.items()):
-            kinds[f"{kind} V={draft_vocab}"] = str(vocab_draft(folder, ids, log=log))
+            if kind not in others:
+                kinds[f"{kind} V={draft_vocab}"] = str(vocab_draft(folder, ids, log=log))
     return kinds
 
 
@@ -83,6 +85,7 @@ def suite_speed(
     repeats: int,
     out: Path,
     vllm: bool = False,
+    others: tuple[str, ...] = (),
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +93,7 @@ def suite_speed(
     task = load_task(cfg.dataset, seed=cfg.seed)
     cfg, task = prepare_pair(cfg, task)
     cfg = replace(cfg, draft_vocab=0)
-    kinds = draft_kinds(cfg, task, draft_vocab, pruned)
+    kinds = draft_kinds(cfg, task, draft_vocab, pruned, others)
     dtype = getattr(torch, cfg.dtype)
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
@@ -231,6 +234,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (the spread of the speedup)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
     parser.add_argument("--out", type=Path, default=Path("outputs/speed"))
     args = parser.parse_args()
@@ -247,6 +251,7 @@ def main() -> None:
         repeats=args.repeats,
         out=args.out,
         vllm=args.vllm,
+        others=args.drafts,
     )
 
 
