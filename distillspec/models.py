@@ -155,10 +155,11 @@ def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
         )
 
 
-def check_pair_sources(target: str, draft: str, *, compile: bool = False) -> None:
+def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: bool = False) -> None:
     """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
-    share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs.
-    For a driver that leaves the models to its workers, before anything long starts."""
+    share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs; with
+    ``vllm``, the draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the
+    models to its workers, before anything long starts."""
     from distillspec.kvcache import LEAN_MODEL_TYPES
 
     tokenizers, vocab = [], []
@@ -170,6 +171,11 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False) -> Non
         except (OSError, ValueError) as exc:
             raise _unloadable(name, exc) from None
         vocab.append(config.vocab_size)
+        if vllm and getattr(config, draft_vocab.CONFIG_KEY, None):
+            raise DistillSpecError(
+                f"{name} has a draft vocabulary ({getattr(config, draft_vocab.CONFIG_KEY)} tokens): vLLM's draft_model "
+                "drafts take none; set rollout.backend=hf and serve.backend=hf"
+            )
         if compile and (config.model_type not in LEAN_MODEL_TYPES or getattr(config, "sliding_window", None)):
             raise DistillSpecError(
                 f"eval.compile=true: {name} is a {config.model_type!r} model; compiled decoding runs "

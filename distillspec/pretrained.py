@@ -291,7 +291,9 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     dtype, why = resolve_dtype(cfg.dtype, target, cfg.device)
     log(f"dtype: {dtype} ({why}); the draft trains in float32")
     cfg = replace(cfg, target=target, draft=draft, dtype=dtype)
-    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile)
+    check_pair_sources(
+        cfg.target, cfg.draft, compile=cfg.eval.compile, vllm="vllm" in (cfg.rollout.backend, cfg.serve.backend)
+    )
     return cfg
 
 

@@ -10,7 +10,7 @@ import torch
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
 from distillspec.divergences import compress_topk, divergence
 from distillspec.draft_vocab import d2t, expand_logits, frequent_tokens, restrict_head, restrict_target
-from distillspec.models import load_model
+from distillspec.models import check_pair_sources, load_model
 
 from .conftest import perturbed, tiny_llama
 from .test_speculative import V, fit_to_target, left_padded_prompts
@@ -152,6 +152,9 @@ def test_a_draft_vocabulary_and_a_pruned_draft_made_from_a_draft_folder(tmp_path
     restricted, _ = load_model(str(folder))
     assert torch.equal(d2t(restricted), ids) and restricted.config.num_hidden_layers == 2
     assert vocab_draft(pruned, ids, log=lambda _: None) == folder  # cached
+    check_pair_sources(str(tmp_path / "target"), str(folder))
+    with pytest.raises(DistillSpecError, match="vLLM's draft_model drafts take none"):
+        check_pair_sources(str(tmp_path / "target"), str(folder), vllm=True)
 
 
 def test_a_draft_vocabulary_with_a_vllm_backend_is_refused_before_any_work():
