@@ -93,7 +93,9 @@ def load_model(
     name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
-    dtype or its name (``"bfloat16"``)."""
+    dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target)."""
+    if dtype == "auto":
+        dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
     try:
