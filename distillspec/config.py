@@ -27,7 +27,6 @@ DataSource = Literal["fixed", "draft", "target", "mixed"]
 RecipeName = Literal["supkd", "seqkd", "imitkd", "fdistill", "gkd", "distillspec"]
 Lenience = Literal["lin", "sq", "exp"]
 Backend = Literal["hf", "vllm"]
-Dtype = Literal["float32", "bfloat16", "float16"]
 DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 PosInt = Annotated[int, Field(ge=1)]

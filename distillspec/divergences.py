@@ -45,6 +45,9 @@ class TopKLogprobs:
     indices: Tensor
     temperature: float = 1.0
 
+    def to(self, device: str | torch.device) -> TopKLogprobs:
+        return TopKLogprobs(self.logprobs.to(device), self.indices.to(device), self.temperature)
+
 
 def compress_topk(target_logits: Tensor, k: int, temperature: float = 1.0) -> TopKLogprobs:
     """Keep the ``k`` most likely tokens of each position (at ``temperature``) of ``target_logits``."""

@@ -120,23 +120,64 @@ def measure_speedup(
     compile: bool = False,
     repeats: int = 1,
 ) -> dict:
-    """Wall-clock tokens/s of SD vs target-only decoding, one prompt at a time, side by side (:func:`race`), with
-    the measured costs and the speedups they predict (:func:`speed_record`)."""
-    ids0, _ = encode_prompts(tokenizer, prompts[:1])
-    cost = measure_cost_ratio(target, draft, ids0.to(target.device), gamma=gamma, compile=compile)
-    raced = race(
+    """:func:`measure_speeds` of one draft at one gamma and temperature."""
+    speeds = measure_speeds(
         target,
         {"draft": draft},
         tokenizer,
         prompts,
         gammas=[gamma],
-        temperature=temperature,
+        temperatures=[temperature],
         max_new_tokens=max_new_tokens,
         repeats=repeats,
         seed=seed,
         compile=compile,
     )
-    return speed_record(raced["sd"][0], raced["target"]["tokens_per_s"], cost, repeats)
+    return speeds[("draft", gamma, temperature)]
+
+
+@torch.inference_mode()
+def measure_speeds(
+    target: PreTrainedModel,
+    drafts: dict[str, PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    *,
+    gammas: Sequence[int],
+    temperatures: Sequence[float],
+    max_new_tokens: int,
+    repeats: int = 1,
+    seed: int = 0,
+    compile: bool = False,
+) -> dict[tuple[str, int, float], dict]:
+    """Wall-clock speedups of SD with each of ``drafts`` over the target alone, all side by side (:func:`race`,
+    ``repeats`` passes over ``prompts``), with the measured costs (``c``, ``v``) and the speedups they predict
+    (:func:`speed_record`), keyed by (draft name, gamma, temperature)."""
+    ids, _ = encode_prompts(tokenizer, prompts[:1])
+    costs = {
+        (name, gamma): measure_cost_ratio(target, d, ids.to(target.device), gamma=gamma, compile=compile)
+        for name, d in drafts.items()
+        for gamma in gammas
+    }
+    speeds = {}
+    for temperature in temperatures:
+        raced = race(
+            target,
+            drafts,
+            tokenizer,
+            prompts,
+            gammas=gammas,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            repeats=repeats,
+            seed=seed,
+            compile=compile,
+        )
+        for row in raced["sd"]:
+            cost = costs[(row["draft"], row["gamma"])]
+            record = speed_record(row, raced["target"]["tokens_per_s"], cost, repeats)
+            speeds[(row["draft"], row["gamma"], temperature)] = record
+    return speeds
 
 
 def speed_record(row: dict, target_tokens_per_s: float, cost: CostRatio, repeats: int) -> dict:

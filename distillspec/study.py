@@ -16,9 +16,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import DistillConfig
 from distillspec.data import Task, score
-from distillspec.evaluate import evaluate_sd, race, speed_record
+from distillspec.evaluate import evaluate_sd, measure_speeds
 from distillspec.learner import Distiller
-from distillspec.metrics import measure_cost_ratio
 from distillspec.models import decode_new, encode_prompts
 from distillspec.speculative import autoregressive_generate
 
@@ -167,7 +166,8 @@ def measure_phase(
 ) -> list[dict]:
     """One phase (``before`` / ``after`` distillation) of a job's measurements (``cfg``: a JobConfig): alpha/tau at
     every ``eval.gammas`` x ``eval.temperatures``, and (``speed``) the wall-clock speedup at ``speedup_gammas``
-    (default: ``eval.speedup_gamma``) by :func:`measure_speed`. With a ``baseline`` draft (the undistilled one), both
+    (default: ``eval.speedup_gamma``) by :func:`~distillspec.evaluate.measure_speeds` (``eval.speedup_repeats``
+    passes). With a ``baseline`` draft (the undistilled one), both
     drafts' speedups are measured side by side, in one race: the baseline's figures go into each record under
     ``baseline_speed``, for :func:`merge_baseline_speed` to move into the ``before`` records."""
     speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
@@ -189,7 +189,18 @@ def measure_phase(
         return [{"phase": phase, **rec} for rec in records]
     drafts = {phase: draft} | ({"before": baseline} if baseline is not None else {})
     temperatures = sorted({rec["temperature"] for rec in records if rec["gamma"] in speedup_gammas})
-    speeds = measure_speed(cfg, target, drafts, tokenizer, prompts, speedup_gammas, temperatures)
+    speeds = measure_speeds(
+        target,
+        drafts,
+        tokenizer,
+        prompts,
+        gammas=speedup_gammas,
+        temperatures=temperatures,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        repeats=cfg.eval.speedup_repeats,
+        seed=cfg.seed,
+        compile=cfg.eval.compile,
+    )
     for rec in records:
         key = (rec["gamma"], rec["temperature"])
         if (phase, *key) in speeds:
@@ -197,45 +208,6 @@ def measure_phase(
             if baseline is not None:
                 rec["baseline_speed"] = speeds[("before", *key)]
     return [{"phase": phase, **rec} for rec in records]
-
-
-def measure_speed(
-    cfg,
-    target: PreTrainedModel,
-    drafts: dict[str, PreTrainedModel],
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[str],
-    gammas: list[int],
-    temperatures: list[float],
-) -> dict[tuple[str, int, float], dict]:
-    """Wall-clock speedups of SD with each of ``drafts`` over the target alone, all side by side
-    (:func:`~distillspec.evaluate.race`, ``eval.speedup_repeats`` passes over ``prompts``), with the measured costs
-    (``c``, ``v``) and the speedups they predict, keyed by (draft name, gamma, temperature)."""
-    ids, _ = encode_prompts(tokenizer, prompts[:1])
-    costs = {
-        (name, gamma): measure_cost_ratio(target, d, ids.to(target.device), gamma=gamma, compile=cfg.eval.compile)
-        for name, d in drafts.items()
-        for gamma in gammas
-    }
-    speeds = {}
-    for temperature in temperatures:
-        raced = race(
-            target,
-            drafts,
-            tokenizer,
-            prompts,
-            gammas=gammas,
-            temperature=temperature,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            repeats=cfg.eval.speedup_repeats,
-            seed=cfg.seed,
-            compile=cfg.eval.compile,
-        )
-        for row in raced["sd"]:
-            cost = costs[(row["draft"], row["gamma"])]
-            record = speed_record(row, raced["target"]["tokens_per_s"], cost, cfg.eval.speedup_repeats)
-            speeds[(row["draft"], row["gamma"], temperature)] = record
-    return speeds
 
 
 def merge_baseline_speed(records: list[dict]) -> list[dict]:
