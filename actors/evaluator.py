@@ -62,7 +62,7 @@ class EvalActor:
         s, m = settings, settings.models
         self.settings, self.prompts = s, prompts
         self.target, self.draft, self.tokenizer = load_pair(
-            m.target, m.draft, device=m.device, dtype=m.dtype, decode_only=True
+            m.target, m.draft, device=m.device, dtype=m.dtype, decode_only=True, prepack=m.prepack
         )
         self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
@@ -178,7 +178,9 @@ def _measure_task(
     phase: str, cfg: JobConfig, draft: str, task: Task, threads: int, speed: bool, baseline: str | None
 ) -> list[dict]:
     setup_worker(threads)
-    target, model, tokenizer = load_pair(cfg.target, draft, device=cfg.device, dtype=cfg.dtype, decode_only=True)
+    target, model, tokenizer = load_pair(
+        cfg.target, draft, device=cfg.device, dtype=cfg.dtype, decode_only=True, prepack=cfg.prepack
+    )
     before = None if baseline is None else load_model(baseline, device=cfg.device, dtype=model.dtype)[0]
     return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before)
 

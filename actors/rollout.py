@@ -93,7 +93,7 @@ class RolloutActor:
             self.draft, self.tokenizer = load_model(m.draft, device=m.device)
             target = None
             if needs_target_samples(resolve_recipe(d)):
-                target = load_model(m.target, device=m.device, dtype=m.dtype)[0]
+                target = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)[0]
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
@@ -169,7 +169,7 @@ class ScorerActor:
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
-            self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype)
+            self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)
 
     @torch.inference_mode()
     def score(self, batch: RolloutBatch) -> RolloutBatch:

@@ -174,7 +174,9 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
     saved = to_dict(replace(cfg, serve=replace(cfg.serve, api_key=None)))  # the run's folder never holds the key
     write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))
     if cfg.ray.mode == "sync":
-        target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
+        target, draft, tokenizer = load_pair(
+            cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack
+        )
         # The draft trains in float32; it is measured as the evaluator decodes it, in the pair's dtype.
         baseline = copy.deepcopy(draft).to(target.dtype)
         records = measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)

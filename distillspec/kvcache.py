@@ -272,11 +272,11 @@ class CachedLM:
         cap = 0 if self.keys is None else self.keys[0].shape[2]
         if self.keys is not None and length <= cap:
             return
-        attn, w = layer.self_attn, layer.self_attn.k_proj.weight
-        shape = (batch, w.shape[0] // attn.head_dim, max(length, 2 * cap, self.capacity), attn.head_dim)
+        attn, like = layer.self_attn, self.model.model.embed_tokens.weight  # (k_proj may be packed: no .weight)
+        shape = (batch, attn.k_proj.out_features // attn.head_dim, max(length, 2 * cap, self.capacity), attn.head_dim)
         grown = []
         for old in (self.keys, self.values):
-            new = [w.new_zeros(shape) for _ in self.model.model.layers]
+            new = [like.new_zeros(shape) for _ in self.model.model.layers]
             for n, o in zip(new, old or []):
                 n[:, :, :cap] = o
             grown.append(new)

@@ -66,7 +66,7 @@ class Learner:
 
     ``model`` is what the forward pass runs through when it is not the draft itself (a DDP wrapper of it in Ray
     Train); ``objective`` replaces the distillation loss (the garden trains its models from data with it);
-    ``bf16`` runs the forward pass under bfloat16 autocast (the weights stay float32).
+    ``bf16`` runs the forward pass under bfloat16 autocast (the weights stay float32); None: ``cfg.bf16``.
     """
 
     def __init__(
@@ -77,14 +77,14 @@ class Learner:
         *,
         model: torch.nn.Module | None = None,
         objective: Objective | None = None,
-        bf16: bool = False,
+        bf16: bool | None = None,
         max_grad_norm: float = 1.0,
     ) -> None:
         self.draft, self.target, self.cfg = draft, target, cfg
         self.model = draft if model is None else model
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
-        self.bf16, self.max_grad_norm = bf16, max_grad_norm
+        self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
         if cfg.train == "layers":
             freeze_all_but_layers(draft)
         self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from distillspec import draft_vocab, hub
 from distillspec.errors import DistillSpecError
+from distillspec.packing import can_prepack, prepack_linears
 from distillspec.speculative import check_pair
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,12 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32
+    name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32, prepack: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
-    dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target)."""
+    dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
+    freezes it with its float32 linear weights prepacked (:func:`~distillspec.packing.prepack_linears`): for a
+    target, which only scores and verifies."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -106,7 +109,10 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if prepack:
+        prepack_linears(model)
+    return model, tokenizer
 
 
 def _load_restricted(name: str, config, dtype: torch.dtype) -> PreTrainedModel:
@@ -197,6 +203,13 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: 
 AUTO_BF16_BYTES = 1 << 30
 
 
+def _weight_bytes(target: str) -> int | None:
+    """Bytes of a local model folder's safetensors weights (None for a hub id or a folder without them)."""
+    path = Path(target).expanduser()
+    files = list(path.glob("*.safetensors")) if path.is_dir() else []
+    return sum(f.stat().st_size for f in files) if files else None
+
+
 def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, str]:
     """The concrete dtype that ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) names for the pair whose
     target is the local folder or hub id ``target`` on ``device``, and why (one line for the console)."""
@@ -204,11 +217,31 @@ def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, st
         return dtype, "set by dtype"
     if not native_bf16(device):
         return "float32", f"auto: {torch.device(device).type} without native bfloat16"
-    files = list(Path(target).expanduser().glob("*.safetensors")) if Path(target).expanduser().is_dir() else []
-    size = sum(f.stat().st_size for f in files)
-    if files and size < AUTO_BF16_BYTES:
+    size = _weight_bytes(target)
+    if size is not None and size < AUTO_BF16_BYTES:
         return "float32", f"auto: {size / 1e9:.2f} GB of weights, too small to be bound by reading them"
     return "bfloat16", f"auto: native bfloat16 on {torch.device(device).type}, a weight-bound target"
+
+
+def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool, str]:
+    """Whether the frozen target's linear weights are prepacked (:mod:`distillspec.packing`) for ``prepack`` (``auto``,
+    true, false) with the resolved ``dtype``, and why. ``auto`` packs a float32 target on a CPU where it is bound by
+    reading its weights (as :data:`AUTO_BF16_BYTES` defines it)."""
+    if prepack is False:
+        return False, "set by prepack"
+    if not can_prepack(device) or dtype != "float32":
+        if prepack is True:
+            raise DistillSpecError(
+                f"prepack=true lays float32 weights out for a CPU's oneDNN kernels; here dtype={dtype} on "
+                f"{torch.device(device).type}: set dtype=float32 on a CPU, or prepack=auto"
+            )
+        return False, f"auto: {dtype} on {torch.device(device).type} needs no packing"
+    if prepack is True:
+        return True, "set by prepack"
+    size = _weight_bytes(target)
+    if size is not None and size < AUTO_BF16_BYTES:
+        return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
+    return True, "auto: a weight-bound float32 target on a CPU"
 
 
 def load_pair(
@@ -218,11 +251,16 @@ def load_pair(
     device: str = "cpu",
     dtype: torch.dtype | str = torch.float32,
     decode_only: bool = False,
+    prepack: bool | str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`) and the draft in float32, to be
-    trained, or in ``dtype`` too where it only decodes (``decode_only``); checked to share a tokenizer."""
+    """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`), its weights prepacked as ``prepack``
+    says (:func:`resolve_prepack`), and the draft in float32, to be trained, or in ``dtype`` too where it only decodes
+    (``decode_only``); checked to share a tokenizer."""
     if dtype == "auto":
         dtype = resolve_dtype(dtype, target, device)[0]
+    if not isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
+    prepack = resolve_prepack(prepack, dtype, target, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     if torch.device(device).type == "cpu" and not native_half(dtype):
         log.warning(
@@ -230,7 +268,7 @@ def load_pair(
             "than in float32; set dtype=float32 (or auto)",
             str(dtype).removeprefix("torch."),
         )
-    target_model, target_tok = load_model(target, device=device, dtype=dtype)
+    target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack)
     draft_model, draft_tok = load_model(draft, device=device, dtype=dtype if decode_only else torch.float32)
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)

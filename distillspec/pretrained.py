@@ -32,7 +32,14 @@ from distillspec.draft_vocab import frequent_tokens, restrict_head
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
 from distillspec.garden import build_garden
-from distillspec.models import check_pair_sources, load_model, load_tokenizer, resolve_dtype
+from distillspec.models import (
+    check_pair_sources,
+    load_model,
+    load_tokenizer,
+    native_bf16,
+    resolve_dtype,
+    resolve_prepack,
+)
 
 if TYPE_CHECKING:
     from distillspec.config import JobConfig
@@ -286,8 +293,15 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
         cfg = replace(cfg, target=str(garden.target), draft=str(garden.draft))
     target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
     dtype, why = resolve_dtype(cfg.dtype, target, cfg.device)
-    log(f"dtype: {dtype} ({why}); the draft trains in float32")
-    cfg = replace(cfg, target=target, draft=draft, dtype=dtype)
+    prepack, packing = resolve_prepack(cfg.prepack, dtype, target, cfg.device)
+    packed = f"; the target's weights prepacked ({packing})" if prepack else ""
+    bf16 = dtype == "bfloat16" if cfg.distill.bf16 is None else cfg.distill.bf16
+    trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
+    log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}")
+    if bf16 and not native_bf16(cfg.device):
+        log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, 18-33x slower")
+    distill = replace(cfg.distill, bf16=bf16)
+    cfg = replace(cfg, target=target, draft=draft, dtype=dtype, prepack=prepack, distill=distill)
     check_pair_sources(
         cfg.target, cfg.draft, compile=cfg.eval.compile, vllm="vllm" in (cfg.rollout.backend, cfg.serve.backend)
     )

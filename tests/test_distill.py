@@ -9,7 +9,7 @@ from distillspec import DistillSpecError
 from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
 from distillspec.data import Example
 from distillspec.divergences import divergence
-from distillspec.learner import Distiller, make_optimizer
+from distillspec.learner import Distiller, Learner, make_optimizer
 from distillspec.losses import forward_logits, kd_loss
 from distillspec.rollout import draw_source, encode_examples, generate_batch
 
@@ -154,3 +154,30 @@ def test_dtype_auto_is_bfloat16_only_for_a_weight_bound_target_on_bfloat16_hardw
         mp.setattr(models, "native_bf16", lambda device="cpu": False)
         dtype, why = resolve_dtype("auto", str(tmp_path))
         assert dtype == "float32" and "without native bfloat16" in why
+
+
+def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat16(text_pair, tokenizer, tmp_path):
+    from distillspec import models, pretrained
+    from distillspec.config import load_config
+    from distillspec.data import arith_task
+
+    for name, model in zip(("target", "draft"), text_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    pair = [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}"]
+    task, lines = arith_task(n_train=8, n_test=4), []
+    cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
+    assert cfg.distill.bf16 is False and cfg.prepack is False  # a small target: float32, not packed
+    assert "the draft trains in float32" in lines[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models, "native_bf16", lambda device="cpu": True)
+        mp.setattr(pretrained, "native_bf16", lambda device="cpu": True)
+        mp.setattr(models, "AUTO_BF16_BYTES", 1)
+        cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
+        assert cfg.dtype == "bfloat16" and cfg.distill.bf16 is True
+        assert "under bfloat16 autocast" in lines[-1]
+        assert Learner(text_pair[1], None, cfg.distill, objective=lambda *a: None).bf16
+        cfg = pretrained.prepare_models(load_config(None, [*pair, "distill.bf16=false"]), task, log=lines.append)
+        assert cfg.distill.bf16 is False
+    cfg = pretrained.prepare_models(load_config(None, [*pair, "dtype=float32", "prepack=true"]), task, log=lines.append)
+    assert cfg.prepack is True and "prepacked (set by prepack)" in lines[-1]

@@ -184,7 +184,7 @@ def distilled_draft(
     for folder in (out / "recipes" / key / "drafts" / name, out / "drafts" / key / name):
         if (folder / "config.json").exists():
             return str(folder)
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack)
     dcfg = cell_config(cfg.distill, source, divergence, cfg.sweep.steps)
     student, _ = run_cell(
         target, draft, tokenizer, task, dcfg, gammas=[], temperatures=[], num_prompts=0, max_new_tokens=1

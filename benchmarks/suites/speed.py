@@ -95,7 +95,7 @@ def suite_speed(
     cfg = replace(cfg, draft_vocab=0)
     kinds = draft_kinds(cfg, task, draft_vocab, pruned, others)
     dtype = getattr(torch, cfg.dtype)
-    target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype)
+    target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
     ks = sorted({1, *(g + 1 for g in gammas)})
     target_ms = step_ms(target, ks)
@@ -107,6 +107,7 @@ def suite_speed(
             "target": cfg.target,
             "draft": cfg.draft,
             "dtype": cfg.dtype,
+            "prepack": cfg.prepack,
             "threads": torch.get_num_threads(),
             "prompts": len(texts),
             "max_new_tokens": max_new_tokens,
@@ -195,7 +196,8 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
 def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}, {c['threads']} threads, batch 1, "
+        f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}"
+        f"{' (target prepacked)' if c.get('prepack') else ''}, {c['threads']} threads, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",
         "| T | draft | gamma | c | v(gamma+1) | alpha | tau | tokens/s | target alone tokens/s | speedup (min-max) "

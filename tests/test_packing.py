@@ -1,0 +1,89 @@
+"""Prepacked float32 target weights (distillspec/packing.py): the same logits, exact speculative decoding, and the
+choice of when to pack (distillspec.models.resolve_prepack)."""
+
+import copy
+
+import pytest
+import torch
+
+from distillspec import DistillSpecError, speculative_generate
+from distillspec.kvcache import CachedLM
+from distillspec.models import load_pair, resolve_prepack
+from distillspec.packing import PackedLinear, can_prepack, prepack_linears
+
+from .conftest import perturbed, tiny_llama
+from .test_speculative import fit_to_target, left_padded_prompts
+
+pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
+
+
+def test_a_packed_model_gives_the_same_logits_in_the_forward_pass_and_the_cache():
+    model = tiny_llama(64, d=64, layers=2, seed=1)
+    packed = copy.deepcopy(model)
+    assert prepack_linears(packed) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert isinstance(packed.lm_head, PackedLinear)
+    assert not any(p.requires_grad for p in packed.parameters())
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        fast, plain = packed(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+    assert torch.allclose(fast, plain, atol=1e-5)
+    plain_lm, fast_lm = CachedLM(model), CachedLM(packed)
+    assert torch.allclose(fast_lm.prefill(ids, mask), plain_lm.prefill(ids, mask), atol=1e-5)
+    new = torch.randint(1, 64, (len(ids), 6))  # a verification's gamma + 1 positions
+    assert torch.allclose(fast_lm.step(new), plain_lm.step(new), atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_sd_with_a_packed_target_equals_the_targets_greedy(gamma):
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
+    draft = perturbed(target, 0.01)
+    packed = copy.deepcopy(target)
+    prepack_linears(packed)
+    ids, mask = left_padded_prompts()
+    sd = speculative_generate(packed, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
+    for row in range(len(ids)):
+        prompt = ids[row : row + 1, mask[row].bool()]
+        own = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
+    assert 0.0 < sd.stats.alpha < 1.0
+
+
+def test_sd_with_a_packed_target_follows_the_targets_distribution():
+    """Chi-square over 12,000 two-token samples at T = 1 against the unpacked target's exact joint."""
+    from .test_speculative import V
+
+    target = tiny_llama(V, d=16, seed=3, sharpness=30.0)
+    draft = tiny_llama(V, d=16, seed=4, sharpness=30.0)
+    packed = copy.deepcopy(target)
+    prepack_linears(packed)
+    prompt = torch.tensor([[1, 2, 3]])
+    out = speculative_generate(
+        packed, draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2, generator=torch.Generator().manual_seed(0)
+    )
+    assert fit_to_target(out, target, prompt) > 1e-3
+
+
+def test_prepack_is_chosen_for_weight_bound_float32_targets_on_a_cpu(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "model.safetensors").write_bytes(b"0" * 1000)
+    assert resolve_prepack("auto", "float32", str(small))[0] is False  # bound by per-call costs
+    assert resolve_prepack("auto", "float32", "some/hub-id")[0] is True  # size unknown: a real model
+    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is False
+    assert resolve_prepack(True, "float32", str(small)) == (True, "set by prepack")
+    assert resolve_prepack(False, "float32", "some/hub-id")[0] is False
+    with pytest.raises(DistillSpecError, match="prepack=true"):
+        resolve_prepack(True, "bfloat16", str(small))
+
+
+def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
+    folders = []
+    for name, model in zip(("target", "draft"), text_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        folders.append(str(tmp_path / name))
+    target, draft, _ = load_pair(*folders, dtype="float32", prepack=True)
+    assert isinstance(target.lm_head, PackedLinear)
+    assert not any(isinstance(m, PackedLinear) for m in draft.modules())
+    target, _, _ = load_pair(*folders, dtype="float32")  # auto: a small target is not packed
+    assert not any(isinstance(m, PackedLinear) for m in target.modules())
