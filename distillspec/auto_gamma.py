@@ -353,10 +353,10 @@ class AutoGamma:
 
 def _settings_name(settings: tuple) -> str:
     """An alpha key's decoding settings by name ("all": an engine that keeps one alpha over every request's)."""
-    temperature, lenience, epsilon = settings
+    temperature, lenience, epsilon, *how = settings  # how: ("coupled",) for seeded rows (SeededNoise)
     if temperature is None:
         return "all"
-    return f"T={temperature:g}" + (f" {lenience} eps={epsilon:g}" if lenience else "")
+    return f"T={temperature:g}" + (f" {lenience} eps={epsilon:g}" if lenience else "") + "".join(f" {h}" for h in how)
 
 
 def _key_name(key: AlphaKey) -> str:

@@ -2,9 +2,11 @@
 
 A :class:`Completer` holds a target, a draft and its version, and turns :class:`CompletionJob` s into
 :class:`Completion` s. Concurrent jobs with the same decoding settings (gamma, temperature, lenience, epsilon)
-share one batched :func:`speculative_generate` call, each row with its own token budget; a job with a seed runs
-alone, so its sample depends on the seed only. Every completion carries its SD statistics and the draft version
-it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touches a call already running.
+share one batched :func:`speculative_generate` call, each row with its own token budget. Seeded jobs share calls of
+their own, each row's random numbers keyed by its seed and the token's position (blocks verified by coupling:
+:class:`~distillspec.speculative.SeededNoise`), so a seed gives one text whatever gamma is chosen and whoever shares
+the batch; a seeded lossy job (lenience) runs alone at a fixed gamma. Every completion carries its SD statistics and
+the draft version it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touches a call already running.
 """
 
 from __future__ import annotations
@@ -302,13 +304,13 @@ class Completer:
         fails alone gets its exception in its place of the result (its neighbours, other clients' requests
         batched with it, get their completions)."""
         groups: dict[tuple[DecodingArgs, int], list[int]] = {}
-        for i, job in enumerate(jobs):  # a seeded job runs alone, so its sample depends on its seed only
-            groups.setdefault((job.args, i if job.seed is not None else -1), []).append(i)
+        for i, job in enumerate(jobs):
+            groups.setdefault((job.args, seed_group(job, i)), []).append(i)
         results: list[Completion | Exception | None] = [None] * len(jobs)
-        for (args, _), rows in groups.items():
-            seed = jobs[rows[0]].seed if len(rows) == 1 else None
+        for (args, group), rows in groups.items():
+            seeded = group != UNSEEDED
             try:
-                for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seed, on_block), strict=True):
+                for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seeded, on_block), strict=True):
                     results[i] = done
             except Exception as exc:
                 if len(rows) == 1:
@@ -322,13 +324,18 @@ class Completer:
         return results  # type: ignore[return-value]
 
     def _run(
-        self, jobs: list[CompletionJob], args: DecodingArgs, seed: int | None, on_block: Callable | None
+        self, jobs: list[CompletionJob], args: DecodingArgs, seeded: bool, on_block: Callable | None
     ) -> list[Completion]:
         start = time.perf_counter()
         draft, version = self.draft, self.version  # fixed for this call, whatever a swap does meanwhile
         ids, mask = encode_prompts(self.tokenizer, [j.prompt for j in jobs])
         ids, mask = ids.to(self.target.device), mask.to(self.target.device)
-        generator = torch.Generator(device=self.target.device).manual_seed(seed) if seed is not None else self.generator
+        generator, seeds, gamma = self.generator, None, args.gamma
+        if seeded and args.lenience is None:  # keyed random numbers: any gamma, any batch
+            seeds = [j.seed for j in jobs]
+        elif seeded:  # a lossy seeded job, alone: its own stream, consumed alike at a fixed gamma
+            generator = torch.Generator(device=self.target.device).manual_seed(jobs[0].seed)
+            gamma = self.auto.start_gamma if gamma == "auto" else gamma
         common = dict(
             max_new_tokens=[j.max_new_tokens for j in jobs],
             temperature=args.temperature,
@@ -337,18 +344,20 @@ class Completer:
             attention_mask=mask,
             generator=generator,
             on_block=on_block,
+            seeds=seeds,
         )
-        if args.gamma == 0:
+        if gamma == 0:
             out = autoregressive_generate(self.target, ids, **common)
         else:
-            auto = args.gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
-            key = (version, args.temperature, args.lenience, args.epsilon)
+            auto = gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
+            # Coupled verification (seeded rows) accepts at its own rate: its acceptance is learnt apart.
+            key = (version, args.temperature, args.lenience, args.epsilon, *(("coupled",) if seeds else ()))
             out = speculative_generate(
                 self.target,
                 draft,
                 ids,
-                gamma=self.auto.max_gamma if auto else args.gamma,
-                schedule=self.auto.for_call(key, None if auto else args.gamma),
+                gamma=self.auto.max_gamma if auto else gamma,
+                schedule=self.auto.for_call(key, None if auto else gamma),
                 lenience=args.lenience,
                 epsilon=args.epsilon,
                 **common,
@@ -367,12 +376,24 @@ class Completer:
                     prompt_tokens=int(mask[row].sum()),
                     completion_tokens=n,
                     version=version,
-                    stats=row_stats(out, row, args.gamma),
+                    stats=row_stats(out, row, args.gamma) | ({"coupled": True} if seeds else {}),
                     seconds=seconds,
                     args=args,
                 )
             )
         return done
+
+
+UNSEEDED = -1  #: the group of jobs without a seed (and of greedy ones, which draw no random numbers)
+SEEDED = -2  #: the group of lossless seeded jobs, batched together with their random numbers keyed by seed
+
+
+def seed_group(job: CompletionJob, index: int) -> int:
+    """The call a job joins among those with its decoding settings: :data:`UNSEEDED`, :data:`SEEDED`, or its own
+    (``index``: a seeded lossy job runs alone)."""
+    if job.seed is None or job.args.temperature == 0:
+        return UNSEEDED
+    return SEEDED if job.args.lenience is None else index
 
 
 class RequestBatcher:
@@ -511,6 +532,8 @@ class LiveAcceptance:
         """Count one completion's ``stats`` (:func:`counts_stats`) for ``version`` and the settings ``args`` it was
         made with; plain decoding counts nothing (gamma chosen live that drafted nothing counts: see the class)."""
         judged = stats["accepted"] + stats["rejected"]
+        if stats.get("coupled"):  # seeded rows verify by coupling, which accepts at a rate of its own
+            return
         if judged or args.gamma == "auto":
             if (version, args) not in self.recent and len(self.recent) >= MAX_SETTINGS:
                 del self.recent[next(iter(self.recent))]  # the oldest: clients' settings never grow it unbounded

@@ -7,6 +7,7 @@ its own position counter, so each row of a batch accepts its own number of token
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,18 +62,48 @@ def check_pair(target: PreTrainedModel, draft: PreTrainedModel) -> None:
         raise DistillSpecError(f"draft vocab {vd} != target vocab {vt}: the draft and target must share one tokenizer")
 
 
-def next_token(logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
-    """Greedy (``temperature == 0``) or sampled next token from ``logits`` [..., V]."""
+def next_token(
+    logits: Tensor, temperature: float, generator: torch.Generator | None = None, race: Tensor | None = None
+) -> Tensor:
+    """Greedy (``temperature == 0``) or sampled next token from ``logits`` [..., V] (``race``: see :func:`sample`)."""
     if temperature == 0:
         return logits.argmax(-1)
-    return sample(torch.softmax(logits / temperature, dim=-1), generator)
+    return sample(torch.softmax(logits / temperature, dim=-1), generator, race)
 
 
-def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample(probs: Tensor, generator: torch.Generator | None = None, race: Tensor | None = None) -> Tensor:
     """One token per row of ``probs`` [..., V] -> [...]: argmax of ``probs / E`` with ``E ~ Exp(1)`` (an exponential
-    race picks token i with probability probs[i]; cheaper than ``torch.multinomial``, as in gpt-fast)."""
-    race = torch.empty_like(probs).exponential_(generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-    return (probs / race).argmax(-1)
+    race picks token i with probability probs[i]; cheaper than ``torch.multinomial``, as in gpt-fast). ``race``: the
+    draws ``E`` to use (:class:`SeededNoise`) instead of new ones from ``generator``."""
+    if race is None:
+        race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race.clamp(min=torch.finfo(probs.dtype).tiny)).argmax(-1)
+
+
+class SeededNoise:
+    """The random numbers of seeded rows, keyed by (seed, position of the emitted token), not drawn from a stream.
+
+    Every token is sampled by an exponential race (:func:`sample`) whose draws ``E_t`` [V] depend only on the row's
+    seed and the token's position ``t`` among the row's new tokens. With these draws speculative decoding verifies by
+    *coupling* (:func:`verify` with ``race``): at each position the draft proposes ``argmax(q / E_t)``, the target's
+    token is ``argmax(p / E_t)``, and a draft is accepted when the two agree. The emitted token at position ``t`` is
+    then the target's own exponential-race sample, whatever gamma the block had, which rows shared the batch, or
+    whether the target decoded alone: a seed gives one text. It is exact, since ``E_t`` is independent of the prefix
+    it scores. The price is acceptance: two races agree with probability at most ``1 - TVD(p, q)`` (the rejection
+    sampler's rate), and at least ``(1 - TVD) / (1 + TVD)``."""
+
+    def __init__(self, seeds: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> None:
+        self.seeds, self.vocab, self.device = [int(x) for x in seeds], vocab, torch.device(device)
+
+    def draws(self, rows: Tensor, positions: Tensor) -> Tensor:
+        """``E`` [b, k, V] for original rows ``rows`` [b] at new-token positions ``positions`` [b, k]."""
+        out = torch.empty(*positions.shape, self.vocab, device=self.device)
+        for i, row in enumerate(rows.tolist()):
+            for j, t in enumerate(positions[i].tolist()):
+                key = hashlib.blake2b(f"{self.seeds[row]}:{t}".encode(), digest_size=8).digest()
+                generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(key, "little") >> 1)
+                out[i, j].exponential_(generator=generator)
+        return out
 
 
 @dataclass
@@ -240,12 +271,14 @@ def autoregressive_generate(
     pad_token_id: int | None = None,
     on_block: BlockCallback | None = None,
     compile: bool = False,
+    seeds: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
     (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`; ``compile``: see
-    :func:`cached_lm`)."""
+    :func:`cached_lm`; ``seeds``: one per row, each row's sample keyed by its seed, see :class:`SeededNoise`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
+    noise = _seeded(seeds, len(input_ids), temperature, None, model, input_ids.device)
     lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
     eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
     emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device)
@@ -253,7 +286,10 @@ def autoregressive_generate(
     ids = d2t(model)  # a model with a draft vocabulary samples an index into it
     logits = lm.prefill(input_ids, mask)
     while True:
-        token = next_token(logits, temperature, generator)
+        race = None if noise is None else noise.draws(rows, emitter.count[rows][:, None])[:, 0]
+        if race is not None and ids is not None:
+            race = race[:, ids]
+        token = next_token(logits, temperature, generator, race)
         token = token if ids is None else ids[token]
         done = emitter.emit(rows, token[:, None], torch.ones_like(token))
         if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count)):
@@ -266,6 +302,22 @@ def autoregressive_generate(
     return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone())
 
 
+def _seeded(
+    seeds: Sequence[int] | None, batch: int, temperature: float, lenience: str | None, model, device
+) -> SeededNoise | None:
+    """The :class:`SeededNoise` of a call with ``seeds`` (None: no seeds, or greedy, which needs no random numbers)."""
+    if seeds is None or temperature == 0:
+        return None
+    if len(seeds) != batch:
+        raise DistillSpecError(f"{len(seeds)} seeds for a batch of {batch} prompts")
+    if lenience is not None:
+        raise DistillSpecError(
+            f"lenience={lenience!r} with seeds: seeded rows verify by coupling, which is lossless only; run lossy "
+            "speculative decoding with a generator"
+        )
+    return SeededNoise(seeds, vocab_size(model), device)
+
+
 def verify(
     target_logits: Tensor,
     drafts: Tensor,
@@ -274,6 +326,7 @@ def verify(
     lenience: str | None = None,
     epsilon: float = 1.0,
     generator: torch.Generator | None = None,
+    race: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The accept/reject step of speculative decoding for one block.
 
@@ -282,10 +335,16 @@ def verify(
     ``temperature``; None when ``temperature == 0``). Draft ``j`` is accepted with probability
     ``min(1, f(p_j(d_j), epsilon) / q_j(d_j))``, while all before it were; after ``n`` accepted, the next token is
     drawn from ``norm(max(0, p_{n+1} - q_{n+1}))`` (``p_{gamma+1}`` when all were). Greedy: accept while the argmaxes
-    agree, then the target's argmax. Returns ``n`` [b] (drafts accepted) and the next token [b]."""
+    agree, then the target's argmax. With ``race`` [b, gamma+1, V] (:class:`SeededNoise`; the drafts were raced with
+    the same draws): accept while the drafts equal the target's races, then the target's race. Returns ``n`` [b]
+    (drafts accepted) and the next token [b]."""
     gamma = drafts.shape[1]
-    if temperature == 0:  # p and q are one-hot (lenience has no effect)
-        best = target_logits.argmax(-1)
+    if temperature == 0 or race is not None:  # greedy, or coupled: each position's token is the target's own
+        best = (
+            target_logits.argmax(-1)
+            if temperature == 0
+            else sample(torch.softmax(target_logits / temperature, -1), race=race)
+        )
         n = (drafts == best[:, :gamma]).long().cumprod(1).sum(1)
         return n, best.gather(1, n[:, None]).squeeze(1)
     p = torch.softmax(target_logits / temperature, dim=-1)
@@ -314,17 +373,23 @@ def draft_tokens(
     temperature: float,
     generator: torch.Generator | None = None,
     compile: bool = False,
+    race: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Step 1 of a block: ``g`` tokens from the draft, one call each, after it read ``x`` (the tokens it has not read
     yet; ``valid``: 0 at holes). Returns the drafts [b, g] and their distributions q [b, g, V] on the whole
-    vocabulary (None at ``temperature == 0``: greedy drafts). A draft with a draft vocabulary samples inside it."""
+    vocabulary (None at ``temperature == 0``: greedy drafts, and with ``race``: drafts raced with those draws, see
+    :class:`SeededNoise`). A draft with a draft vocabulary samples inside it."""
     q, drafts = [], []
     ids, vocab = d2t(drf.model), vocab_size(drf.model)
-    for _ in range(g):
+    for j in range(g):
         # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
         logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
         if temperature == 0:
             d_j = logits.argmax(-1)
+        elif race is not None:
+            d_j = sample(
+                torch.softmax(logits / temperature, -1), race=race[:, j] if ids is None else race[:, j][:, ids]
+            )
         else:
             q_j = torch.softmax(logits / temperature, dim=-1)
             d_j = sample(q_j, generator)
@@ -401,6 +466,7 @@ def speculative_generate(
     on_block: BlockCallback | None = None,
     compile: bool = False,
     schedule: GammaSchedule | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -410,7 +476,9 @@ def speculative_generate(
     streams (see :data:`BlockCallback`). ``compile`` runs both models' decoding steps through ``torch.compile`` (see
     :func:`cached_lm`). With a ``schedule``, each block drafts the number of tokens it chooses, 0 to ``gamma``
     (0: the target alone emits one token; the draft catches up at its next block), and the schedule is told what
-    each block cost and yielded.
+    each block cost and yielded. With ``seeds`` (one per row, lossless only) each row's random numbers are keyed by
+    its seed and the token's position, and blocks verify by coupling (:class:`SeededNoise`): a row's text depends on
+    its seed alone, not on gamma, the schedule or the other rows.
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -418,6 +486,7 @@ def speculative_generate(
     check_pair(target, draft)
     mask = _prepare(input_ids, attention_mask)
     dev, batch = input_ids.device, len(input_ids)
+    noise = _seeded(seeds, batch, temperature, lenience, target, dev)
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
@@ -447,8 +516,11 @@ def speculative_generate(
         # one whose draft reads the prompt.
         typical = first_logits is None and (g == 0 or drf.calls > 0)
 
-        # 1. Draft g tokens autoregressively.
-        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile)  # [b, g]
+        # 1. Draft g tokens autoregressively (seeded rows: with the draws of the block's g + 1 positions).
+        race = None
+        if noise is not None:
+            race = noise.draws(rows, emitter.count[rows][:, None] + torch.arange(g + 1, device=dev))
+        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race)  # [b, g]
         drafted_at = step_clock(dev) if schedule is not None else 0.0
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
@@ -457,7 +529,7 @@ def speculative_generate(
         else:  # the first block: the prompt's last logits, then the drafts'
             target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
             first_logits = None
-        n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator)
+        n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
 
         # 5. Emit d_1..d_n and the new token, count the block; both caches forget the drafts not accepted.
         tally.add(rows, g, n)

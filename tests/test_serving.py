@@ -56,7 +56,8 @@ def test_one_bad_job_fails_alone_not_its_batch(completer, caplog):
     assert "a call of 8 jobs failed" in caplog.text  # the operator sees why a call ran slower
     alone = [completer.complete([job])[0].text for job in good]
     assert [d.text for d in done[:3] + done[4:]] == alone
-    seeded = completer.complete([CompletionJob(PROMPTS[0], 6, args, seed=2**70), *good])
+    lossy = DecodingArgs(gamma=2, temperature=1.0, lenience="lin", epsilon=0.5)  # seeded: its own torch stream
+    seeded = completer.complete([CompletionJob(PROMPTS[0], 6, lossy, seed=2**70), *good])
     assert isinstance(seeded[0], Exception) and [d.text for d in seeded[1:]] == alone
     with pytest.raises(DistillSpecError, match="cannot be tokenized"):
         completer.check(CompletionJob("1+\ud800=", 6, args))
@@ -82,6 +83,24 @@ def test_seeded_jobs_repeat_and_unseeded_ones_vary(completer):
     b = completer.complete([CompletionJob(PROMPTS[0], 16, args, seed=5)])
     assert a[0].text == b[0].text
     texts = {completer.complete([CompletionJob(PROMPTS[0], 16, args)])[0].text for _ in range(6)}
+    assert len(texts) > 1
+
+
+def test_a_seeded_job_gives_one_text_at_gamma_auto_whatever_shares_its_batch(completer):
+    """Seeded jobs batch together, their random numbers keyed by seed and position: the same text at gamma auto (as
+    its choice moves between calls), at a fixed gamma, with speculation off, alone or beside other seeded and
+    unseeded jobs; another seed gives another text."""
+    auto, fixed, off = (DecodingArgs(gamma=g, temperature=1.0) for g in ("auto", 3, 0))
+    job = CompletionJob(PROMPTS[2], 16, auto, seed=7)
+    alone = completer.complete([job])[0]
+    assert alone.stats["coupled"] is True
+    crowd = [CompletionJob(PROMPTS[i % 4], 16, auto, seed=None if i % 2 else 100 + i) for i in range(7)]
+    for others in ([], crowd, crowd[:3]):
+        done = completer.complete([*others, job, *others])
+        assert done[len(others)].text == alone.text
+    for args in (fixed, off):
+        assert completer.complete([CompletionJob(PROMPTS[2], 16, args, seed=7)])[0].text == alone.text
+    texts = {completer.complete([CompletionJob(PROMPTS[2], 16, auto, seed=s)])[0].text for s in range(8, 14)}
     assert len(texts) > 1
 
 

@@ -394,3 +394,65 @@ def test_the_verify_step_alone():
     for seed in range(20):
         n, new = verify(blocked[:, :2], torch.tensor([[1]]), q, 1.0, generator=torch.Generator().manual_seed(seed))
         assert n.tolist() == [0] and new.item() != 1
+
+
+class _RandomGammas:
+    """A gamma schedule that drafts 0 to 4 tokens per block at random (a stand-in for gamma=auto)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def choose(self, batch, explore=True, left=None) -> int:
+        return int(torch.randint(0, 5, (1,), generator=self.rng))
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_a_seed_gives_one_text_whatever_the_gamma_the_schedule_or_the_batch():
+    """Seeded rows (random numbers keyed by seed and position, blocks verified by coupling): the target alone, SD at
+    gamma 1, 3 and 5, a random gamma per block, the rows reordered or alone, all emit the same tokens."""
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=3.0)
+    draft = perturbed(target, 0.3)
+    ids, mask = left_padded_prompts()
+    seeds = [11, 12, 13, 14, 15]
+    kw = dict(max_new_tokens=20, temperature=1.0, attention_mask=mask, seeds=seeds)
+    reference = autoregressive_generate(target, ids, **kw).sequences
+    runs = [speculative_generate(target, draft, ids, gamma=g, **kw) for g in (1, 3, 5)]
+    runs.append(speculative_generate(target, draft, ids, gamma=4, schedule=_RandomGammas(0), **kw))
+    for out in runs:
+        assert torch.equal(out.sequences, reference)
+    assert 0.0 < runs[1].stats.alpha < 1.0
+    order = [3, 0, 4, 1, 2]
+    shuffled = speculative_generate(
+        target,
+        draft,
+        ids[order],
+        gamma=3,
+        max_new_tokens=20,
+        attention_mask=mask[order],
+        seeds=[seeds[i] for i in order],
+    )
+    assert torch.equal(shuffled.sequences, reference[order])
+    alone = speculative_generate(target, draft, ids[4:5], gamma=2, max_new_tokens=20, seeds=[15])
+    assert torch.equal(alone.sequences[0], reference[4])  # row 4 has no padding; every row emits 20 tokens
+    other = autoregressive_generate(target, ids, **(kw | {"seeds": [s + 100 for s in seeds]})).sequences
+    assert not torch.equal(other, reference)  # another seed, another sample
+
+
+def test_seeded_sd_follows_the_target_distribution(small_vocab_pair):
+    """Chi-square over 12,000 two-token samples, one seed per row, verified by coupling."""
+    target, draft = small_vocab_pair
+    prompt = torch.tensor([[1, 2, 3]])
+    out = speculative_generate(
+        target, draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2, temperature=1.0, seeds=range(12_000)
+    )
+    assert 0.0 < out.stats.alpha < 1.0
+    assert fit_to_target(out, target, prompt) > 1e-3
+
+
+def test_seeds_are_lossless_only(small_vocab_pair):
+    target, draft = small_vocab_pair
+    with pytest.raises(DistillSpecError, match="lossless only"):
+        speculative_generate(target, draft, torch.tensor([[1, 2]]), gamma=2, max_new_tokens=2, lenience="lin",
+                             epsilon=0.5, seeds=[1])  # fmt: skip
