@@ -6,7 +6,8 @@ share one batched :func:`speculative_generate` call, each row with its own token
 their own, each row's random numbers keyed by its seed and the token's position (blocks verified by coupling:
 :class:`~distillspec.speculative.SeededNoise`), so a seed gives one text whatever gamma is chosen and whoever shares
 the batch; a seeded lossy job (lenience) runs alone at a fixed gamma. Every completion carries its SD statistics and
-the draft version it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touches a call already running.
+the draft version it was made with: a swap of the draft (:meth:`Completer.swap_draft`) never touches a call already
+running.
 """
 
 from __future__ import annotations
