@@ -150,10 +150,11 @@ class DistillConfig:
         "computes bfloat16 (AMX or AVX512-BF16 CPUs, GPUs), 18-33x slower where it is emulated; unset = on where "
         "the pair runs in bfloat16 (dtype), else off",
     )
-    train: Literal["all", "layers"] = knob(
+    train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*)$")] = knob(
         "all",
         "which of the draft's weights train: all | layers (its decoder layers only; the embeddings, final norm and "
-        "head stay as they are, e.g. as copied from the target by --draft first:K)",
+        "head stay as they are, e.g. as copied from the target by --draft first:K) | top:K (its last K decoder "
+        "layers only: the backward pass stops below them, and the optimizer holds a state for them alone)",
     )
 
 

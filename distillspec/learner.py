@@ -11,6 +11,7 @@ Every log record has the keys of :data:`LOG_KEYS`.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,15 +49,22 @@ def make_optimizer(
     return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
 
 
-def freeze_all_but_layers(model: torch.nn.Module) -> int:
-    """Only the decoder layers (``...layers.N...``) of ``model`` train (``distill.train=layers``): the embeddings,
-    final norm and head stay frozen. Returns the count of weights that train."""
+def freeze_all_but_layers(model: torch.nn.Module, top: int | None = None) -> int:
+    """Only the decoder layers (``...layers.N...``) of ``model`` train (``distill.train=layers``), or only the last
+    ``top`` of them (``distill.train=top:K``): the embeddings, final norm and head stay frozen. Returns the count of
+    weights that train."""
+    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    numbers = {int(m.group(1)) for name, _ in model.named_parameters() if (m := pattern.search(name))}
+    if not numbers:
+        raise DistillSpecError("distill.train: the draft has no '...layers.N...' weights to train")
+    if top is not None and top > len(numbers):
+        raise DistillSpecError(f"distill.train=top:{top}: the draft has {len(numbers)} decoder layers")
+    lowest = max(numbers) - top + 1 if top is not None else min(numbers)
     trained = 0
     for name, p in model.named_parameters():
-        p.requires_grad_(".layers." in f".{name}")
+        m = pattern.search(name)
+        p.requires_grad_(m is not None and int(m.group(1)) >= lowest)
         trained += p.numel() if p.requires_grad else 0
-    if trained == 0:
-        raise DistillSpecError("distill.train=layers: the draft has no '...layers.N...' weights to train")
     return trained
 
 
@@ -85,8 +93,8 @@ class Learner:
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
         self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
-        if cfg.train == "layers":
-            freeze_all_but_layers(draft)
+        if cfg.train != "all":
+            freeze_all_but_layers(draft, int(cfg.train.removeprefix("top:")) if cfg.train.startswith("top:") else None)
         self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
         self.step_count = 0
         if target is not None:

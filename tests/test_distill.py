@@ -13,6 +13,8 @@ from distillspec.learner import Distiller, Learner, make_optimizer
 from distillspec.losses import forward_logits, kd_loss
 from distillspec.rollout import draw_source, encode_examples, generate_batch
 
+from .conftest import tiny_llama
+
 
 @pytest.mark.parametrize("name", ["fkl", "rkl", "jsd", "tvd"])
 def test_kd_step_lowers_loss_on_fixed_batch(text_pair, tokenizer, task, name):
@@ -181,3 +183,19 @@ def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat1
         assert cfg.distill.bf16 is False
     cfg = pretrained.prepare_models(load_config(None, [*pair, "dtype=float32", "prepack=true"]), task, log=lines.append)
     assert cfg.prepack is True and "prepacked (set by prepack)" in lines[-1]
+
+
+def test_train_top_k_trains_the_last_k_decoder_layers_only():
+    from distillspec.config import load_config
+    from distillspec.learner import freeze_all_but_layers
+
+    model = tiny_llama(64, d=32, layers=4)
+    trained = freeze_all_but_layers(model, top=2)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(".layers.2." in n or ".layers.3." in n for n in names)
+    assert trained == sum(p.numel() for n, p in model.named_parameters() if n in names)
+    with pytest.raises(DistillSpecError, match="has 4 decoder layers"):
+        freeze_all_but_layers(model, top=5)
+    assert load_config(None, ["distill.train=top:8"]).distill.train == "top:8"
+    with pytest.raises(DistillSpecError, match="distill.train"):
+        load_config(None, ["distill.train=top:0"])
