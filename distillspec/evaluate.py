@@ -218,15 +218,18 @@ def race(
     repeats: int = 1,
     seed: int = 0,
     compile: bool = False,
+    seeded: bool = False,
 ) -> dict:
     """Tokens/s at batch 1 of the target alone and of SD with each of ``drafts`` at each of ``gammas``, measured side
     by side: each prompt is decoded by every decoder in turn (a drift in the machine's speed hits them all alike),
     and the whole is repeated ``repeats`` times. A decoder's speedup is its tokens/s over the target alone's in the
     same repeat; the mean and the spread (min, max) over repeats are reported. ``compile``: every decoder's steps
-    compiled (:func:`distillspec.speculative.cached_lm`), each shape once in an untimed pass first.
+    compiled (:func:`distillspec.speculative.cached_lm`), each shape once in an untimed pass first. ``seeded``: prompt
+    ``i`` decoded with the seed ``seed + i`` by every decoder (:class:`~distillspec.speculative.SeededNoise`), so each
+    emits the target alone's text; ``same_text`` counts the prompts where it did.
 
     Returns ``{"target": {"tokens_per_s"}, "sd": [{"draft", "gamma", "tokens_per_s", "speedup", "speedup_min",
-    "speedup_max", "alpha", "tau"}, ...]}``."""
+    "speedup_max", "alpha", "tau", "same_text"}, ...]}``."""
     common = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -243,19 +246,22 @@ def race(
     seconds = {cell: [0.0] * repeats for cell in [None, *cells]}
     tokens = {cell: [0] * repeats for cell in [None, *cells]}
     counts = {cell: AcceptanceCounts(0, 0, 0) for cell in cells}
+    same = dict.fromkeys(cells, 0)
     generators = {cell: torch.Generator(device=target.device).manual_seed(seed) for cell in [None, *cells]}
     for r in range(repeats):
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
+            seeds = {"seeds": [seed + i]} if seeded else {}
             for cell in [None, *cells]:
                 start = time.perf_counter()
                 if cell is None:
-                    out = autoregressive_generate(target, ids, generator=generators[cell], **common)
+                    out = alone = autoregressive_generate(target, ids, generator=generators[cell], **common, **seeds)
                 else:
                     out = speculative_generate(
-                        target, drafts[cell[0]], ids, gamma=cell[1], generator=generators[cell], **common
+                        target, drafts[cell[0]], ids, gamma=cell[1], generator=generators[cell], **common, **seeds
                     )
                     counts[cell] = counts[cell] + out.stats.counts
+                    same[cell] += int(torch.equal(out.sequences, alone.sequences))
                 seconds[cell][r] += time.perf_counter() - start
                 tokens[cell][r] += int(out.num_new_tokens.sum())
     rate = {cell: [n / s for n, s in zip(tokens[cell], seconds[cell])] for cell in seconds}
@@ -272,6 +278,7 @@ def race(
                 "speedup_max": max(speedups),
                 "alpha": counts[cell].alpha,
                 "tau": counts[cell].tau,
+                "same_text": same[cell] / (repeats * len(prompts)),
             }
         )
     return {"target": {"tokens_per_s": sum(tokens[None]) / sum(seconds[None])}, "sd": rows}

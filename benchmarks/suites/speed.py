@@ -86,6 +86,7 @@ def suite_speed(
     out: Path,
     vllm: bool = False,
     others: tuple[str, ...] = (),
+    seeded: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,8 @@ def suite_speed(
         "rows": [],
         "target_alone": {},
     }
-    for temperature in temperatures:
+    runs = [(t, False) for t in temperatures] + [(t, True) for t in temperatures if seeded and t > 0]
+    for temperature, coupled in runs:
         raced = race(
             target,
             drafts,
@@ -130,9 +132,11 @@ def suite_speed(
             max_new_tokens=max_new_tokens,
             repeats=repeats,
             seed=cfg.seed,
+            seeded=coupled,
         )
-        result["target_alone"][str(temperature)] = raced["target"]["tokens_per_s"]
+        result["target_alone"][race_name(temperature, coupled)] = raced["target"]["tokens_per_s"]
         for row in raced["sd"]:
+            row["seeded"] = coupled
             c, v = draft_ms[row["draft"]] / target_ms[1], target_ms[row["gamma"] + 1] / target_ms[1]
             row |= {
                 "temperature": temperature,
@@ -193,6 +197,11 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
     return rows
 
 
+def race_name(temperature: float, seeded: bool) -> str:
+    """A race's name in the tables: its temperature, and whether its requests were seeded."""
+    return f"{temperature:g}{' seeded' if seeded else ''}"
+
+
 def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
@@ -205,9 +214,10 @@ def format_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        alone = result["target_alone"][str(row["temperature"])]
+        temperature = race_name(row["temperature"], row.get("seeded", False))
+        alone = result["target_alone"][temperature]
         lines.append(
-            f"| {row['temperature']:g} | {row['draft']} | {row['gamma']} | {row['c']:.3f} | {row['v']:.2f} | "
+            f"| {temperature} | {row['draft']} | {row['gamma']} | {row['c']:.3f} | {row['v']:.2f} | "
             f"{row['alpha']:.3f} | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {alone:.2f} | "
             f"{row['speedup']:.2f}x ({row['speedup_min']:.2f}-{row['speedup_max']:.2f}) | "
             f"{row['predicted_from_tau']:.2f}x | {row['predicted_from_alpha']:.2f}x |"
@@ -238,6 +248,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
+    parser.add_argument(
+        "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/speed"))
     args = parser.parse_args()
     if args.threads:
@@ -254,6 +267,7 @@ def main() -> None:
         out=args.out,
         vllm=args.vllm,
         others=args.drafts,
+        seeded=args.seeded,
     )
 
 

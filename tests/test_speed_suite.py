@@ -1,0 +1,34 @@
+"""The speed suite (benchmarks/suites/speed.py) on the tiny garden pair: every draft kind raced beside the target
+alone, step costs and predictions per row, and seeded races in which every decoder emits the target alone's text."""
+
+import json
+
+from benchmarks.suites.speed import suite_speed
+
+
+def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_target_alones_text(tiny_garden, tmp_path):
+    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
+    result = suite_speed(
+        overrides,
+        draft_vocab=64,
+        pruned=["first:1"],
+        gammas=[2],
+        temperatures=[0.0, 1.0],
+        prompts=2,
+        max_new_tokens=6,
+        repeats=1,
+        out=tmp_path,
+        seeded=True,
+    )
+    kinds = {row["draft"] for row in result["rows"]}
+    assert kinds == {"draft", "draft V=64", "@first:1", "@first:1 V=64"}
+    assert set(result["target_alone"]) == {"0", "1", "1 seeded"}
+    seeded = [row for row in result["rows"] if row["seeded"]]
+    assert len(seeded) == 4 and all(row["temperature"] == 1.0 for row in seeded)
+    assert all(row["same_text"] == 1.0 for row in seeded)  # a seed gives the target alone's text
+    greedy = [row for row in result["rows"] if row["temperature"] == 0.0]
+    assert all(row["same_text"] == 1.0 for row in greedy)  # greedy SD is the target's greedy
+    for row in result["rows"]:
+        assert row["c"] > 0 and row["v"] > 0 and row["tokens_per_s"] > 0 and 0 <= row["alpha"] <= 1
+    assert json.loads((tmp_path / "speed.json").read_text())["config"]["prepack"] is False
+    assert "1 seeded" in (tmp_path / "speed.md").read_text()
