@@ -1,0 +1,175 @@
+"""Held-out acceptance along the first steps of distillation, for several learner settings side by side: a cheap
+look at whether a recipe, a learning rate or a divergence moves a draft toward its target before a long run.
+
+Each setting starts from the same draft and takes ``--steps`` learner steps (sampling as its recipe says, Algorithm
+A.2); every ``--every`` steps the draft is scored on fixed held-out sequences sampled from the target (exactly, by
+speculative decoding) at T = 1 and greedily: ``alpha`` = 1 - E[TVD(p, q)] at T = 1 on the first (Eq. 3: the
+acceptance rate at T = 1) and ``greedy`` = the share of positions where the two argmaxes agree on the second (the
+acceptance rate at T = 0). No speculative decoding runs after the start, so a step costs what a learner step costs.
+
+    python -m benchmarks.suites.trajectory target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
+        dataset=../shared/data/gsm8k draft_vocab=32768 distill.batch_size=8 distill.max_new_tokens=48 \\
+        --settings "distill.lr=3e-5" "distill.lr=3e-6" "distill.lr=3e-6 distill.divergence=fkl" --steps 8
+
+Writes ``trajectory.json``, ``trajectory.md`` (a row per setting and evaluation) and ``trajectory.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from distillspec.config import load_config
+from distillspec.data import load_task
+from distillspec.draft_vocab import d2t, expand_logits, vocab_size
+from distillspec.learner import Learner
+from distillspec.losses import forward_logits
+from distillspec.metrics import alpha_from_tvd
+from distillspec.models import load_pair
+from distillspec.pretrained import prepare_pair
+from distillspec.report import pyplot
+from distillspec.rollout import Sampler, generate_batch
+
+
+@torch.inference_mode()
+def held_out(target, draft, tokenizer, examples, *, max_new_tokens: int, seed: int) -> dict[float, tuple]:
+    """Target samples (by speculative decoding, exact) at T = 1 and T = 0 on ``examples``, each with the target's
+    logits over it: ``{temperature: (batch, target logits)}``."""
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    sets = {}
+    for temperature in (1.0, 0.0):
+        batch = generate_batch(
+            "target",
+            target,
+            draft,
+            tokenizer,
+            examples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+        )
+        sets[temperature] = (batch, forward_logits(target, batch).float())
+    return sets
+
+
+@torch.inference_mode()
+def acceptance(draft, sets: dict[float, tuple], vocab: int) -> dict[str, float]:
+    """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring)."""
+    out = {}
+    for temperature, name in ((1.0, "alpha"), (0.0, "greedy")):
+        batch, target_logits = sets[temperature]
+        logits = expand_logits(forward_logits(draft, batch).float(), d2t(draft), vocab)
+        out[name] = alpha_from_tvd(logits, target_logits, batch.window_mask, temperature)
+    return out
+
+
+def run_setting(cfg, target, draft, tokenizer, task, sets, *, steps: int, every: int) -> list[dict]:
+    """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill``; the held-out acceptance every ``every``."""
+    model = copy.deepcopy(draft)
+    learner = Learner(model, target, cfg.distill)
+    sampler = Sampler(target, model, tokenizer, task.train, cfg.distill, seed=cfg.seed)
+    rows, vocab = [], vocab_size(target)
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        source, batch = sampler()
+        record = learner.step(batch, source=source, wait_s=time.perf_counter() - start)
+        if step % every == 0 or step == steps:
+            rows.append(
+                {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
+            )
+            print(f"  step {step}: loss {record['loss']:.4f}, {rows[-1]['alpha']:.4f} / {rows[-1]['greedy']:.4f}")
+    return rows
+
+
+def suite_trajectory(
+    overrides: list[str], settings: list[str], *, steps: int, every: int, held: int, out: Path
+) -> dict:
+    """The whole suite (see the module docstring)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, overrides)
+    task = load_task(cfg.dataset, seed=cfg.seed)
+    cfg, task = prepare_pair(cfg, task)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack)
+    start = time.perf_counter()
+    sets = held_out(
+        target, draft, tokenizer, task.test[:held], max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed
+    )
+    tokens = {str(t): batch.tokens for t, (batch, _) in sets.items()}
+    print(f"held-out target samples: {tokens} tokens in {time.perf_counter() - start:.0f} s")
+    result = {"config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "held_out": held}}
+    result["start"] = acceptance(draft, sets, vocab_size(target))
+    print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
+    result["settings"] = {}
+    for setting in settings:
+        print(f"{setting}:")
+        distill = load_config(None, [*overrides, *setting.split()]).distill
+        if distill.bf16 is None:  # as the edge resolved it for the run
+            distill = dataclasses.replace(distill, bf16=cfg.distill.bf16)
+        setting_cfg = dataclasses.replace(cfg, distill=distill)
+        result["settings"][setting] = run_setting(
+            setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every
+        )
+        (out / "trajectory.json").write_text(json.dumps(result, indent=1))
+    (out / "trajectory.md").write_text(format_table(result) + "\n")
+    plot(result, out / "trajectory.png")
+    print(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    start = result["start"]
+    lines = [
+        f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions; "
+        f"undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
+        "",
+        "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change | seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setting, rows in result["settings"].items():
+        for row in rows:
+            lines.append(
+                f"| {setting} | {row['step']} | {row['loss']:.4f} | {row['alpha']:.4f} | "
+                f"{row['alpha'] - start['alpha']:+.4f} | {row['greedy']:.4f} | "
+                f"{row['greedy'] - start['greedy']:+.4f} | {row['seconds']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(axes, ("alpha", "greedy"), ("alpha at T = 1 (1 - TVD)", "greedy agreement (T = 0)")):
+        for setting, rows in result["settings"].items():
+            ax.plot(
+                [0] + [r["step"] for r in rows], [result["start"][key]] + [r[key] for r in rows], "o-", label=setting
+            )
+        ax.set(xlabel="learner step", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="job config keys (target=..., draft=..., dataset=..., distill.*)")
+    parser.add_argument(
+        "--settings", nargs="+", required=True, help='learner settings to compare, each one quoted: "distill.lr=3e-6"'
+    )
+    parser.add_argument("--steps", type=int, default=8, help="learner steps per setting")
+    parser.add_argument("--every", type=int, default=2, help="steps between held-out evaluations")
+    parser.add_argument("--held", type=int, default=24, help="held-out test questions")
+    parser.add_argument("--out", type=Path, default=Path("outputs/trajectory"))
+    args = parser.parse_args()
+    suite_trajectory(args.overrides, args.settings, steps=args.steps, every=args.every, held=args.held, out=args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""The trajectory suite (benchmarks/suites/trajectory.py) on the tiny garden pair: held-out acceptance before and
+along a few learner steps, per setting."""
+
+import json
+
+from benchmarks.suites.trajectory import suite_trajectory
+
+
+def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_garden, tmp_path):
+    overrides = [
+        f"target={tiny_garden.target}",
+        f"draft={tiny_garden.draft}",
+        "dataset=arith",
+        "distill.batch_size=4",
+        "distill.max_new_tokens=6",
+    ]
+    settings = ["distill.lr=1e-3", "distill.lr=1e-3 distill.divergence=fkl distill.train=top:1"]
+    result = suite_trajectory(overrides, settings, steps=3, every=2, held=4, out=tmp_path)
+    assert 0.0 < result["start"]["alpha"] <= 1.0 and 0.0 <= result["start"]["greedy"] <= 1.0
+    assert list(result["settings"]) == settings
+    for rows in result["settings"].values():
+        assert [r["step"] for r in rows] == [2, 3]
+        assert all(0.0 < r["alpha"] <= 1.0 and r["loss"] >= 0 for r in rows)
+    assert json.loads((tmp_path / "trajectory.json").read_text())["settings"].keys() == set(settings)
+    assert (tmp_path / "trajectory.png").stat().st_size > 0
+    assert "distill.train=top:1" in (tmp_path / "trajectory.md").read_text()
