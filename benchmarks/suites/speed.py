@@ -31,7 +31,7 @@ from distillspec.config import load_config
 from distillspec.data import load_task
 from distillspec.draft_vocab import vocab_size
 from distillspec.evaluate import race
-from distillspec.kvcache import CachedLM
+from distillspec.kvcache import CachedLM, bucketed_capacity
 from distillspec.metrics import expected_tau, predicted_speedup
 from distillspec.models import encode_prompts, load_model, load_tokenizer
 from distillspec.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
@@ -40,9 +40,10 @@ CONTEXT = 192  #: cached tokens before each timed step (a chat-templated questio
 
 
 @torch.inference_mode()
-def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT) -> dict[int, float]:
-    """Median milliseconds of one cached decoding step of k new tokens, for each k (the first two calls untimed)."""
-    lm = CachedLM(model, capacity=context + max(ks) + 1)
+def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT, compile: bool = False) -> dict[int, float]:
+    """Median milliseconds of one cached decoding step of k new tokens, for each k (the first two calls untimed; with
+    ``compile``, the step compiled as the decoder compiles it)."""
+    lm = CachedLM(model, capacity=bucketed_capacity(context + max(ks) + 1), compile=compile)
     vocab = vocab_size(model)
     ids = torch.randint(vocab, (1, context), device=model.device)
     lm.prefill(ids, torch.ones_like(ids))
@@ -87,6 +88,7 @@ def suite_speed(
     vllm: bool = False,
     others: tuple[str, ...] = (),
     seeded: bool = False,
+    compile: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -99,8 +101,8 @@ def suite_speed(
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
     ks = sorted({1, *(g + 1 for g in gammas)})
-    target_ms = step_ms(target, ks)
-    draft_ms = {kind: step_ms(model, [1])[1] for kind, model in drafts.items()}
+    target_ms = step_ms(target, ks, compile=compile)
+    draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
     result = {
@@ -109,6 +111,7 @@ def suite_speed(
             "draft": cfg.draft,
             "dtype": cfg.dtype,
             "prepack": cfg.prepack,
+            "compile": compile,
             "threads": torch.get_num_threads(),
             "prompts": len(texts),
             "max_new_tokens": max_new_tokens,
@@ -133,6 +136,7 @@ def suite_speed(
             repeats=repeats,
             seed=cfg.seed,
             seeded=coupled,
+            compile=compile,
         )
         result["target_alone"][race_name(temperature, coupled)] = raced["target"]["tokens_per_s"]
         for row in raced["sd"]:
@@ -206,7 +210,8 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}"
-        f"{' (target prepacked)' if c.get('prepack') else ''}, {c['threads']} threads, batch 1, "
+        f"{' (target prepacked)' if c.get('prepack') else ''}{', compiled' if c.get('compile') else ''}, "
+        f"{c['threads']} threads, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",
         "| T | draft | gamma | c | v(gamma+1) | alpha | tau | tokens/s | target alone tokens/s | speedup (min-max) "
@@ -248,6 +253,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
+    parser.add_argument("--compile", action="store_true", help="decoding steps through torch.compile (eval.compile)")
     parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
     )
@@ -268,6 +274,7 @@ def main() -> None:
         vllm=args.vllm,
         others=args.drafts,
         seeded=args.seeded,
+        compile=args.compile,
     )
 
 

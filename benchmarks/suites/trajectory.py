@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import time
 from pathlib import Path
@@ -116,6 +117,7 @@ def suite_trajectory(
             setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every
         )
         (out / "trajectory.json").write_text(json.dumps(result, indent=1))
+        gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
     plot(result, out / "trajectory.png")
     print(format_table(result))
