@@ -47,7 +47,8 @@ class DraftHead(nn.Linear):
 def d2t(model: nn.Module) -> Tensor | None:
     """The draft-to-target token map of ``model``'s head, or None for a model whose head covers the vocabulary."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head.d2t if isinstance(head, DraftHead) else None
+    ids = getattr(head, "d2t", None)  # a DraftHead's, or kept by a head quantized from one
+    return ids if isinstance(ids, Tensor) else None
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from distillspec.draft_vocab import DraftHead
+
 
 def can_prepack(device: str | torch.device = "cpu") -> bool:
     """Whether this build of torch can prepack weights for ``device`` (a CPU with oneDNN)."""
@@ -61,3 +63,54 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
                 setattr(parent, name, PackedLinear(child, rows))
                 packed += 1
     return packed
+
+
+class Int8Linear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is held as int8 with one scale per output row (weight-only quantization,
+    as gpt-fast's int8 mode): a decoding step of a few rows reads half the bytes of bfloat16, and on a CPU the
+    product runs through ``torch.ops.aten._weight_int8pack_mm``. For a draft that only proposes: speculative decoding
+    stays exact whatever the draft computes; a draft rounded this way is accepted about as often as before."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype or linear.weight.dtype
+        scales = weight.abs().amax(1).clamp(min=1e-12) / 127
+        self.register_buffer("weight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(self.dtype))
+        bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+
+
+def quantize_int8(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model``'s decoder layers and head (in place) by an :class:`Int8Linear` in the
+    model's dtype; the model is set to eval mode and frozen. Returns how many were replaced."""
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) in (nn.Linear, DraftHead):
+                setattr(parent, name, _int8_like(child))
+                replaced += 1
+    return replaced
+
+
+def _int8_like(linear: nn.Linear) -> nn.Module:
+    """An :class:`Int8Linear` of ``linear``; a draft vocabulary's head keeps its ``d2t`` map."""
+    quantized = Int8Linear(linear)
+    if hasattr(linear, "d2t"):
+        quantized.register_buffer("d2t", linear.d2t)
+    return quantized

@@ -87,3 +87,30 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
     assert not any(isinstance(m, PackedLinear) for m in draft.modules())
     target, _, _ = load_pair(*folders, dtype="float32")  # auto: a small target is not packed
     assert not any(isinstance(m, PackedLinear) for m in target.modules())
+
+
+def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact():
+    """Weight-only int8 (per-row scales): logits close to the bfloat16 draft's, the draft vocabulary's map kept,
+    greedy SD still the target's greedy, and at T = 1 still the target's distribution (chi-square)."""
+    from distillspec.draft_vocab import d2t, restrict_head
+    from distillspec.packing import Int8Linear, quantize_int8
+
+    from .test_speculative import V
+
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
+    draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))
+    int8 = copy.deepcopy(draft)
+    assert quantize_int8(int8) == 2 * 7 + 1 and isinstance(int8.lm_head, Int8Linear)
+    assert torch.equal(d2t(int8), d2t(draft))
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        assert torch.allclose(int8(ids, attention_mask=mask).logits, draft(ids, attention_mask=mask).logits, atol=0.5)
+    sd = speculative_generate(target, int8, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
+    plain = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
+    assert torch.equal(sd.sequences, plain.sequences) and abs(sd.stats.alpha - plain.stats.alpha) < 0.1
+    small_target, small_draft = tiny_llama(V, d=16, seed=3, sharpness=30.0), tiny_llama(V, d=16, seed=4, sharpness=30.0)
+    quantize_int8(small_draft)
+    prompt = torch.tensor([[1, 2, 3]])
+    out = speculative_generate(small_target, small_draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2,
+                               generator=torch.Generator().manual_seed(1))  # fmt: skip
+    assert fit_to_target(out, small_target, prompt) > 1e-3

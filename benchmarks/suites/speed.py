@@ -4,9 +4,10 @@ in one run, every decoder side by side on the same prompts (:func:`distillspec.e
 
 Draft kinds: the draft as named; with ``--draft-vocab V`` the same draft with its head restricted to the V most
 frequent tokens of the task's training data (:mod:`distillspec.draft_vocab`); with ``--pruned SPEC`` a draft made of
-the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``). Each extra draft kind is made
-once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it natively, for a target
-bound by reading its weights): the target alone too, so every speedup compares like with like.
+the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of those
+again with int8 weights (:class:`distillspec.packing.Int8Linear`: half the bytes a drafting step reads). Each extra
+draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
+natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
     python -m benchmarks.suites.speed target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --draft-vocab 32768 --pruned spread:12 --out outputs/speed
@@ -18,6 +19,7 @@ Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -34,6 +36,7 @@ from distillspec.evaluate import race
 from distillspec.kvcache import CachedLM, bucketed_capacity
 from distillspec.metrics import expected_tau, predicted_speedup
 from distillspec.models import encode_prompts, load_model, load_tokenizer
+from distillspec.packing import quantize_int8
 from distillspec.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
@@ -89,6 +92,7 @@ def suite_speed(
     others: tuple[str, ...] = (),
     seeded: bool = False,
     compile: bool = False,
+    int8: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +104,9 @@ def suite_speed(
     dtype = getattr(torch, cfg.dtype)
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
+    for kind in list(drafts) if int8 else []:  # each draft again with int8 weights (weight-only, per row)
+        drafts[f"{kind} int8"] = copy.deepcopy(drafts[kind])
+        quantize_int8(drafts[f"{kind} int8"])
     ks = sorted({1, *(g + 1 for g in gammas)})
     target_ms = step_ms(target, ks, compile=compile)
     draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
@@ -112,6 +119,7 @@ def suite_speed(
             "dtype": cfg.dtype,
             "prepack": cfg.prepack,
             "compile": compile,
+            "int8": int8,
             "threads": torch.get_num_threads(),
             "prompts": len(texts),
             "max_new_tokens": max_new_tokens,
@@ -254,6 +262,7 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
     parser.add_argument("--compile", action="store_true", help="decoding steps through torch.compile (eval.compile)")
+    parser.add_argument("--int8", action="store_true", help="also each draft with int8 weights (weight-only)")
     parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
     )
@@ -275,6 +284,7 @@ def main() -> None:
         others=args.drafts,
         seeded=args.seeded,
         compile=args.compile,
+        int8=args.int8,
     )
 
 

@@ -130,7 +130,7 @@ def format_table(result: dict) -> str:
         f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions; "
         f"undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
         "",
-        "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change | seconds |",
+        "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change | step s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for setting, rows in result["settings"].items():
