@@ -19,6 +19,7 @@ from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.models import load_model, load_pair, state_arrays
+from distillspec.packing import quantize_int8
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 from distillspec.versions import DraftVersion
@@ -62,7 +63,13 @@ class EvalActor:
         s, m = settings, settings.models
         self.settings, self.prompts = s, prompts
         self.target, self.draft, self.tokenizer = load_pair(
-            m.target, m.draft, device=m.device, dtype=m.dtype, decode_only=True, prepack=m.prepack
+            m.target,
+            m.draft,
+            device=m.device,
+            dtype=m.dtype,
+            decode_only=True,
+            prepack=m.prepack,
+            draft_int8=m.draft_int8,
         )
         self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
@@ -179,9 +186,17 @@ def _measure_task(
 ) -> list[dict]:
     setup_worker(threads)
     target, model, tokenizer = load_pair(
-        cfg.target, draft, device=cfg.device, dtype=cfg.dtype, decode_only=True, prepack=cfg.prepack
+        cfg.target,
+        draft,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        decode_only=True,
+        prepack=cfg.prepack,
+        draft_int8=cfg.draft_int8,
     )
     before = None if baseline is None else load_model(baseline, device=cfg.device, dtype=model.dtype)[0]
+    if before is not None and cfg.draft_int8:
+        quantize_int8(before)
     return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before)
 
 

@@ -23,6 +23,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
 from distillspec.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
 from distillspec.models import load_pair
+from distillspec.packing import quantize_int8
 from distillspec.pretrained import prepare_pair
 from distillspec.report import format_table, plot_tau, plot_training
 from distillspec.study import measure_phase, merge_baseline_speed
@@ -104,6 +105,14 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     }
 
 
+def decoding_copy(draft, dtype: torch.dtype, int8: bool):
+    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights if ``int8``."""
+    model = copy.deepcopy(draft).to(dtype)
+    if int8:
+        quantize_int8(model)
+    return model
+
+
 def check_rerun(cfg: JobConfig, out: Path) -> None:
     """A finished run (its ``results.json``) is not redone or overwritten unless ``overwrite`` says so; then it is
     done again from the start (its checkpoints, log and evaluations go: resuming a finished run would train nothing).
@@ -178,10 +187,10 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
             cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack
         )
         # The draft trains in float32; it is measured as the evaluator decodes it, in the pair's dtype.
-        baseline = copy.deepcopy(draft).to(target.dtype)
+        baseline = decoding_copy(draft, target.dtype, cfg.draft_int8)
         records = measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)
         training = train_sync(cfg, target, draft, tokenizer, task, out)
-        distilled = draft if draft.dtype == target.dtype else copy.deepcopy(draft).to(target.dtype)
+        distilled = decoding_copy(draft, target.dtype, cfg.draft_int8)
         records += measure_phase("after", cfg, target, distilled, tokenizer, task, baseline=baseline)
         merge_baseline_speed(records)
     else:

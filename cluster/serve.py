@@ -243,7 +243,13 @@ class Completions:
             )
         else:
             target, draft, tokenizer = load_pair(
-                cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, decode_only=True, prepack=cfg.prepack
+                cfg.target,
+                cfg.draft,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                decode_only=True,
+                prepack=cfg.prepack,
+                draft_int8=cfg.draft_int8,
             )
             completer = Completer(
                 target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma

@@ -459,6 +459,12 @@ class JobConfig:
         "natively (CUDA; CPUs with AVX512-BF16 or AMX) and the target is large enough to be bound by reading its "
         "weights (over 1 GB in float32), else float32",
     )
+    draft_int8: bool = knob(
+        False,
+        "decode the draft with int8 weights (weight-only, a scale per row) wherever it only proposes: the evaluator, "
+        "the endpoint and the speed measurements (it trains in float32). A drafting step reads half the bytes of "
+        "bfloat16; speculative decoding stays exact",
+    )
     prepack: bool | Literal["auto"] = knob(
         "auto",
         "lay the frozen target's float32 linear weights out once for the CPU's oneDNN kernels, so that verifying "
@@ -487,6 +493,11 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
+        if self.draft_int8 and "vllm" in (self.rollout.backend, self.serve.backend):
+            raise DistillSpecError(
+                "draft_int8=true: vLLM's draft_model drafts load the draft's own weights: set rollout.backend=hf and "
+                "serve.backend=hf, or draft_int8=false"
+            )
         if self.draft_vocab and "vllm" in (self.rollout.backend, self.serve.backend):
             raise DistillSpecError(
                 f"draft_vocab={self.draft_vocab}: vLLM's draft_model drafts take no draft vocabulary (vLLM restricts "
@@ -555,7 +566,7 @@ class JobConfig:
     @property
     def models(self) -> Models:
         """The pair every actor of the pipeline loads, and where."""
-        return Models(self.target, self.draft, self.device, self.dtype, self.prepack)
+        return Models(self.target, self.draft, self.device, self.dtype, self.prepack, self.draft_int8)
 
     @property
     def canary_temperature(self) -> float:
@@ -579,6 +590,7 @@ class Models:
     device: str = "cpu"
     dtype: DecodeDtype = "float32"
     prepack: bool = False
+    draft_int8: bool = False
 
 
 def resolve_recipe(cfg: DistillConfig) -> Recipe:

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from distillspec import draft_vocab, hub
 from distillspec.errors import DistillSpecError
-from distillspec.packing import can_prepack, prepack_linears
+from distillspec.packing import Int8Linear, can_prepack, prepack_linears, quantize_int8
 from distillspec.speculative import check_pair
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,14 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
     torch's warning about tensors over read-only memory does not apply)."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        quantized = {f"{n}.": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
         for name, tensor in model.state_dict().items():
+            prefix, _, leaf = name.rpartition(".")
+            if f"{prefix}." in quantized:  # an int8 layer takes the float weight and quantizes it
+                if leaf == "weight":
+                    bias = arrays.get(f"{prefix}.bias")
+                    quantized[f"{prefix}."].load_dense(torch.as_tensor(arrays[name]), bias)
+                continue
             tensor.copy_(torch.as_tensor(arrays[name]))
 
 
@@ -252,10 +259,12 @@ def load_pair(
     dtype: torch.dtype | str = torch.float32,
     decode_only: bool = False,
     prepack: bool | str = "auto",
+    draft_int8: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`), its weights prepacked as ``prepack``
     says (:func:`resolve_prepack`), and the draft in float32, to be trained, or in ``dtype`` too where it only decodes
-    (``decode_only``); checked to share a tokenizer."""
+    (``decode_only``), then with int8 weights if ``draft_int8`` (:func:`~distillspec.packing.quantize_int8`); checked to
+    share a tokenizer."""
     if dtype == "auto":
         dtype = resolve_dtype(dtype, target, device)[0]
     if not isinstance(dtype, str):
@@ -270,6 +279,12 @@ def load_pair(
         )
     target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack)
     draft_model, draft_tok = load_model(draft, device=device, dtype=dtype if decode_only else torch.float32)
+    if draft_int8:
+        if not decode_only:
+            raise DistillSpecError(
+                "draft_int8=true quantizes a draft that only decodes; the draft that trains stays float"
+            )
+        quantize_int8(draft_model)
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)
     return target_model, draft_model, target_tok

@@ -76,11 +76,21 @@ class Int8Linear(nn.Module):
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = dtype or linear.weight.dtype
-        scales = weight.abs().amax(1).clamp(min=1e-12) / 127
-        self.register_buffer("weight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
-        self.register_buffer("scales", scales.to(self.dtype))
+        self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
+        self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
         self.register_buffer("bias", bias)
+        self.load_dense(weight)
+
+    @torch.no_grad()
+    def load_dense(self, weight: Tensor, bias=None) -> None:
+        """Quantize the float ``weight`` [out, in] (and take ``bias``) in place: a new draft version's weights."""
+        weight = weight.to(self.weight.device).float()
+        scales = weight.abs().amax(1).clamp(min=1e-12) / 127
+        self.weight.copy_((weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        self.scales.copy_(scales.to(self.dtype))
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(torch.as_tensor(bias).to(self.bias))
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)

@@ -114,3 +114,34 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact():
     out = speculative_generate(small_target, small_draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2,
                                generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert fit_to_target(out, small_target, prompt) > 1e-3
+
+
+def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer):
+    """The endpoint's swap: a new draft version travels as float arrays (state_arrays) and an int8 draft quantizes
+    them in place; load_pair makes the decode-only draft int8 and refuses it for a draft that trains."""
+    from distillspec.models import load_arrays, state_arrays
+    from distillspec.packing import Int8Linear
+
+    folders = []
+    for name, model in zip(("target", "draft"), text_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        folders.append(str(tmp_path / name))
+    _, draft, _ = load_pair(*folders, dtype="float32", decode_only=True, draft_int8=True)
+    assert isinstance(draft.lm_head, Int8Linear)
+    newer = perturbed(text_pair[1], 0.05, seed=3)
+    load_arrays(draft, state_arrays(newer))
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(draft(ids).logits, newer(ids).logits, atol=0.05)
+        assert not torch.allclose(draft(ids).logits, text_pair[1](ids).logits, atol=0.05)
+    with pytest.raises(DistillSpecError, match="draft_int8"):
+        load_pair(*folders, dtype="float32", draft_int8=True)
+
+
+def test_draft_int8_is_refused_with_vllm_backends():
+    from distillspec.config import load_config
+
+    assert load_config(None, ["draft_int8=true"]).draft_int8 is True
+    with pytest.raises(DistillSpecError, match="draft_int8=true"):
+        load_config(None, ["draft_int8=true", "serve.backend=vllm"])
