@@ -14,6 +14,8 @@ the packed model takes no more memory than the plain one, has no gradients and c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -50,19 +52,32 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-def prepack_linears(model: nn.Module, rows: int = 8) -> int:
-    """Replace every float32 CPU ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear`; the model is set
-    to eval mode and frozen. Returns how many were packed."""
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> int:
+    """Freeze ``model`` (eval mode, no gradients) and replace each of its linear layers (in place) by ``make(layer)``
+    where that is not None. Returns how many were replaced."""
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    packed = 0
+    replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, PackedLinear(child, rows))
-                packed += 1
-    return packed
+            if type(child) in (nn.Linear, DraftHead) and (new := make(child)) is not None:
+                setattr(parent, name, new)
+                replaced += 1
+    return replaced
+
+
+def prepack_linears(model: nn.Module, rows: int = 8) -> int:
+    """Replace every float32 CPU ``nn.Linear`` of ``model`` (in place) by a :class:`PackedLinear`; the model is frozen.
+    Returns how many were packed."""
+
+    def pack(linear: nn.Linear) -> nn.Module | None:
+        plain = (
+            type(linear) is nn.Linear and linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu"
+        )
+        return PackedLinear(linear, rows) if plain else None
+
+    return replace_linears(model, pack)
 
 
 class Int8Linear(nn.Module):
@@ -104,18 +119,9 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model``'s decoder layers and head (in place) by an :class:`Int8Linear` in the
-    model's dtype; the model is set to eval mode and frozen. Returns how many were replaced."""
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) in (nn.Linear, DraftHead):
-                setattr(parent, name, _int8_like(child))
-                replaced += 1
-    return replaced
+    """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
+    an :class:`Int8Linear` in the model's dtype; the model is frozen. Returns how many were replaced."""
+    return replace_linears(model, _int8_like)
 
 
 def _int8_like(linear: nn.Linear) -> nn.Module:

@@ -13,7 +13,7 @@ from distillspec.draft_vocab import d2t, expand_logits, frequent_tokens, restric
 from distillspec.models import check_pair_sources, load_model
 
 from .conftest import perturbed, tiny_llama
-from .test_speculative import V, fit_to_target, left_padded_prompts
+from .test_speculative import V, assert_greedy_sd_is_target_greedy, fit_to_target
 
 #: The draft proposes 5 of the 8 tokens: the target's mass on the other 3 can only come from the residual.
 KEPT = torch.tensor([0, 2, 3, 5, 6])
@@ -58,13 +58,7 @@ def test_the_restricted_draft_samples_only_inside_its_vocabulary(restricted_pair
 def test_greedy_sd_with_a_draft_vocabulary_equals_target_greedy(gamma):
     target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
     draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))  # the even ids only
-    ids, mask = left_padded_prompts()
-    sd = speculative_generate(target, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
-    for row in range(len(ids)):
-        prompt = ids[row : row + 1, mask[row].bool()]
-        own = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
-        assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
-    assert 0.0 < sd.stats.alpha < 1.0
+    assert_greedy_sd_is_target_greedy(target, draft, gamma)
 
 
 def test_the_head_restricted_keeps_the_rows_and_untie():

@@ -12,7 +12,7 @@ from distillspec.models import load_pair, resolve_prepack
 from distillspec.packing import PackedLinear, can_prepack, prepack_linears
 
 from .conftest import perturbed, tiny_llama
-from .test_speculative import fit_to_target, left_padded_prompts
+from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
 
@@ -39,13 +39,7 @@ def test_greedy_sd_with_a_packed_target_equals_the_targets_greedy(gamma):
     draft = perturbed(target, 0.01)
     packed = copy.deepcopy(target)
     prepack_linears(packed)
-    ids, mask = left_padded_prompts()
-    sd = speculative_generate(packed, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
-    for row in range(len(ids)):
-        prompt = ids[row : row + 1, mask[row].bool()]
-        own = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
-        assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
-    assert 0.0 < sd.stats.alpha < 1.0
+    assert_greedy_sd_is_target_greedy(packed, draft, gamma, reference=target)
 
 
 def test_sd_with_a_packed_target_follows_the_targets_distribution():
