@@ -18,7 +18,7 @@ from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, V
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
-from distillspec.models import load_model, load_pair, state_arrays
+from distillspec.models import load_decoding_pair, load_model, state_arrays
 from distillspec.packing import quantize_int8
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
@@ -62,15 +62,7 @@ class EvalActor:
         setup_worker()
         s, m = settings, settings.models
         self.settings, self.prompts = s, prompts
-        self.target, self.draft, self.tokenizer = load_pair(
-            m.target,
-            m.draft,
-            device=m.device,
-            dtype=m.dtype,
-            decode_only=True,
-            prepack=m.prepack,
-            draft_int8=m.draft_int8,
-        )
+        self.target, self.draft, self.tokenizer = load_decoding_pair(m)
         self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
         self.held: DraftVersion | None = None  #: the store's entry of ``version``: what the gate promotes
@@ -185,15 +177,7 @@ def _measure_task(
     phase: str, cfg: JobConfig, draft: str, task: Task, threads: int, speed: bool, baseline: str | None
 ) -> list[dict]:
     setup_worker(threads)
-    target, model, tokenizer = load_pair(
-        cfg.target,
-        draft,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        decode_only=True,
-        prepack=cfg.prepack,
-        draft_int8=cfg.draft_int8,
-    )
+    target, model, tokenizer = load_decoding_pair(cfg.models, draft)
     before = None if baseline is None else load_model(baseline, device=cfg.device, dtype=model.dtype)[0]
     if before is not None and cfg.draft_int8:
         quantize_int8(before)

@@ -59,7 +59,7 @@ from cluster.openai_api import (
 )
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_pair, load_tokenizer
+from distillspec.models import load_decoding_pair, load_tokenizer
 from distillspec.serving import (
     Completer,
     Completion,
@@ -242,15 +242,7 @@ class Completions:
                 seed=seed,
             )
         else:
-            target, draft, tokenizer = load_pair(
-                cfg.target,
-                cfg.draft,
-                device=cfg.device,
-                dtype=cfg.dtype,
-                decode_only=True,
-                prepack=cfg.prepack,
-                draft_int8=cfg.draft_int8,
-            )
+            target, draft, tokenizer = load_decoding_pair(cfg.models)
             completer = Completer(
                 target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
             )

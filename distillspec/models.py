@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec import draft_vocab, hub
+from distillspec.config import Models
 from distillspec.errors import DistillSpecError
 from distillspec.packing import Int8Linear, can_prepack, prepack_linears, quantize_int8
 from distillspec.speculative import check_pair
@@ -288,6 +289,22 @@ def load_pair(
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)
     return target_model, draft_model, target_tok
+
+
+def load_decoding_pair(
+    models: Models, draft: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The pair as the evaluator, the job's measurements and the endpoint decode it: :func:`load_pair` of ``models``
+    (``draft`` instead of its draft, if given) with the draft in the pair's dtype, int8 if ``models.draft_int8``."""
+    return load_pair(
+        models.target,
+        draft or models.draft,
+        device=models.device,
+        dtype=models.dtype,
+        decode_only=True,
+        prepack=models.prepack,
+        draft_int8=models.draft_int8,
+    )
 
 
 def encode_prompts(
