@@ -139,3 +139,13 @@ def test_draft_int8_is_refused_with_vllm_backends():
     assert load_config(None, ["draft_int8=true"]).draft_int8 is True
     with pytest.raises(DistillSpecError, match="draft_int8=true"):
         load_config(None, ["draft_int8=true", "serve.backend=vllm"])
+
+
+def test_an_int8_layer_gives_the_same_product_for_a_step_and_for_a_prompt():
+    """A few rows go through the int8 kernel, many (a prompt) through the weight dequantized: the same product."""
+    from distillspec.packing import INT8_ROWS, Int8Linear
+
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.nn.Linear(64, 96))
+    x = torch.randn(INT8_ROWS + 8, 64)
+    assert torch.allclose(layer(x), torch.cat([layer(x[:8]), layer(x[8:16]), layer(x[16:])]), atol=1e-4)
