@@ -147,15 +147,13 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
     torch's warning about tensors over read-only memory does not apply)."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        quantized = {f"{n}.": m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+        quantized = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
         for name, tensor in model.state_dict().items():
-            prefix, _, leaf = name.rpartition(".")
-            if f"{prefix}." in quantized:  # an int8 layer takes the float weight and quantizes it
-                if leaf == "weight":
-                    bias = arrays.get(f"{prefix}.bias")
-                    quantized[f"{prefix}."].load_dense(torch.as_tensor(arrays[name]), bias)
-                continue
-            tensor.copy_(torch.as_tensor(arrays[name]))
+            layer, _, leaf = name.rpartition(".")
+            if layer not in quantized:
+                tensor.copy_(torch.as_tensor(arrays[name]))
+            elif leaf == "weight":  # an int8 layer quantizes the float weight (its scales and bias come with it)
+                quantized[layer].load_dense(torch.as_tensor(arrays[name]), arrays.get(f"{layer}.bias"))
 
 
 def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
@@ -268,10 +266,8 @@ def load_pair(
     share a tokenizer."""
     if dtype == "auto":
         dtype = resolve_dtype(dtype, target, device)[0]
-    if not isinstance(dtype, str):
-        dtype = str(dtype).removeprefix("torch.")
-    prepack = resolve_prepack(prepack, dtype, target, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), target, device)[0]
     if torch.device(device).type == "cpu" and not native_half(dtype):
         log.warning(
             "dtype=%s on a CPU that has no hardware for it (AVX512-BF16, AMX): the pair runs several times slower "

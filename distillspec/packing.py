@@ -92,11 +92,11 @@ class Int8Linear(nn.Module):
     product runs through ``torch.ops.aten._weight_int8pack_mm``. For a draft that only proposes: speculative decoding
     stays exact whatever the draft computes; a draft rounded this way is accepted about as often as before."""
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = dtype or linear.weight.dtype
+        self.dtype = linear.weight.dtype  #: activations, scales and bias: the model's dtype
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
