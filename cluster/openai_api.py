@@ -3,6 +3,7 @@ shapes of responses and stream events. :mod:`cluster.serve` holds the routes tha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -11,19 +12,33 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from distillspec.sampling import SamplingControls
 from distillspec.serving import Completion, merge_stats
+
+#: The request fields that are :class:`~distillspec.sampling.SamplingControls`, by the same names.
+CONTROL_FIELDS = {f.name for f in dataclasses.fields(SamplingControls)}
 
 
 class DecodingRequest(BaseModel):
-    """The decoding fields of OpenAI's requests, plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``."""
+    """The decoding fields of OpenAI's requests, vLLM's sampling extensions (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``stop_token_ids``), plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``. The
+    sampling controls' ranges are checked once, by :meth:`distillspec.sampling.SamplingControls.check` (a 400 naming
+    the field)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="unset: serve.temperature (default 1)")
-    top_p: float = Field(1.0, ge=1.0, le=1.0, description="only 1 (no nucleus truncation)")
-    n: int = Field(1, ge=1, le=1, description="only 1")
+    top_p: float | None = Field(None, description="nucleus sampling: the likeliest tokens with this mass, (0, 1]")
+    top_k: int | None = Field(None, description="the k likeliest tokens (vLLM); 0 or -1: all")
+    min_p: float | None = Field(None, description="tokens at least min_p times as likely as the likeliest (vLLM)")
+    presence_penalty: float | None = Field(None, description="subtracted once from a generated token's logit, [-2, 2]")
+    frequency_penalty: float | None = Field(None, description="times a token's count, subtracted, [-2, 2]")
+    repetition_penalty: float | None = Field(None, description="divides a seen token's logit (vLLM), (0, 2]")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, [-100, 100]")
+    stop_token_ids: list[int] | None = Field(None, description="tokens that end the completion as EOS does (vLLM)")
+    n: int = Field(1, ge=1, le=16, strict=True, description="samples of each prompt (rows of one batch)")
     stream: bool = Field(False, strict=True)
     stream_options: dict | None = None
     seed: int | None = Field(None, strict=True, ge=-(2**63), le=2**64 - 1, description="as torch.manual_seed takes")
@@ -97,6 +112,14 @@ def error_body(message: str, param: str | None, kind: str = "invalid_request_err
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's ``index``-th sample (``n`` > 1): ``seed + index`` as vLLM derives it, kept in the
+    range a seed may take."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 2**64 else seed + index - 2**64
+
+
 def param_of(message: str) -> str | None:
     """The request field a :class:`DistillSpecError` from the decoder names (``"gamma=0: ..."``)."""
     head = message.split(":", 1)[0].split("=", 1)[0].strip()
@@ -148,17 +171,17 @@ def completion_response(done: list[Completion], chat: bool, model: str, replica:
 
 
 def stream_events(chat: bool, model: str) -> Callable[..., str]:
-    """The server-sent event of one stream's chunks: ``event(text, finish, **extra)``; ``text=None`` (chat only) is
-    the first chunk, which names the role."""
+    """The server-sent event of one stream's chunks: ``event(text, finish, index=0, **extra)`` (``index``: the
+    choice); ``text=None`` (chat only) is a choice's first chunk, which names the role."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(text: str | None, finish: str | None = None, **extra: Any) -> str:
+    def event(text: str | None, finish: str | None = None, index: int = 0, **extra: Any) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
+            choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish}
         data = {"id": rid, "object": kind, "created": created, "model": model}
         return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
 

@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from actors.common import NAMESPACE, prompts_name
 from cluster.follower import DraftFollower
 from cluster.openai_api import (
+    CONTROL_FIELDS,
     ChatMessage,
     ChatRequest,
     CompletionRequest,
@@ -53,6 +54,7 @@ from cluster.openai_api import (
     completion_response,
     error_body,
     param_of,
+    sample_seed,
     sd_stats,
     stream_events,
     usage,
@@ -60,6 +62,7 @@ from cluster.openai_api import (
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_decoding_pair, load_tokenizer
+from distillspec.sampling import SamplingControls
 from distillspec.serving import (
     Completer,
     Completion,
@@ -359,12 +362,12 @@ class Completions:
             jobs = await asyncio.to_thread(lambda: self._jobs(body, prompts()))
             held = self._hold(len(jobs))
             if body.stream:
-                if len(jobs) != 1:
+                if len(jobs) != body.n:
                     raise HTTPError(400, "prompt: streaming takes one prompt", "prompt")
                 self._count("ok")
                 self._record([jobs[0].prompt])
-                held = 0  # the stream lets go of its prompt when it ends
-                return StreamingResponse(self._stream(jobs[0], start, chat), media_type="text/event-stream")
+                held = 0  # the stream lets go of its samples when it ends
+                return StreamingResponse(self._stream(jobs, start, chat), media_type="text/event-stream")
             if self.vllm:  # the engine batches concurrent requests itself
                 done = await asyncio.gather(*[self.completer.complete(job) for job in jobs])
                 self._observe(done)
@@ -423,19 +426,25 @@ class Completions:
                 400, f"max_tokens: {body.max_tokens} is above this server's limit {self.s.max_tokens}", "max_tokens"
             )
         gamma = (body.gamma or self.s.gamma) if body.speculative else 0
-        args = DecodingArgs(
-            gamma=gamma,
-            temperature=self.s.temperature if body.temperature is None else body.temperature,
-            lenience=body.lenience,
-            epsilon=body.epsilon,
-        )
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        jobs = [CompletionJob(p, body.max_tokens, args, stop, body.seed) for p in prompts]
-        for job in jobs:
-            try:
+        try:
+            controls = SamplingControls.of(**body.model_dump(include=CONTROL_FIELDS))
+            args = DecodingArgs(
+                gamma=gamma,
+                temperature=self.s.temperature if body.temperature is None else body.temperature,
+                lenience=body.lenience,
+                epsilon=body.epsilon,
+                controls=controls,
+            )
+            stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+            jobs = [
+                CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, i))
+                for p in prompts
+                for i in range(body.n)
+            ]
+            for job in jobs:
                 self.completer.check(job)
-            except DistillSpecError as exc:
-                raise HTTPError(400, str(exc), param_of(str(exc))) from None
+        except DistillSpecError as exc:
+            raise HTTPError(400, str(exc), param_of(str(exc))) from None
         return jobs
 
     # -- decoding -------------------------------------------------------------------------------------------
@@ -472,20 +481,37 @@ class Completions:
             self.metrics["distillspec_serve_expected_tokens_per_s"].set(summary["expected_tokens_per_s"])
             self.metrics["distillspec_serve_measured_tokens_per_s"].set(summary["measured_tokens_per_s"])
 
-    async def _stream(self, job: CompletionJob, start: float, chat: bool):
-        """Server-sent events: text deltas as tokens are accepted, then a final chunk with usage and SD stats."""
-        event = stream_events(chat, self.s.model_name)
+    async def _stream(self, jobs: list[CompletionJob], start: float, chat: bool):
+        """Server-sent events: each sample's text deltas as its tokens are accepted (``index``: its choice), then its
+        final chunk with usage and SD stats."""
+        event, queue = stream_events(chat, self.s.model_name), asyncio.Queue()
+
+        async def pump(index: int, job: CompletionJob) -> None:
+            try:
+                async for item in self.completer.stream(job):
+                    await queue.put((index, item))
+            except Exception as exc:
+                await queue.put((index, exc))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
         try:
             if chat:
-                yield event(None)  # the role comes first, as OpenAI sends it
-            async for item in self.completer.stream(job):
-                if isinstance(item, str):
-                    yield event(item)
-                    continue
-                self._observe([item])
-                self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-                sd = {**sd_stats([item]), "replica": self.replica}
-                yield event("", item.finish_reason, usage=usage([item]), distillspec=sd)
+                for i in range(len(jobs)):
+                    yield event(None, index=i)  # the role comes first, as OpenAI sends it
+            for _ in range(len(jobs)):
+                while (got := await queue.get())[1] is not None:
+                    index, item = got
+                    if isinstance(item, Exception):
+                        raise item
+                    if isinstance(item, str):
+                        yield event(item, index=index)
+                        continue
+                    self._observe([item])
+                    self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
+                    sd = {**sd_stats([item]), "replica": self.replica}
+                    yield event("", item.finish_reason, index=index, usage=usage([item]), distillspec=sd)
         except Exception as exc:  # the headers are sent: the error travels as an event, as OpenAI sends one
             log.exception("a stream failed")
             self._count("server_error")
@@ -494,7 +520,9 @@ class Completions:
             message = str(exc) if client else f"decoding failed ({type(exc).__name__}); the completion is incomplete"
             yield f"data: {json.dumps(error_body(message, None, kind))}\n\n"
         finally:
-            self.held -= 1
+            for task in tasks:
+                task.cancel()
+            self.held -= len(jobs)
         yield "data: [DONE]\n\n"
 
 

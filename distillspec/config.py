@@ -150,11 +150,12 @@ class DistillConfig:
         "computes bfloat16 (AMX or AVX512-BF16 CPUs, GPUs), 18-33x slower where it is emulated; unset = on where "
         "the pair runs in bfloat16 (dtype), else off",
     )
-    train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*)$")] = knob(
+    train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*|head)$")] = knob(
         "all",
         "which of the draft's weights train: all | layers (its decoder layers only; the embeddings, final norm and "
         "head stay as they are, e.g. as copied from the target by --draft first:K) | top:K (its last K decoder "
-        "layers only: the backward pass stops below them, and the optimizer holds a state for them alone)",
+        "layers only: the backward pass stops below them, and the optimizer holds a state for them alone) | head "
+        "(its output layer alone: the cheapest step, no backward pass through the layers)",
     )
 
 

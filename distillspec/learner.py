@@ -68,6 +68,15 @@ def freeze_all_but_layers(model: torch.nn.Module, top: int | None = None) -> int
     return trained
 
 
+def freeze_all_but_head(model: PreTrainedModel) -> int:
+    """Only the output layer of ``model`` trains (``distill.train=head``; a head tied to the input embeddings trains
+    them too). Returns the count of weights that train."""
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in head)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 class Learner:
     """The draft being trained, its optimizer and schedule, and its objective (default: the recipe's divergence
     to ``target``, Eq. 2).
@@ -93,7 +102,9 @@ class Learner:
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
         self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
-        if cfg.train != "all":
+        if cfg.train == "head":
+            freeze_all_but_head(draft)
+        elif cfg.train != "all":
             freeze_all_but_layers(draft, int(cfg.train.removeprefix("top:")) if cfg.train.startswith("top:") else None)
         self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
         self.step_count = 0

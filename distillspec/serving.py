@@ -27,9 +27,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.auto_gamma import AutoGamma
+from distillspec.draft_vocab import vocab_size
 from distillspec.errors import DistillSpecError
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_arrays
+from distillspec.sampling import SamplingControls
 from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
 
 log = logging.getLogger(__name__)
@@ -38,14 +40,17 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DecodingArgs:
     """What a batch must share. ``gamma=0`` turns speculation off (plain decoding with the target); ``"auto"``
-    chooses it per block (:class:`distillspec.auto_gamma.AutoGamma`)."""
+    chooses it per block (:class:`distillspec.auto_gamma.AutoGamma`); ``controls``: top-p, penalties and the rest
+    (:mod:`distillspec.sampling`)."""
 
     gamma: int | Literal["auto"] = 5
     temperature: float = 1.0
     lenience: str | None = None
     epsilon: float = 1.0
+    controls: SamplingControls = field(default_factory=SamplingControls)
 
     def check(self) -> None:
+        self.controls.check()
         if self.gamma == "auto":
             return check_decoding_args(
                 max_new_tokens=1, temperature=self.temperature, lenience=self.lenience, epsilon=self.epsilon
@@ -212,6 +217,7 @@ class Completer:
         """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
         check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         job.args.check()
+        job.args.controls.check(vocab_size(self.target))
 
     def warm_up(self, rows: int, max_new_tokens: int = 4, prompt: str = "Hello") -> float:
         """Decode ``rows`` copies of a short prompt for a few tokens, with gamma chosen live and without
@@ -340,12 +346,13 @@ class Completer:
         common = dict(
             max_new_tokens=[j.max_new_tokens for j in jobs],
             temperature=args.temperature,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=[self.tokenizer.eos_token_id, *args.controls.stop_token_ids],
             pad_token_id=self.tokenizer.pad_token_id,
             attention_mask=mask,
             generator=generator,
             on_block=on_block,
             seeds=seeds,
+            controls=args.controls,
         )
         if gamma == 0:
             out = autoregressive_generate(self.target, ids, **common)
@@ -353,6 +360,7 @@ class Completer:
             auto = gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
             # Coupled verification (seeded rows) accepts at its own rate: its acceptance is learnt apart.
             key = (version, args.temperature, args.lenience, args.epsilon, *(("coupled",) if seeds else ()))
+            key += (args.controls,) if args.controls.active else ()
             out = speculative_generate(
                 self.target,
                 draft,
@@ -368,7 +376,7 @@ class Completer:
         for row, job in enumerate(jobs):
             n = int(out.num_new_tokens[row])
             new = out.sequences[row, ids.shape[1] : ids.shape[1] + n].tolist()
-            ended = bool(new) and new[-1] == self.tokenizer.eos_token_id
+            ended = bool(new) and new[-1] in common["eos_token_id"]
             text, hit = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), job.stop)
             done.append(
                 Completion(

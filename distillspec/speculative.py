@@ -19,10 +19,11 @@ from transformers import PreTrainedModel
 
 from distillspec.auto_gamma import acceptance_by_position
 from distillspec.config import Lenience
-from distillspec.draft_vocab import d2t, full_probs, vocab_size
+from distillspec.draft_vocab import d2t, expand_logits, full_probs, vocab_size
 from distillspec.errors import DistillSpecError
 from distillspec.kvcache import CachedLM, bucketed_capacity
 from distillspec.metrics import AcceptanceCounts
+from distillspec.sampling import History, SamplingControls
 
 #: Lenience functions ``f(p, epsilon)`` of lossy speculative decoding (paper Sec. 5.2).
 LENIENCES: dict[Lenience, Callable[[Tensor, float], Tensor]] = {
@@ -272,20 +273,28 @@ def autoregressive_generate(
     on_block: BlockCallback | None = None,
     compile: bool = False,
     seeds: Sequence[int] | None = None,
+    controls: SamplingControls | None = None,
 ) -> GenerationOutput:
     """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
     (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`; ``compile``: see
-    :func:`cached_lm`; ``seeds``: one per row, each row's sample keyed by its seed, see :class:`SeededNoise`)."""
+    :func:`cached_lm`; ``seeds``: one per row, each row's sample keyed by its seed, see :class:`SeededNoise`;
+    ``controls``: see :mod:`distillspec.sampling`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     noise = _seeded(seeds, len(input_ids), temperature, None, model, input_ids.device)
+    history = _history(controls, input_ids, mask, model)
     lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
     eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
     emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device)
     rows = torch.arange(len(input_ids), device=input_ids.device)
-    ids = d2t(model)  # a model with a draft vocabulary samples an index into it
+    # A model with a draft vocabulary samples an index into it; with controls, a token of the whole vocabulary.
+    ids = d2t(model) if history is None else None
     logits = lm.prefill(input_ids, mask)
     while True:
+        if history is not None:
+            history.observe(emitter.out, emitter.count)
+            full = expand_logits(logits, d2t(model), vocab_size(model))
+            logits = history.process(full[:, None], rows, temperature)[:, 0]
         race = None if noise is None else noise.draws(rows, emitter.count[rows][:, None])[:, 0]
         if race is not None and ids is not None:
             race = race[:, ids]
@@ -300,6 +309,14 @@ def autoregressive_generate(
             lm.select_rows(keep)
         logits = lm.step(token[:, None])[:, -1]
     return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone())
+
+
+def _history(controls: SamplingControls | None, input_ids: Tensor, mask: Tensor, model) -> History | None:
+    """The :class:`~distillspec.sampling.History` of a call with sampling controls that change a distribution."""
+    if controls is None or not controls.active:
+        return None
+    controls.check(vocab_size(model))
+    return History(controls, input_ids, mask, vocab_size(model))
 
 
 def _seeded(
@@ -374,16 +391,23 @@ def draft_tokens(
     generator: torch.Generator | None = None,
     compile: bool = False,
     race: Tensor | None = None,
+    history: History | None = None,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Step 1 of a block: ``g`` tokens from the draft, one call each, after it read ``x`` (the tokens it has not read
     yet; ``valid``: 0 at holes). Returns the drafts [b, g] and their distributions q [b, g, V] on the whole
     vocabulary (None at ``temperature == 0``: greedy drafts, and with ``race``: drafts raced with those draws, see
-    :class:`SeededNoise`). A draft with a draft vocabulary samples inside it."""
+    :class:`SeededNoise`). A draft with a draft vocabulary samples inside it. With a ``history`` (of the call's
+    rows ``rows``), each step's logits are processed by the sampling controls after the drafts before it."""
     q, drafts = [], []
-    ids, vocab = d2t(drf.model), vocab_size(drf.model)
+    vocab = vocab_size(drf.model)
+    ids = d2t(drf.model) if history is None else None  # with controls, drafts sample on the whole vocabulary
     for j in range(g):
         # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
         logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
+        if history is not None:
+            full = expand_logits(logits, d2t(drf.model), vocab)[:, None]
+            logits = history.process(full, rows, temperature, torch.stack(drafts, 1) if drafts else None)[:, 0]
         if temperature == 0:
             d_j = logits.argmax(-1)
         elif race is not None:
@@ -467,6 +491,7 @@ def speculative_generate(
     compile: bool = False,
     schedule: GammaSchedule | None = None,
     seeds: Sequence[int] | None = None,
+    controls: SamplingControls | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -478,7 +503,8 @@ def speculative_generate(
     (0: the target alone emits one token; the draft catches up at its next block), and the schedule is told what
     each block cost and yielded. With ``seeds`` (one per row, lossless only) each row's random numbers are keyed by
     its seed and the token's position, and blocks verify by coupling (:class:`SeededNoise`): a row's text depends on
-    its seed alone, not on gamma, the schedule or the other rows.
+    its seed alone, not on gamma, the schedule or the other rows. ``controls`` (top-p, penalties, ...; see
+    :mod:`distillspec.sampling`) process the draft's and the target's logits alike: exact for the processed target.
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -487,6 +513,7 @@ def speculative_generate(
     mask = _prepare(input_ids, attention_mask)
     dev, batch = input_ids.device, len(input_ids)
     noise = _seeded(seeds, batch, temperature, lenience, target, dev)
+    history = _history(controls, input_ids, mask, target)
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
@@ -520,7 +547,9 @@ def speculative_generate(
         race = None
         if noise is not None:
             race = noise.draws(rows, emitter.count[rows][:, None] + torch.arange(g + 1, device=dev))
-        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race)  # [b, g]
+        if history is not None:
+            history.observe(emitter.out, emitter.count)
+        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race, history, rows)
         drafted_at = step_clock(dev) if schedule is not None else 0.0
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
@@ -529,6 +558,8 @@ def speculative_generate(
         else:  # the first block: the prompt's last logits, then the drafts'
             target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
             first_logits = None
+        if history is not None:
+            target_logits = history.process(target_logits, rows, temperature, drafts)
         n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
 
         # 5. Emit d_1..d_n and the new token, count the block; both caches forget the drafts not accepted.

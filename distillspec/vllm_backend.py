@@ -354,6 +354,7 @@ class VLLMCompleter:
         """Raise :class:`DistillSpecError` (a 400 at the endpoint) for a job this engine cannot honour."""
         check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         args = job.args
+        args.controls.check(len(self.tokenizer))
         if args.gamma == 0:
             raise DistillSpecError(
                 "speculative=false: the vLLM engine always decodes speculatively (serve.backend=hf can turn it off)"
@@ -372,12 +373,21 @@ class VLLMCompleter:
         args.check()
 
     def _params(self, job: CompletionJob) -> SamplingParams:
+        c = job.args.controls  # the same names: vLLM's sampler defines them
         return SamplingParams(
             temperature=job.args.temperature,
             max_tokens=job.max_new_tokens,
             seed=job.seed,
             stop=list(job.stop) or None,
             skip_special_tokens=True,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            min_p=c.min_p,
+            presence_penalty=c.presence_penalty,
+            frequency_penalty=c.frequency_penalty,
+            repetition_penalty=c.repetition_penalty,
+            logit_bias=dict(c.logit_bias) or None,
+            stop_token_ids=list(c.stop_token_ids) or None,
         )
 
     async def _generate(self, job: CompletionJob, sink: Any) -> Completion:

@@ -158,6 +158,56 @@ def test_sampling_lossy_and_no_speculation_fields(client):
     assert off.model_extra["distillspec"]["drafted"] == 0
 
 
+def test_sampling_controls_through_the_openai_client(client, tiny_garden):
+    """OpenAI's sampling fields and vLLM's extensions are honoured: a bias forces a token, a stop token id ends the
+    completion at it, truncation and penalties decode (seeded: the same text twice)."""
+    tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))[2]
+    seven = tokenizer.encode("7", add_special_tokens=False)[-1]
+    forced = client.completions.create(
+        model="distillspec", prompt=PROMPTS[0], max_tokens=5, temperature=0, logit_bias={str(seven): 100}
+    )
+    assert forced.choices[0].text == tokenizer.decode([seven] * 5) and forced.usage.completion_tokens == 5
+    stopped = client.completions.create(
+        model="distillspec",
+        prompt=PROMPTS[0],
+        max_tokens=5,
+        temperature=0,
+        logit_bias={str(seven): 100},
+        extra_body={"stop_token_ids": [seven]},
+    )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    sampled = dict(
+        model="distillspec",
+        messages=[{"role": "user", "content": "Mia has 3 pens. How many?"}],
+        max_tokens=12,
+        temperature=1.0,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        seed=5,
+        extra_body={"top_k": 8, "min_p": 0.05, "repetition_penalty": 1.2},
+    )
+    first, again = (client.chat.completions.create(**sampled) for _ in range(2))
+    assert first.choices[0].message.content == again.choices[0].message.content
+    assert first.model_extra["distillspec"]["drafted"] > 0
+
+
+def test_n_samples_seeded_streamed_and_whole(client):
+    """``n`` samples of a prompt: distinct, reproduced by a seed, the same streamed (choices by index) as whole."""
+    kw = dict(model="distillspec", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=9, n=3)
+    whole, again = (client.completions.create(**kw) for _ in range(2))
+    texts = [c.text for c in sorted(whole.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and len(set(texts)) > 1 and whole.usage.completion_tokens >= 3
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    two = client.completions.create(**(kw | {"prompt": PROMPTS[:2], "n": 2}))
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -178,6 +228,12 @@ def test_sampling_lossy_and_no_speculation_fields(client):
         ({"prompt": "1+1=", "logprobs": 5}, "logprobs"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "1+1=", "seed": 2**64}, "seed"),  # more than torch.manual_seed takes
+        ({"prompt": "1+1=", "top_p": 0}, "top_p"),
+        ({"prompt": "1+1=", "top_k": -3}, "top_k"),
+        ({"prompt": "1+1=", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"prompt": "1+1=", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"prompt": "1+1=", "logit_bias": {"five": 1}}, "logit_bias"),
+        ({"prompt": "1+1=", "stop_token_ids": [-1]}, "stop_token_ids"),
         ('{"prompt": "1+\\ud800="}', "prompt"),  # a lone surrogate: no tokenizer encodes it
     ],
 )
