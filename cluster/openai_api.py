@@ -13,7 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from distillspec.sampling import SamplingControls
-from distillspec.serving import Completion, merge_stats
+from distillspec.serving import Completion, TokenLogprobs, merge_stats
+
+#: The most likeliest tokens a request may ask scores of at each position (``logprobs``, ``top_logprobs``), as vLLM.
+MAX_LOGPROBS = 20
 
 #: The request fields that are :class:`~distillspec.sampling.SamplingControls`, by the same names.
 CONTROL_FIELDS = {f.name for f in dataclasses.fields(SamplingControls)}
@@ -28,7 +31,7 @@ class DecodingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int = Field(16, ge=1, strict=True)
+    max_tokens: int = Field(16, ge=0, strict=True, description="0 (completions with echo only): score the prompt")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="unset: serve.temperature (default 1)")
     top_p: float | None = Field(None, description="nucleus sampling: the likeliest tokens with this mass, (0, 1]")
     top_k: int | None = Field(None, description="the k likeliest tokens (vLLM); 0 or -1: all")
@@ -63,6 +66,10 @@ class CompletionRequest(DecodingRequest):
     """OpenAI's completion request."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, strict=True, description="the target's log-probs of the tokens, and of k likeliest"
+    )
+    echo: bool = Field(False, strict=True, description="the prompt before the completion (its tokens scored too)")
 
     @field_validator("prompt")
     @classmethod
@@ -93,6 +100,10 @@ class ChatRequest(DecodingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True, description="the newer name of max_tokens")
+    logprobs: bool = Field(False, strict=True, description="the target's log-probs of the tokens")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, strict=True, description="with logprobs: the k likeliest tokens at each position"
+    )
 
 
 class HTTPError(Exception):
@@ -143,21 +154,52 @@ def sd_stats(done: list[Completion]) -> dict:
     }
 
 
-def completion_response(done: list[Completion], chat: bool, model: str, replica: str) -> dict:
-    """A completion (``chat``: chat completion) response with one choice per completion in ``done``."""
+def logprobs_body(scores: TokenLogprobs | None, chat: bool, decode: Callable[[int], str]) -> dict | None:
+    """A choice's ``logprobs`` in OpenAI's shape: chat's ``content`` list, or the completions' parallel lists (with
+    each token's character offset in the text); ``decode`` gives a token's text."""
+    if scores is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+
+    if chat:
+        content = []
+        for token, logprob, top in zip(scores.tokens, scores.logprobs, scores.top, strict=True):
+            content.append({**entry(token, logprob), "top_logprobs": [entry(t, v) for t, v in (top or {}).items()]})
+        return {"content": content}
+    texts = [decode(t) for t in scores.tokens]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    tops = [None if top is None else {decode(t): max(v, -9999.0) for t, v in top.items()} for top in scores.top]
+    logprobs = [None if v is None else max(v, -9999.0) for v in scores.logprobs]
+    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_response(
+    done: list[Completion], chat: bool, model: str, replica: str, decode: Callable[[int], str]
+) -> dict:
+    """A completion (``chat``: chat completion) response with one choice per completion in ``done`` (``decode``:
+    a token's text, for log-probs)."""
     if chat:
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
+                "logprobs": logprobs_body(c.logprobs, chat, decode),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(done)
         ]
     else:
         choices = [
-            {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason} for i, c in enumerate(done)
+            {
+                "text": c.text,
+                "index": i,
+                "logprobs": logprobs_body(c.logprobs, chat, decode),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(done)
         ]
     return {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",

@@ -219,6 +219,25 @@ async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
     return JSONResponse(status_code=exc.status, content=content, headers=exc.headers)
 
 
+def scoring(body: DecodingRequest) -> tuple[int | None, bool]:
+    """A request's log-probs (how many likeliest tokens at each position; None: none asked) and ``echo``, or a 400
+    for a combination the endpoint does not take."""
+    chat = isinstance(body, ChatRequest)
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs: give logprobs=true with it", "top_logprobs")
+        logprobs, echo = (body.top_logprobs or 0) if body.logprobs else None, False
+    else:
+        logprobs, echo = body.logprobs, body.echo
+    if body.max_tokens == 0 and not echo:
+        raise HTTPError(
+            400, "max_tokens: 0 generates nothing; it scores a prompt with echo=true (completions)", "max_tokens"
+        )
+    if body.stream and (logprobs is not None or echo):
+        raise HTTPError(400, "logprobs: log-probs and echo are answered whole: set stream=false", "logprobs")
+    return logprobs, echo
+
+
 @serve.deployment(max_ongoing_requests=64)
 @serve.ingress(app)
 class Completions:
@@ -389,7 +408,10 @@ class Completions:
         self._count("ok")
         self._record([j.prompt for j in jobs])
         self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
-        return completion_response(done, chat, self.s.model_name, self.replica)
+        return completion_response(done, chat, self.s.model_name, self.replica, self._token_text)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def _count(self, status: str) -> None:
         self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
@@ -436,8 +458,9 @@ class Completions:
                 controls=controls,
             )
             stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+            logprobs, echo = scoring(body)
             jobs = [
-                CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, i))
+                CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, i), logprobs, echo)
                 for p in prompts
                 for i in range(body.n)
             ]

@@ -205,12 +205,14 @@ class CachedLM:
         self.calls = 0
 
     @torch.inference_mode()
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Run the (left-padded) prompt; return the logits of its last position, [B, V]."""
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, every: bool = False) -> Tensor:
+        """Run the (left-padded) prompt; return the logits of its last position, [B, V] (``every``: of all its
+        positions, [B, P, V])."""
         self.mask = attention_mask.long()
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_pos = self.mask.sum(-1)
-        return self._forward(input_ids, positions, last_only=True)[:, -1]
+        logits = self._forward(input_ids, positions, last_only=not every)
+        return logits if every else logits[:, -1]
 
     @torch.inference_mode()
     def step(self, tokens: Tensor, valid: Tensor | None = None, last_only: bool = False) -> Tensor:

@@ -32,7 +32,14 @@ from distillspec.errors import DistillSpecError
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_arrays
 from distillspec.sampling import SamplingControls
-from distillspec.speculative import GenerationOutput, autoregressive_generate, check_decoding_args, speculative_generate
+from distillspec.speculative import (
+    GenerationOutput,
+    Logprobs,
+    autoregressive_generate,
+    check_decoding_args,
+    score_prompts,
+    speculative_generate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +73,37 @@ class DecodingArgs:
 
 @dataclass
 class CompletionJob:
+    """One completion to make. ``logprobs``: score its tokens under the target, with that many likeliest tokens at
+    each position; ``echo``: its prompt's tokens too (``max_new_tokens=0`` only scores the prompt)."""
+
     prompt: str
     max_new_tokens: int
     args: DecodingArgs = field(default_factory=DecodingArgs)
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+
+
+@dataclass
+class TokenLogprobs:
+    """The target's log-probabilities of a completion's tokens (the prompt's first, with ``echo``; the first
+    prompt token has none) and, at each position, of its likeliest tokens (token id -> log-probability)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    top: list[dict[int, float] | None]
+
+    @classmethod
+    def of(cls, scores: Logprobs, row: int, tokens: list[int], start: int) -> TokenLogprobs:
+        """``tokens``, scored in row ``row`` of ``scores`` from column ``start`` on."""
+        columns = slice(start, start + len(tokens))
+        ids, top = scores.top_ids[row, columns].tolist(), scores.top[row, columns].tolist()
+        top = [dict(zip(i, v, strict=True)) for i, v in zip(ids, top, strict=True)]
+        return cls(tokens, scores.token[row, columns].tolist(), top)
+
+    def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
+        return TokenLogprobs(self.tokens + other.tokens, self.logprobs + other.logprobs, self.top + other.top)
 
 
 @dataclass
@@ -83,6 +116,7 @@ class Completion:
     stats: dict  #: gamma, drafted, accepted, alpha, tau, target_calls (per request)
     seconds: float
     args: DecodingArgs = field(default_factory=DecodingArgs)  #: the decoding settings it was made with
+    logprobs: TokenLogprobs | None = None  #: with the job's ``logprobs`` (its text starts with the prompt: ``echo``)
 
 
 def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
@@ -310,11 +344,12 @@ class Completer:
         One job's failure is its own: when a batched call fails, its jobs run again one at a time, and a job that
         fails alone gets its exception in its place of the result (its neighbours, other clients' requests
         batched with it, get their completions)."""
-        groups: dict[tuple[DecodingArgs, int], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for i, job in enumerate(jobs):
-            groups.setdefault((job.args, seed_group(job, i)), []).append(i)
+            scoring = (job.logprobs, job.echo, job.max_new_tokens == 0)
+            groups.setdefault((job.args, seed_group(job, i), *scoring), []).append(i)
         results: list[Completion | Exception | None] = [None] * len(jobs)
-        for (args, group), rows in groups.items():
+        for (args, group, *_), rows in groups.items():
             seeded = group != UNSEEDED
             try:
                 for i, done in zip(rows, self._run([jobs[i] for i in rows], args, seeded, on_block), strict=True):
@@ -353,8 +388,13 @@ class Completer:
             on_block=on_block,
             seeds=seeds,
             controls=args.controls,
+            logprobs=jobs[0].logprobs,
+            prompt_logprobs=jobs[0].echo,
         )
-        if gamma == 0:
+        if all(j.max_new_tokens == 0 for j in jobs):  # echo alone: the prompts scored, nothing generated
+            prompt = score_prompts(self.target, ids, mask, jobs[0].logprobs or 0)
+            out = GenerationOutput(ids, torch.zeros(len(jobs), dtype=torch.long), prompt_logprobs=prompt)
+        elif gamma == 0:
             out = autoregressive_generate(self.target, ids, **common)
         else:
             auto = gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
@@ -378,9 +418,10 @@ class Completer:
             new = out.sequences[row, ids.shape[1] : ids.shape[1] + n].tolist()
             ended = bool(new) and new[-1] in common["eos_token_id"]
             text, hit = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), job.stop)
+            scores = self._logprobs(job, out, row, ids, mask, new, text) if job.logprobs is not None else None
             done.append(
                 Completion(
-                    text=text,
+                    text=job.prompt + text if job.echo else text,
                     finish_reason="stop" if ended or hit else "length",
                     prompt_tokens=int(mask[row].sum()),
                     completion_tokens=n,
@@ -388,9 +429,26 @@ class Completer:
                     stats=row_stats(out, row, args.gamma) | ({"coupled": True} if seeds else {}),
                     seconds=seconds,
                     args=args,
+                    logprobs=scores,
                 )
             )
         return done
+
+    def _logprobs(
+        self, job: CompletionJob, out: GenerationOutput, row: int, ids, mask, new: list[int], text: str
+    ) -> TokenLogprobs:
+        """Row ``row``'s scores: its new tokens up to the text's end (a stop string cuts them), after its prompt's
+        (``echo``)."""
+        kept = len(new)
+        while kept and len(self.tokenizer.decode(new[: kept - 1], skip_special_tokens=True)) >= len(text):
+            kept -= 1  # a token wholly past a stop string
+        scores = TokenLogprobs.of(out.logprobs, row, new[:kept], 0) if kept else TokenLogprobs([], [], [])
+        if not job.echo:
+            return scores
+        width, real = ids.shape[1], int(mask[row].sum())
+        prompt = ids[row, width - real :].tolist()
+        first = TokenLogprobs(prompt[:1], [None], [None])  # nothing scores a text's first token
+        return first + TokenLogprobs.of(out.prompt_logprobs, row, prompt[1:], width - real) + scores
 
 
 UNSEEDED = -1  #: the group of jobs without a seed (and of greedy ones, which draw no random numbers)

@@ -138,10 +138,29 @@ class SpecStats:
 
 
 @dataclass
+class Logprobs:
+    """The target's log-probabilities (of its raw distribution, at temperature 1, before any sampling control: what
+    vLLM reports by default) of tokens, and the ``k`` likeliest tokens at each position with theirs."""
+
+    token: Tensor  # [B, T]: of each token
+    top_ids: Tensor  # [B, T, k]
+    top: Tensor  # [B, T, k]
+
+
+def score_tokens(logits: Tensor, tokens: Tensor, k: int) -> Logprobs:
+    """:class:`Logprobs` of ``tokens`` [b, t] under ``logits`` [b, t, V] (the logits that predicted them)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    top = logprobs.topk(k, -1) if k else (logprobs[..., :0], tokens[..., None][..., :0])
+    return Logprobs(logprobs.gather(-1, tokens[..., None]).squeeze(-1), top[1], top[0])
+
+
+@dataclass
 class GenerationOutput:
     sequences: Tensor  # [B, prompt_len + max(num_new_tokens)]: prompt, then new tokens, padded after EOS
     num_new_tokens: Tensor  # [B]
     stats: SpecStats | None = None
+    logprobs: Logprobs | None = None  # of the new tokens, [B, max(num_new_tokens)] (``logprobs=k``)
+    prompt_logprobs: Logprobs | None = None  # of the prompt's tokens after its first, [B, prompt_len - 1]
 
 
 class GammaSchedule(Protocol):
@@ -189,7 +208,15 @@ BlockCallback = Callable[[Tensor, Tensor], bool | None]
 class _Emitter:
     """Collects emitted tokens per original row and retires rows at EOS or their token budget."""
 
-    def __init__(self, batch: int, max_new_tokens: int | Sequence[int], eos: list[int], pad: int, device) -> None:
+    def __init__(
+        self,
+        batch: int,
+        max_new_tokens: int | Sequence[int],
+        eos: list[int],
+        pad: int,
+        device,
+        logprobs: int | None = None,
+    ) -> None:
         limits = [max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != batch:
             raise DistillSpecError(f"{len(limits)} max_new_tokens values for a batch of {batch} prompts")
@@ -197,9 +224,19 @@ class _Emitter:
         self.out = torch.full((batch, max(limits)), pad, dtype=torch.long, device=device)
         self.count = torch.zeros(batch, dtype=torch.long, device=device)
         self.eos = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+        self.k = logprobs
+        self.scores = None
+        if logprobs is not None:
+            shape = (batch, max(limits))
+            self.scores = Logprobs(
+                torch.zeros(shape, device=device),
+                torch.zeros(*shape, logprobs, dtype=torch.long, device=device),
+                torch.zeros(*shape, logprobs, device=device),
+            )
 
-    def emit(self, rows: Tensor, tokens: Tensor, n: Tensor) -> Tensor:
-        """Append the first ``n[i]`` of ``tokens[i]`` to original row ``rows[i]``; return a done mask."""
+    def emit(self, rows: Tensor, tokens: Tensor, n: Tensor, logits: Tensor | None = None) -> Tensor:
+        """Append the first ``n[i]`` of ``tokens[i]`` to original row ``rows[i]`` (with ``logprobs``, scored under
+        ``logits``, the target's that predicted them); return a done mask."""
         k = tokens.shape[1]
         offs = torch.arange(k, device=tokens.device)
         take = offs[None, :] < n[:, None]
@@ -212,6 +249,10 @@ class _Emitter:
         take &= pos < self.limit[rows][:, None]
         r, c = take.nonzero(as_tuple=True)
         self.out[rows[r], pos[r, c]] = tokens[r, c]
+        if self.scores is not None:
+            scored = score_tokens(logits[:, :k], tokens, self.k)
+            for mine, new in zip(vars(self.scores).values(), vars(scored).values(), strict=True):
+                mine[rows[r], pos[r, c]] = new[r, c]
         self.count[rows] = start + take.sum(1)
         done = self.count[rows] >= self.limit[rows]
         if self.eos is not None:
@@ -221,6 +262,25 @@ class _Emitter:
     def sequences(self, input_ids: Tensor) -> Tensor:
         """The prompts, then the new tokens, as wide as the longest row's (not the token budget)."""
         return torch.cat([input_ids, self.out[:, : int(self.count.max())]], 1)
+
+    def output(self, input_ids: Tensor, stats: SpecStats | None = None, prompt: Logprobs | None = None):
+        """The call's :class:`GenerationOutput`."""
+        width = int(self.count.max())
+        scores = None if self.scores is None else Logprobs(*(t[:, :width] for t in vars(self.scores).values()))
+        return GenerationOutput(self.sequences(input_ids), self.count.clone(), stats, scores, prompt)
+
+
+@torch.inference_mode()
+def score_prompts(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, k: int) -> Logprobs:
+    """The prompts' tokens scored under ``model`` (:func:`prompt_scores`), with no token generated."""
+    logits = CachedLM(model).prefill(input_ids, _prepare(input_ids, attention_mask), every=True)
+    return prompt_scores(logits, input_ids, k)
+
+
+def prompt_scores(logits: Tensor, input_ids: Tensor, k: int) -> Logprobs:
+    """:class:`Logprobs` of each prompt token after the first, from the prefill's logits [B, P, V] (left padding
+    scores as any token: the caller keeps the real columns)."""
+    return score_tokens(logits[:, :-1], input_ids[:, 1:], k)
 
 
 def _prepare(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -274,23 +334,27 @@ def autoregressive_generate(
     compile: bool = False,
     seeds: Sequence[int] | None = None,
     controls: SamplingControls | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
 ) -> GenerationOutput:
     """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
     (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`; ``compile``: see
     :func:`cached_lm`; ``seeds``: one per row, each row's sample keyed by its seed, see :class:`SeededNoise`;
-    ``controls``: see :mod:`distillspec.sampling`)."""
+    ``controls``: see :mod:`distillspec.sampling`; ``logprobs`` and ``prompt_logprobs``: see
+    :func:`speculative_generate`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     noise = _seeded(seeds, len(input_ids), temperature, None, model, input_ids.device)
     history = _history(controls, input_ids, mask, model)
     lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
     eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
-    emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device)
+    emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device, logprobs)
     rows = torch.arange(len(input_ids), device=input_ids.device)
     # A model with a draft vocabulary samples an index into it; with controls, a token of the whole vocabulary.
     ids = d2t(model) if history is None else None
-    logits = lm.prefill(input_ids, mask)
+    logits, prompt = _prefill(lm, input_ids, mask, logprobs if prompt_logprobs else None)
     while True:
+        raw = logits[:, None]
         if history is not None:
             history.observe(emitter.out, emitter.count)
             full = expand_logits(logits, d2t(model), vocab_size(model))
@@ -300,7 +364,7 @@ def autoregressive_generate(
             race = race[:, ids]
         token = next_token(logits, temperature, generator, race)
         token = token if ids is None else ids[token]
-        done = emitter.emit(rows, token[:, None], torch.ones_like(token))
+        done = emitter.emit(rows, token[:, None], torch.ones_like(token), raw)
         if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count)):
             break
         if bool(done.any()):
@@ -308,7 +372,15 @@ def autoregressive_generate(
             rows, token = rows[keep], token[keep]
             lm.select_rows(keep)
         logits = lm.step(token[:, None])[:, -1]
-    return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone())
+    return emitter.output(input_ids, prompt=prompt)
+
+
+def _prefill(lm: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None) -> tuple[Tensor, Logprobs | None]:
+    """The prompt's last logits [B, V], and with ``k`` (prompt log-probs asked for) its tokens' scores."""
+    if k is None:
+        return lm.prefill(input_ids, mask), None
+    logits = lm.prefill(input_ids, mask, every=True)
+    return logits[:, -1], prompt_scores(logits, input_ids, k)
 
 
 def _history(controls: SamplingControls | None, input_ids: Tensor, mask: Tensor, model) -> History | None:
@@ -492,6 +564,8 @@ def speculative_generate(
     schedule: GammaSchedule | None = None,
     seeds: Sequence[int] | None = None,
     controls: SamplingControls | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: bool = False,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -505,6 +579,8 @@ def speculative_generate(
     its seed and the token's position, and blocks verify by coupling (:class:`SeededNoise`): a row's text depends on
     its seed alone, not on gamma, the schedule or the other rows. ``controls`` (top-p, penalties, ...; see
     :mod:`distillspec.sampling`) process the draft's and the target's logits alike: exact for the processed target.
+    ``logprobs=k`` scores the new tokens under the target (:class:`Logprobs`, with the ``k`` likeliest tokens at each
+    position); ``prompt_logprobs`` scores the prompt's too.
     """
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
@@ -517,13 +593,14 @@ def speculative_generate(
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
-    emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev), _Tally(batch, gamma, dev)
+    emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev, logprobs), _Tally(batch, gamma, dev)
     rows = torch.arange(batch, device=dev)
 
     # The target reads the whole prompt now: its last logits score the first block's first position (a block that
     # drafts nothing emits from them without a target call, as plain decoding does). The draft reads it lazily, with
     # its first drafts: a call whose blocks all draft nothing never runs the draft.
-    first_logits: Tensor | None = tgt.prefill(input_ids, mask)[:, None]  # [b, 1, V]
+    first_logits, prompt = _prefill(tgt, input_ids, mask, logprobs if prompt_logprobs else None)
+    first_logits = first_logits[:, None]  # [b, 1, V]
     drf.mask, drf.next_pos = input_ids.new_zeros(batch, 0), input_ids.new_zeros(batch)
     target_in = input_ids[:, :0]  # the emitted tokens the target has not read: none yet
     # The draft's input: the tokens it has not read yet (the prompt at first; later the last emitted one, before it,
@@ -558,6 +635,7 @@ def speculative_generate(
         else:  # the first block: the prompt's last logits, then the drafts'
             target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
             first_logits = None
+        raw = target_logits
         if history is not None:
             target_logits = history.process(target_logits, rows, temperature, drafts)
         n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
@@ -566,7 +644,7 @@ def speculative_generate(
         tally.add(rows, g, n)
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
-        done = emitter.emit(rows, emitted, n + 1)
+        done = emitter.emit(rows, emitted, n + 1, raw)
         if on_block is not None and on_block(emitter.out, emitter.count):
             done = torch.ones_like(done)
         target_in, draft_in, draft_valid = _rewind(tgt, drf, drafts, n, new, draft_in, draft_valid)
@@ -584,5 +662,4 @@ def speculative_generate(
         if finished:
             break
 
-    stats = tally.stats(gamma, emitter.count, tgt.calls, drf.calls)
-    return GenerationOutput(emitter.sequences(input_ids), emitter.count.clone(), stats)
+    return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt)

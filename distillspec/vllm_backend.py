@@ -355,6 +355,10 @@ class VLLMCompleter:
         check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         args = job.args
         args.controls.check(len(self.tokenizer))
+        if job.logprobs is not None or job.echo:
+            raise DistillSpecError(
+                "logprobs: the vLLM backend does not answer log-probs or echo; serve.backend=hf does"
+            )
         if args.gamma == 0:
             raise DistillSpecError(
                 "speculative=false: the vLLM engine always decodes speculatively (serve.backend=hf can turn it off)"

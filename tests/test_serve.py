@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from distillspec.config import load_config
-from distillspec.models import load_pair
+from distillspec.models import encode_prompts, load_pair
 
 from .conftest import greedy_text
 
@@ -208,6 +208,51 @@ def test_n_samples_seeded_streamed_and_whole(client):
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
 
 
+def test_logprobs_and_echo_score_under_the_target(client, tiny_garden):
+    """Completions' ``logprobs`` (greedy: each token the likeliest), ``echo`` with ``max_tokens=0`` (a text scored,
+    as evaluation harnesses ask: the target's own log-probabilities), chat's ``logprobs``/``top_logprobs``."""
+    r = client.completions.create(model="distillspec", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == r.usage.completion_tokens
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and value == pytest.approx(max(top.values()), abs=1e-5) and value <= 0
+    text = "Question: Tom has 4 apples. How many?\nAnswer: 4"
+    scored = client.completions.create(model="distillspec", prompt=text, max_tokens=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    assert choice.text == text and choice.logprobs.token_logprobs[0] is None
+    target, _, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    ids = encode_prompts(tokenizer, [text])[0]  # as the endpoint encodes a prompt (with its BOS)
+    with torch.no_grad():
+        expected = torch.log_softmax(target(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).sum()
+    assert len(choice.logprobs.tokens) == ids.shape[1]
+    assert sum(choice.logprobs.token_logprobs[1:]) == pytest.approx(float(expected), abs=1e-3)
+    chat = client.chat.completions.create(
+        model="distillspec",
+        messages=[{"role": "user", "content": "Mia has 3 pens. How many?"}],
+        max_tokens=6,
+        temperature=1.0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+@pytest.mark.parametrize(
+    "route, body, field",
+    [
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ("completions", {"prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
+        ("completions", {"prompt": "1+1=", "logprobs": 2, "stream": True}, "logprobs"),
+        ("completions", {"prompt": "1+1=", "logprobs": 21}, "logprobs"),
+    ],
+)
+def test_scoring_requests_refused_naming_the_field(endpoint, route, body, field):
+    r = requests.post(f"{endpoint}/v1/{route}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -225,7 +270,6 @@ def test_n_samples_seeded_streamed_and_whole(client):
         ({"prompt": "1+1=", "lenience": "cubic"}, "lenience"),
         ({"prompt": "1+1=", "stream": "yes"}, "stream"),
         ({"prompt": 42}, "prompt"),
-        ({"prompt": "1+1=", "logprobs": 5}, "logprobs"),
         ({"max_tokens": 4}, "prompt"),
         ({"prompt": "1+1=", "seed": 2**64}, "seed"),  # more than torch.manual_seed takes
         ({"prompt": "1+1=", "top_p": 0}, "top_p"),

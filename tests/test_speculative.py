@@ -465,3 +465,34 @@ def test_seeds_are_lossless_only(small_vocab_pair):
     with pytest.raises(DistillSpecError, match="lossless only"):
         speculative_generate(target, draft, torch.tensor([[1, 2]]), gamma=2, max_new_tokens=2, lenience="lin",
                              epsilon=0.5, seeds=[1])  # fmt: skip
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_logprobs_are_the_targets_own(close_pair, speculative):
+    """The scores of the new tokens and of the prompt's are the target's log-softmax over the whole sequence (one
+    forward pass), the top-k its k likeliest, whatever was drafted, accepted or processed."""
+    from distillspec.sampling import SamplingControls
+
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    kw = dict(max_new_tokens=10, temperature=1.0, attention_mask=mask, generator=torch.Generator().manual_seed(0))
+    kw |= dict(logprobs=3, prompt_logprobs=True, controls=SamplingControls(top_k=5, presence_penalty=1.0))
+    out = (
+        speculative_generate(target, draft, ids, gamma=3, **kw)
+        if speculative
+        else autoregressive_generate(target, ids, **kw)
+    )
+    seq = out.sequences
+    full = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1] :])], 1)
+    with torch.no_grad():
+        logits = target(seq, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp(min=0)).logits
+    expected = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, seq[:, 1:, None]).squeeze(-1)
+    p = ids.shape[1]
+    for row in range(len(ids)):
+        n = int(out.num_new_tokens[row])
+        torch.testing.assert_close(out.logprobs.token[row, :n], expected[row, p - 1 : p - 1 + n], atol=1e-4, rtol=0)
+        real = int(mask[row].sum())  # the prompt's real columns, after its first
+        torch.testing.assert_close(out.prompt_logprobs.token[row, p - real :], expected[row, p - real : p - 1])
+    top = torch.log_softmax(logits.float(), -1)[:, p - 1].topk(3)
+    torch.testing.assert_close(out.logprobs.top[:, 0], top.values, atol=1e-4, rtol=0)
+    assert torch.equal(out.logprobs.top_ids[:, 0], top.indices)
