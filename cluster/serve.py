@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -219,6 +220,31 @@ async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
     return JSONResponse(status_code=exc.status, content=content, headers=exc.headers)
 
 
+@ray.remote(num_cpus=0)
+class StopSignal:
+    """Set once, when the job that serves an application stops (``jobs/serve.py``): each replica of the application
+    waits on it, then ends its streams (:meth:`Completions.stop`)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+    def set(self) -> None:
+        self.event.set()
+
+
+def stop_signal(app: str) -> ray.actor.ActorHandle:
+    """The :class:`StopSignal` of Serve application ``app`` (made by whoever asks first)."""
+    return StopSignal.options(name=f"stop:{app}", namespace=NAMESPACE, get_if_exists=True).remote()
+
+
+class ShuttingDown(DistillSpecError):
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down: the completion is incomplete; retry on another server")
+
+
 def scoring(body: DecodingRequest) -> tuple[int | None, bool]:
     """A request's log-probs (how many likeliest tokens at each position; None: none asked) and ``echo``, or a 400
     for a combination the endpoint does not take."""
@@ -249,6 +275,9 @@ class Completions:
         torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
+        self.stopping = False  #: the endpoint is shutting down (:meth:`stop`): no new request is taken
+        #: the event queues of the streams in flight, with their loops (:meth:`stop` runs in a thread of its own)
+        self.streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
         self.completer: DraftServer
         if s.backend == "vllm":
             from distillspec.vllm_backend import VLLMCompleter  # the optional extra, imported only when asked for
@@ -302,6 +331,15 @@ class Completions:
             rollbacks=self.metrics["distillspec_serve_rollbacks"],
         )
         self.follower.start()
+        signal = stop_signal(serve.get_replica_context().app_name)
+        threading.Thread(target=lambda: (ray.get(signal.wait.remote()), self.stop()), daemon=True).start()
+
+    def stop(self) -> None:
+        """The endpoint is stopping (its :class:`StopSignal` was set): every stream in flight ends with an error event
+        at its next block and new requests are answered 503, so that no client waits on a connection about to close."""
+        self.stopping = True
+        for queue, loop in list(self.streams.items()):
+            loop.call_soon_threadsafe(queue.put_nowait, (-1, ShuttingDown()))
 
     def check_health(self) -> None:
         """Ray Serve's periodic probe: a replica whose engine died, or whose draft stopped following the run, is
@@ -376,6 +414,8 @@ class Completions:
 
     async def _serve(self, body: DecodingRequest, prompts, *, chat: bool) -> dict | StreamingResponse:
         start, held = time.perf_counter(), 0
+        if self.stopping:
+            raise HTTPError(503, str(ShuttingDown()), None, "server_error", {"Retry-After": "5"})
         try:
             # The chat template and the tokenizer run in a thread: a long prompt never stalls the other streams.
             jobs = await asyncio.to_thread(lambda: self._jobs(body, prompts()))
@@ -519,6 +559,7 @@ class Completions:
                 await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        self.streams[queue] = asyncio.get_running_loop()
         try:
             if chat:
                 for i in range(len(jobs)):
@@ -536,13 +577,15 @@ class Completions:
                     sd = {**sd_stats([item]), "replica": self.replica}
                     yield event("", item.finish_reason, index=index, usage=usage([item]), distillspec=sd)
         except Exception as exc:  # the headers are sent: the error travels as an event, as OpenAI sends one
-            log.exception("a stream failed")
+            if not isinstance(exc, ShuttingDown):
+                log.exception("a stream failed")
             self._count("server_error")
-            client = isinstance(exc, DistillSpecError)
-            kind = "invalid_request_error" if client else "server_error"
-            message = str(exc) if client else f"decoding failed ({type(exc).__name__}); the completion is incomplete"
+            said = isinstance(exc, DistillSpecError)  # a message for the client: its mistake, or the server stopping
+            kind = "invalid_request_error" if said and not isinstance(exc, ShuttingDown) else "server_error"
+            message = str(exc) if said else f"decoding failed ({type(exc).__name__}); the completion is incomplete"
             yield f"data: {json.dumps(error_body(message, None, kind))}\n\n"
         finally:
+            self.streams.pop(queue, None)
             for task in tasks:
                 task.cancel()
             self.held -= len(jobs)
@@ -582,6 +625,9 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
         return replace(cfg, **run_models(run))
     return prepare_models(cfg, load_task(cfg.dataset, seed=cfg.seed))
 
+
+#: Seconds a replica being stopped waits for its requests in flight (then it is killed); its streams were told to end.
+STOP_GRACE_S = 2.0
 
 RUN_CONFIG = "config.yaml"  #: what jobs/distill.py writes into its output folder: the resolved config of the run
 
@@ -628,4 +674,5 @@ def bind(cfg: JobConfig) -> serve.Application:
         autoscaling_config=autoscaling,
         max_ongoing_requests=s.max_queued_prompts,  # requests reach the replica, which answers 429 past its limit
         ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": s.replica_gpus},
+        graceful_shutdown_timeout_s=STOP_GRACE_S,
     ).bind(cfg)

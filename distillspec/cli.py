@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -85,6 +86,16 @@ QUIET = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",  # the fork warning of tokenizers in Ray workers
 }
+
+
+def stop_on_sigterm() -> None:
+    """A service manager's stop (SIGTERM) interrupts the job as Ctrl-C does (set it after ``ray.init``, which installs
+    a handler of its own that aborts the process)."""
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def run_main(main: Callable[[], Any]) -> None:

@@ -253,6 +253,31 @@ def test_scoring_requests_refused_naming_the_field(endpoint, route, body, field)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+def test_a_stopping_endpoint_ends_its_streams_with_an_error_event(endpoint, tiny_garden):
+    """When the job that serves it stops (its :class:`~cluster.serve.StopSignal` set), each replica ends the streams
+    in flight with an error event and ``[DONE]``, and answers new requests 503."""
+    from ray import serve
+
+    from cluster.serve import bind, stop_signal
+
+    cfg = load_config(None, [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "serve.replica_cpus=0.25"])
+    serve.run(bind(cfg), name="stoppable", route_prefix="/stoppable")
+    eos = load_pair(str(tiny_garden.target), str(tiny_garden.draft))[2].eos_token_id
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "stream": True, "logit_bias": {str(eos): -100}}
+    try:
+        with requests.post(f"{endpoint}/stoppable/v1/completions", json=body, stream=True, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith(b"data: {")  # the stream is flowing
+            stop_signal("stoppable").set.remote()
+            rest = [line.decode() for line in lines if line]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "shutting down" in error["message"] and rest[-1] == "data: [DONE]"
+        late = requests.post(f"{endpoint}/stoppable/v1/completions", json={"prompt": "1+1="}, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "server_error"
+    finally:
+        serve.delete("stoppable")
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
