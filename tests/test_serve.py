@@ -278,6 +278,23 @@ def test_a_stopping_endpoint_ends_its_streams_with_an_error_event(endpoint, tiny
         serve.delete("stoppable")
 
 
+def test_a_seed_gives_one_text_under_concurrent_load(client):
+    """The same seeded request sent 3 times among 5 other requests at once (batched together, gamma chosen live)
+    returns one text, the text it gets alone at gamma 1 and without speculation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeded = dict(model="distillspec", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, seed=42)
+    others = [dict(model="distillspec", prompt=p, max_tokens=16, temperature=1.0) for p in PROMPTS[:5]]
+    with ThreadPoolExecutor(8) as pool:
+        done = list(
+            pool.map(lambda kw: client.completions.create(**kw), [seeded, *others[:2], seeded, *others[2:], seeded])
+        )
+    texts = {done[i].choices[0].text for i in (0, 3, 7)}
+    alone = client.completions.create(**seeded, extra_body={"gamma": 1}).choices[0].text
+    plain = client.completions.create(**seeded, extra_body={"speculative": False}).choices[0].text
+    assert texts == {alone} == {plain}
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
