@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,10 @@ def tiny_garden(tmp_path_factory, task):
     overrides = [f"{k}={v}" for k, v in GARDEN_TINY.items()] + [f"cache_dir={tmp_path_factory.mktemp('garden')}"]
     cfg = load_config(None, overrides, cls=GardenConfig)
     return build_garden(task, cfg, seed=0)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for an endpoint a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -19,8 +19,8 @@ import torch
 
 from distillspec.config import JobConfig, load_config
 
-from .conftest import greedy_text
-from .test_serve import PROMPTS, free_port
+from .conftest import free_port, greedy_text
+from .test_serve import PROMPTS
 
 RUN = "gate-test"
 WINDOW = 16  #: serve.rollback_window of the endpoints under test

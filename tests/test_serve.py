@@ -4,7 +4,6 @@ the draft swaps to each version the run's weight store publishes while requests 
 
 import json
 import shutil
-import socket
 import threading
 import time
 
@@ -16,16 +15,10 @@ import yaml
 from distillspec.config import load_config
 from distillspec.models import encode_prompts, load_pair
 
-from .conftest import greedy_text
+from .conftest import free_port, greedy_text
 
 RUN = "serve-test"
 PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9=", "50+50=", "2*8="]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ down when it stops, no request fails, and a replica that starts late serves the 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -11,13 +10,9 @@ import requests
 
 from distillspec.config import load_config
 
+from .conftest import free_port
+
 RUN = "autoscale-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running_replicas() -> int:

@@ -42,9 +42,8 @@ from distillspec.vllm_backend import (
     weights_blob,
 )
 
-from .conftest import GARDEN_TINY, greedy_text
+from .conftest import GARDEN_TINY, free_port, greedy_text
 from .test_safe_rollout import GATE_SETTINGS, check_safe_rollout
-from .test_serve import free_port
 
 #: vLLM's CPU attention needs head sizes of 32 or more: target 64 / 2 heads, draft 32 / 1 head
 GARDEN_VLLM = {
