@@ -82,15 +82,15 @@ def evaluate_sd(
             tvd_sum += (1.0 - a) * n
             tvd_count += n
     seconds = time.perf_counter() - start
-    alpha = accepted / (accepted + rejected) if accepted + rejected else float("nan")
+    counts = AcceptanceCounts(blocks, accepted, rejected)
     alpha_tvd = 1.0 - tvd_sum / tvd_count if tvd_count else float("nan")
     record = {
         "gamma": gamma,
         "temperature": temperature,
         "lenience": lenience,
         "epsilon": epsilon,
-        "alpha": alpha,
-        "tau": (accepted + blocks) / blocks if blocks else float("nan"),
+        "alpha": counts.alpha,
+        "tau": counts.tau,
         "alpha_tvd": alpha_tvd,
         "tau_theory": expected_tau(alpha_tvd, gamma),
         "drafted": blocks * gamma,

@@ -148,16 +148,20 @@ class StreamText:
 def counts_stats(counts: AcceptanceCounts, gamma: int | str, drafted: int | None = None) -> dict:
     """The SD statistics of a completion (the keys :func:`merge_stats` pools) from its acceptance counts (``drafted``:
     draft tokens proposed, when blocks did not all propose ``gamma``)."""
-    judged = counts.accepted + counts.rejected
     return {
         "gamma": gamma,
         "drafted": counts.blocks * gamma if drafted is None else drafted,
         "accepted": counts.accepted,
         "rejected": counts.rejected,
-        "alpha": counts.accepted / judged if judged else None,
-        "tau": counts.tau if counts.blocks else None,
+        "alpha": _measured(counts.alpha),
+        "tau": _measured(counts.tau),
         "target_calls": counts.blocks,
     }
+
+
+def _measured(value: float) -> float | None:
+    """A ratio of counts, None (JSON null) where there was nothing to count."""
+    return None if math.isnan(value) else value
 
 
 def row_stats(out: GenerationOutput, row: int, gamma: int | str) -> dict:
@@ -173,14 +177,10 @@ def row_stats(out: GenerationOutput, row: int, gamma: int | str) -> dict:
 def merge_stats(stats: list[dict]) -> dict:
     """The SD statistics of several completions together (pooled counts, not a mean of ratios)."""
     total = {k: sum(s[k] for s in stats) for k in ("drafted", "accepted", "rejected", "target_calls")}
-    judged, calls = total["accepted"] + total["rejected"], total["target_calls"]
-    speculative = total["drafted"] > 0
-    return {
-        "gamma": stats[0]["gamma"],
-        **total,
-        "alpha": total["accepted"] / judged if judged else None,
-        "tau": (total["accepted"] + calls) / calls if speculative and calls else (1.0 if calls else None),
-    }
+    counts = AcceptanceCounts(total["target_calls"], total["accepted"], total["rejected"])
+    plain = total["drafted"] == 0 and counts.blocks  # the target alone: one token a call
+    tau = 1.0 if plain else _measured(counts.tau)
+    return {"gamma": stats[0]["gamma"], **total, "alpha": _measured(counts.alpha), "tau": tau}
 
 
 def check_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_tokens: int) -> int:
