@@ -163,3 +163,19 @@ def test_hub_names_fail_at_once_without_the_hub(args, message, tmp_path):
     assert proc.returncode == 2 and message in proc.stderr and "HF_HUB_OFFLINE is set" in proc.stderr, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
     assert time.monotonic() - start < 30  # no retries (they took 29-52 s)
+
+
+def test_sigterm_interrupts_a_job_as_ctrl_c_does():
+    """A service manager's stop reaches a job as KeyboardInterrupt (its cleanup runs: the endpoint's stop, the
+    distill job's "interrupted" and status 130)."""
+    code = (
+        "import os, signal, time\n"
+        "from distillspec.cli import run_main, stop_on_sigterm\n"
+        "def main():\n"
+        "    stop_on_sigterm()\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "run_main(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted"
