@@ -32,6 +32,16 @@ def flat_pair():
     return tiny_llama(V, d=16, seed=3, sharpness=8.0), tiny_llama(V, d=16, seed=4, sharpness=8.0)
 
 
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+def two_tokens(target, draft, controls: SamplingControls, **kw):
+    """12,000 rows of SD at gamma 3, two new tokens each, after :data:`PROMPT`."""
+    return speculative_generate(
+        target, draft, PROMPT.repeat(12_000, 1), gamma=3, max_new_tokens=2, controls=controls, **kw
+    )
+
+
 def processed_joint(target, prompt, controls: SamplingControls, temperature: float = 1.0) -> torch.Tensor:
     """The processed target's exact distribution of the next two tokens, flattened [V*V]."""
     with torch.no_grad():
@@ -61,16 +71,8 @@ def test_sd_follows_the_processed_target(flat_pair, name):
     """Chi-square over 12,000 two-token samples of SD at gamma 3 against the processed target's exact joint, which
     the control moves away from the plain target's."""
     target, draft = flat_pair
-    prompt, controls = torch.tensor([[1, 2, 3]]), CONTROLS[name]
-    out = speculative_generate(
-        target,
-        draft,
-        prompt.repeat(12_000, 1),
-        gamma=3,
-        max_new_tokens=2,
-        generator=torch.Generator().manual_seed(1),
-        controls=controls,
-    )
+    prompt, controls = PROMPT, CONTROLS[name]
+    out = two_tokens(target, draft, controls, generator=torch.Generator().manual_seed(1))
     assert 0.0 < out.stats.alpha < 1.0
     assert fit(out, processed_joint(target, prompt, controls)) > 1e-3
     assert (
@@ -81,22 +83,11 @@ def test_sd_follows_the_processed_target(flat_pair, name):
 def test_seeded_sd_and_a_draft_vocabulary_follow_the_processed_target(flat_pair):
     """Seeded rows (coupled verification) and a draft restricted to 5 of the 8 tokens stay exact with controls."""
     target, draft = flat_pair
-    prompt, controls = torch.tensor([[1, 2, 3]]), CONTROLS["all"]
-    expected = processed_joint(target, prompt, controls)
-    seeded = speculative_generate(
-        target, draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2, seeds=range(12_000), controls=controls
-    )
-    assert fit(seeded, expected) > 1e-3
+    controls = CONTROLS["all"]
+    expected = processed_joint(target, PROMPT, controls)
+    assert fit(two_tokens(target, draft, controls, seeds=range(12_000)), expected) > 1e-3
     restricted = restrict_head(perturbed(draft, 0.0), torch.tensor([0, 1, 2, 4, 6]))
-    out = speculative_generate(
-        target,
-        restricted,
-        prompt.repeat(12_000, 1),
-        gamma=3,
-        max_new_tokens=2,
-        generator=torch.Generator().manual_seed(2),
-        controls=controls,
-    )
+    out = two_tokens(target, restricted, controls, generator=torch.Generator().manual_seed(2))
     assert 0.0 < out.stats.alpha < 1.0
     assert fit(out, expected) > 1e-3
 
