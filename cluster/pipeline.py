@@ -1,10 +1,14 @@
 """The driver of the asynchronous pipeline: it starts the actors, runs the Ray Train learner, and gathers
 what they produced.
 
-    rollout actors --put--> buffer (refs) --take--> learner (TorchTrainer) --publish--> weight store
-          ^                                                                                  |
-          +------------------------------- fetch latest version ----------------------------+
-                                       evaluation actor, Serve replicas --fetch--+
+    buffer --sample()--> rollout actors (--score()--> scorers, when they score)
+      |   <--batch (ref)--+
+      +--take--> learner (TorchTrainer) --publish--> weight store --latest--> rollout actors, evaluation actor
+                                                          ^   |
+                        evaluation actor --promote/refuse-+   +--serving (the version the canary passed)--> replicas
+
+The buffer asks each rollout actor for a batch only when it holds a slot for it, so what is sampled is fresh; the
+rollout actors sample with the latest version, and Serve replicas follow the one the evaluation actor promoted.
 """
 
 from __future__ import annotations
