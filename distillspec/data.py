@@ -248,11 +248,29 @@ def chat_task(task: Task, tokenizer) -> Task:
     return Task(task.name, [render(e) for e in task.train], [render(e) for e in task.test], task.metric)
 
 
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ PREFIX + (m['content'] | trim) + SUFFIX }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ ' ' + (m['content'] | trim) + '\\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def chat_template(task: Task) -> str | None:
+    """A chat template in ``task``'s prompt format when its prompts read ``"<Label>: <content>\n<Label>:"`` (QA,
+    translation, summaries), else None (a chat request then gets a 400)."""
+    prompt = task.train[0].prompt if task.train else ""
+    m = re.fullmatch(r"(\w+: ).*(\n\w+:)", prompt, flags=re.DOTALL)
+    if m is None:
+        return None
+    return CHAT_TEMPLATE.replace("PREFIX", json.dumps(m.group(1))).replace("SUFFIX", json.dumps(m.group(2)))
+
+
 def chat_prompts(task: Task, tokenizer, enabled: bool = True) -> Task:
     """The task as a model with ``tokenizer`` is prompted (``enabled``: the ``chat_template`` key): through its chat
     template when it has one (:func:`chat_task`), except a garden tokenizer's, which writes the task's own prompt
     format already; else ``task`` itself."""
-    from distillspec.garden import chat_template  # the garden's template, made from the task's prompt format
 
     template = getattr(tokenizer, "chat_template", None)
     if not enabled or not template or template == chat_template(task):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from distillspec.batches import Batch
 from distillspec.config import DistillConfig, GardenConfig, ModelSize
-from distillspec.data import Example, Task
+from distillspec.data import Example, Task, chat_template
 from distillspec.files import cache_root
 from distillspec.learner import Learner
 from distillspec.losses import lm_loss
@@ -136,25 +135,6 @@ class Garden:
 
 #: The garden's chat template: each user turn in the task's prompt format ("<Label>: <content>\n<Label>:"), each
 #: assistant turn as the reference follows it; system turns are dropped (the garden never saw one).
-CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}{{ PREFIX + (m['content'] | trim) + SUFFIX }}"
-    "{%- elif m['role'] == 'assistant' -%}{{ ' ' + (m['content'] | trim) + '\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-)
-
-
-def chat_template(task: Task) -> str | None:
-    """A chat template in ``task``'s prompt format when its prompts read ``"<Label>: <content>\n<Label>:"`` (QA,
-    translation, summaries), else None (a chat request then gets a 400)."""
-    prompt = task.train[0].prompt if task.train else ""
-    m = re.fullmatch(r"(\w+: ).*(\n\w+:)", prompt, flags=re.DOTALL)
-    if m is None:
-        return None
-    return CHAT_TEMPLATE.replace("PREFIX", json.dumps(m.group(1))).replace("SUFFIX", json.dumps(m.group(2)))
-
-
 def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> Garden:
     """Build (or reuse) the garden for ``task``: each of tokenizer, target and draft is cached on its own.
 

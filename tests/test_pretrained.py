@@ -50,7 +50,7 @@ def test_draft_specs_name_layers_or_say_what_is_wrong():
 def test_chat_prompts_make_questions_user_messages(tokenizer, task):
     """A chat template writes each question as a user turn; a garden tokenizer (whose template is the task's own
     prompt format) keeps the prompts as they are, and so does ``chat_template=false``."""
-    from distillspec.garden import chat_template
+    from distillspec.data import chat_template
 
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = chat_template(task)
