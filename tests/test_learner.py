@@ -1,3 +1,5 @@
+"""The learner (distillspec/learner.py): its losses, steps, freezing and checkpoints, and the single-process loop."""
+
 import logging
 import random
 

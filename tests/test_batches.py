@@ -1,3 +1,5 @@
+"""The buffer's bookkeeping and the rollout batch (distillspec/batches.py), without Ray."""
+
 import random
 
 import numpy as np
