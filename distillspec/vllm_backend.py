@@ -355,6 +355,9 @@ class VLLMCompleter:
         check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
         args = job.args
         args.controls.check(len(self.tokenizer))
+        for name, value in (("min_p", args.controls.min_p), ("logit_bias", args.controls.logit_bias)):
+            if value:  # vLLM 0.32 refuses them with speculative decoding, when the engine already has the request
+                raise DistillSpecError(f"{name}: vLLM's speculative decoding does not take it; serve.backend=hf does")
         if job.logprobs is not None or job.echo:
             raise DistillSpecError(
                 "logprobs: the vLLM backend does not answer log-probs or echo; serve.backend=hf does"
