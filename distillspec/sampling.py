@@ -132,10 +132,11 @@ class History:
             b, k = logits.shape[:2]
             counts = self.counts[rows][:, None].expand(-1, k, -1)
             if drafts is not None and drafts.shape[1]:
-                m = drafts.shape[1]
-                upto = torch.zeros(b, m, self.vocab, device=out.device).scatter_(2, drafts[..., None], 1.0).cumsum(1)
-                seen = m - k + torch.arange(k, device=out.device)  # position i sees the first m - k + 1 + i drafts
-                counts = counts + torch.where((seen >= 0)[None, :, None], upto[:, seen.clamp(min=0)], 0.0)
+                m = drafts.shape[1]  # position i sees the first m - k + 1 + i drafts: draft t from position t - m + k
+                first = (torch.arange(m, device=out.device) - m + k).clamp(min=0)
+                seen = torch.zeros(b, k * self.vocab, device=out.device)
+                seen.scatter_add_(1, first * self.vocab + drafts, torch.ones_like(drafts, dtype=seen.dtype))
+                counts = counts + seen.view(b, k, self.vocab).cumsum(1)
             out = penalise(out, counts, None if self.prompt is None else self.prompt[rows][:, None], c)
         return truncate(out, temperature, c) if temperature > 0 else out
 

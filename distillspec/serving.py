@@ -57,7 +57,7 @@ class DecodingArgs:
     controls: SamplingControls = field(default_factory=SamplingControls)
 
     def check(self) -> None:
-        self.controls.check()
+        """The settings but ``controls``, which need the vocabulary (:meth:`SamplingControls.check`)."""
         if self.gamma == "auto":
             return check_decoding_args(
                 max_new_tokens=1, temperature=self.temperature, lenience=self.lenience, epsilon=self.epsilon

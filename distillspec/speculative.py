@@ -351,14 +351,14 @@ def autoregressive_generate(
     emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device, logprobs)
     rows = torch.arange(len(input_ids), device=input_ids.device)
     # A model with a draft vocabulary samples an index into it; with controls, a token of the whole vocabulary.
-    ids = d2t(model) if history is None else None
+    restricted, vocab = d2t(model), vocab_size(model)
+    ids = restricted if history is None else None
     logits, prompt = _prefill(lm, input_ids, mask, logprobs if prompt_logprobs else None)
     while True:
         raw = logits[:, None]
         if history is not None:
             history.observe(emitter.out, emitter.count)
-            full = expand_logits(logits, d2t(model), vocab_size(model))
-            logits = history.process(full[:, None], rows, temperature)[:, 0]
+            logits = history.process(expand_logits(logits, restricted, vocab)[:, None], rows, temperature)[:, 0]
         race = None if noise is None else noise.draws(rows, emitter.count[rows][:, None])[:, 0]
         if race is not None and ids is not None:
             race = race[:, ids]
@@ -472,13 +472,13 @@ def draft_tokens(
     :class:`SeededNoise`). A draft with a draft vocabulary samples inside it. With a ``history`` (of the call's
     rows ``rows``), each step's logits are processed by the sampling controls after the drafts before it."""
     q, drafts = [], []
-    vocab = vocab_size(drf.model)
-    ids = d2t(drf.model) if history is None else None  # with controls, drafts sample on the whole vocabulary
+    restricted, vocab = d2t(drf.model), vocab_size(drf.model)
+    ids = restricted if history is None else None  # with controls, drafts sample on the whole vocabulary
     for j in range(g):
         # Compiled steps run every column, at static shapes; a wide catch-up (the prompt) runs eagerly.
         logits = drf.step(x, valid, last_only=not compile or x.shape[1] > 2)[:, -1]
         if history is not None:
-            full = expand_logits(logits, d2t(drf.model), vocab)[:, None]
+            full = expand_logits(logits, restricted, vocab)[:, None]
             logits = history.process(full, rows, temperature, torch.stack(drafts, 1) if drafts else None)[:, 0]
         if temperature == 0:
             d_j = logits.argmax(-1)
