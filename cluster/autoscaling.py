@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 import yaml
+from ray.util.state import list_nodes
 
 from distillspec.errors import DistillSpecError
 
@@ -195,8 +196,6 @@ class LocalAutoscalingCluster:
 def nodes_by_type(cluster: LocalAutoscalingCluster) -> tuple[dict[str, int], dict[str, str]]:
     """The cluster's alive nodes counted by type, and the type of every node seen (dead ones too) by node id.
     The state API needs Ray's auth token: ``RAY_AUTH_MODE=token``."""
-    from ray.util.state import list_nodes
-
     counts: dict[str, int] = {}
     types: dict[str, str] = {}
     for node in list_nodes(address=cluster.dashboard, detail=True):

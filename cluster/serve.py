@@ -61,8 +61,10 @@ from cluster.openai_api import (
     usage,
 )
 from distillspec.config import JobConfig, load_config
+from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_decoding_pair, load_tokenizer
+from distillspec.pretrained import prepare_models
 from distillspec.sampling import SamplingControls
 from distillspec.serving import (
     Completer,
@@ -610,9 +612,6 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
     - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
     - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
     """
-    from distillspec.data import load_task
-    from distillspec.pretrained import prepare_models
-
     run = Path(cfg.serve.run) if cfg.serve.run else None
     if run is None and cfg.draft is not None and cfg.target is None:
         run = Path(cfg.draft).parent

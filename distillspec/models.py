@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from distillspec import draft_vocab, hub
 from distillspec.config import Models
 from distillspec.errors import DistillSpecError
+from distillspec.kvcache import LEAN_MODEL_TYPES
 from distillspec.packing import Int8Linear, can_prepack, prepack_linears, quantize_int8
 from distillspec.speculative import check_pair
 
@@ -174,8 +175,6 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: 
     share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs; with
     ``vllm``, the draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the
     models to its workers, before anything long starts."""
-    from distillspec.kvcache import LEAN_MODEL_TYPES
-
     tokenizers, vocab = [], []
     for name in (target, draft):
         _check_path(name)

@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import DistillConfig
@@ -70,8 +71,6 @@ def measure_pair(
 ) -> list[dict]:
     """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts
     (``desc``: show a progress bar with this label)."""
-    from tqdm.auto import tqdm
-
     test = task.test[:num_prompts]
     prompts, refs = [e.prompt for e in test], [e.reference for e in test]
     grid = [(gamma, temperature) for gamma in gammas for temperature in temperatures]

@@ -137,7 +137,7 @@ def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):
 
 
 def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
-    from benchmarks.benchmark import suite_precision
+    from benchmarks.suites.precision import suite_precision
     from distillspec.models import native_bf16
 
     tiny = [f"garden.{k}={v}" for k, v in {"vocab_size": 300, "target": {"d_model": 32, "n_layers": 1}}.items()]

@@ -172,7 +172,7 @@ def test_saved_drafts_report_the_steps_they_were_distilled_for(tmp_path):
 
 
 def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_run_in_thirds(capsys):
-    from benchmarks.benchmark import _gamma_row, _gamma_thirds, _print_gamma_table, _third_notes
+    from benchmarks.suites.gamma import _gamma_row, _gamma_thirds, _print_gamma_table, _third_notes
 
     def stats(drafted: int, accepted: int, calls: int) -> dict:
         return {
@@ -219,7 +219,7 @@ def test_gamma_suite_compares_settings_round_by_round_and_splits_a_distilling_ru
 
 
 def test_gamma_suite_while_distilling_refuses_a_round_count(tmp_path):
-    from benchmarks.benchmark import suite_gamma
+    from benchmarks.suites.gamma import suite_gamma
 
     with pytest.raises(DistillSpecError, match=r"--distilling: not with --rounds \(rounds run until the job ends\)"):
         suite_gamma([], 60.0, tmp_path, rounds=4, distilling=True)

@@ -1,1 +1,1 @@
-"""The results page's benchmark suites (``benchmarks/benchmark.py``): the paper's findings and the peer comparisons."""
+"""The benchmark suites, a file per subject; ``benchmarks/benchmark.py`` runs them by name (its ``--list``)."""

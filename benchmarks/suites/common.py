@@ -7,7 +7,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distillspec.config import JobConfig, load_config
+from distillspec.config import JobConfig, cell_config, load_config
+from distillspec.data import load_task
+from distillspec.errors import DistillSpecError
+from distillspec.models import load_pair
+from distillspec.pretrained import PACKAGED, packaged_file, prepare_pair
+from distillspec.study import run_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
@@ -121,9 +126,6 @@ def setting(task: str, key: str) -> str | None:
 
 def available(tasks: list[str], log=print) -> list[str]:
     """``tasks`` less those whose data or model is not on this machine (a fresh machine has only arith)."""
-    from distillspec.errors import DistillSpecError
-    from distillspec.pretrained import PACKAGED, packaged_file
-
     kept = []
     for name in tasks:
         data, target = setting(name, "dataset"), setting(name, "target")
@@ -159,9 +161,6 @@ def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> Job
 def with_garden(cfg: JobConfig, log=print):
     """``cfg`` with the pair's paths filled in and its task as the target is prompted
     (:func:`distillspec.pretrained.prepare_pair`)."""
-    from distillspec.data import load_task
-    from distillspec.pretrained import prepare_pair
-
     return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
 
 
@@ -173,10 +172,6 @@ def distilled_draft(
 
     Reuses the recipe suite's draft when it exists (``out/recipes/<key>/drafts``), else distils one.
     """
-    from distillspec.config import cell_config
-    from distillspec.models import load_pair
-    from distillspec.study import run_cell
-
     if source is None or divergence is None:
         source, divergence = suite_recipe(out, key)
 

@@ -8,6 +8,11 @@ import shutil
 import time
 from pathlib import Path
 
+from benchmarks.suites.analysis import plot_async, race
+from distillspec.errors import DistillSpecError
+from distillspec.report import plot_recipe_grid
+from jobs.sweep import summarise
+
 DIV = {"fkl": "FKL", "jsd": "JSD", "rkl": "RKL", "tvd": "TVD"}
 
 
@@ -100,8 +105,6 @@ def _table(page: Page, data: dict) -> None:
 
 
 def _recipes(page: Page, data: dict) -> None:
-    from distillspec.report import plot_recipe_grid
-
     page.header("Figure 4 analogue: the recipe grid (data source x divergence)", data)
     page.add(
         "Each cell distils the draft for the same number of steps with one data source (fixed = the data set's "
@@ -313,7 +316,6 @@ def _trl(page: Page, data: dict) -> None:
         "| time to the same alpha, DistillSpec / TRL |",
         "|---|---|---|---|---|---|---|---|---|",
     )
-    from benchmarks.suites.analysis import race
 
     for task, r in data["tasks"].items():
         reached = race(r["curves"]["ours"], r["curves"]["trl"])
@@ -343,8 +345,6 @@ def _trl(page: Page, data: dict) -> None:
 
 
 def _async(page: Page, data: dict) -> None:
-    from benchmarks.suites.analysis import plot_async
-
     page.header("The asynchronous pipeline against the synchronous loop", data)
     c = data["step_costs"]
     stages = ", ".join(f"{k} {v:.2f} s ({c['stages_1thread'][k]:.2f} s)" for k, v in c["stages"].items())
@@ -435,8 +435,6 @@ def _pools(sweep: dict, task: str, i: int, runs: list[dict]) -> bool:
 
 def pool_seeds(sweeps: list[dict]) -> dict:
     """One recipe grid from runs of the same task and pair with different seeds (a later run wins a seed)."""
-    from jobs.sweep import summarise
-
     same = {(s.get("target"), s.get("draft"), s["steps"]) for s in sweeps}
     if len(sweeps) == 1 or len(same) > 1:  # different pairs or budgets do not pool: the latest run wins
         return sweeps[-1]
@@ -465,8 +463,6 @@ def write_page(runs: Path | list[Path], docs: Path, *, real: bool = False) -> Pa
     """Write ``docs/RESULTS.md`` (``real``: ``docs/RESULTS-real.md``), and copy the plots to ``docs/results/``, from
     the suites' JSON files under ``runs`` (one folder, or several whose tasks are merged: the latest folder wins a
     task they share)."""
-    from distillspec.errors import DistillSpecError
-
     runs = [runs] if isinstance(runs, Path) else runs
     found = {}
     for name in SECTIONS:

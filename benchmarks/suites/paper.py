@@ -11,13 +11,14 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.suites.analysis import latency_per_token, plot_garden, plot_lenience, plot_theory
 from benchmarks.suites.common import (
     SHARED_DATA,
-    TASKS,
     Scale,
     available,
     best_recipe,
@@ -29,19 +30,23 @@ from benchmarks.suites.common import (
     with_garden,
 )
 from benchmarks.suites.page import pearson
+from distillspec.config import ModelSize, cell_config
+from distillspec.data import Task, chat_prompts, load_task
+from distillspec.errors import DistillSpecError
+from distillspec.garden import build_garden
+from distillspec.metrics import measure_cost_ratio
+from distillspec.models import encode_prompts, load_model, load_pair
+from distillspec.report import format_table, plot_recipe_grid, plot_tau
+from distillspec.study import draft_score, measure_pair, measure_phase, run_cell
+from jobs.sweep import format_sweep, run_sweep
 
 
 def _pair(cfg):
-    from distillspec.models import load_pair
-
     return load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
 
 
 def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 4 on each task: the sweep (Ray Tune trials), its table and its heat map."""
-    from distillspec.report import plot_recipe_grid
-    from jobs.sweep import format_sweep, run_sweep
-
     results = {}
     for name in available(scale.tasks):
         folder = out / name
@@ -60,11 +65,6 @@ def suite_recipes(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 3c from the recipe suite's trials (no new runs): predicted vs measured tau."""
-    import json
-
-    from benchmarks.suites.analysis import plot_theory
-    from distillspec.errors import DistillSpecError
-
     del overrides
     points = []
     for name in available(scale.tasks):
@@ -114,10 +114,6 @@ def suite_theory(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_table(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Table C.1: per task, tau and measured speedup (batch 1) before / after DistillSpec."""
-    from distillspec.models import load_model
-    from distillspec.report import format_table, plot_tau
-    from distillspec.study import measure_phase
-
     results = {}
     for name in available(scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
@@ -156,11 +152,6 @@ LENIENCE_GRID = {
 
 def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 5b: task score vs predicted latency of lossy SD, raw vs distilled draft (T = 1, gamma 5)."""
-    from benchmarks.suites.analysis import plot_lenience
-    from distillspec.metrics import measure_cost_ratio
-    from distillspec.models import encode_prompts, load_model
-    from distillspec.study import measure_pair
-
     results = {}
     for name in available(scale.lenience_tasks or scale.tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
@@ -209,15 +200,6 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
     """Figure 6: quality vs latency of raw, distilled, speculative and DistillSpec models over three sizes."""
-    from benchmarks.suites.analysis import latency_per_token, plot_garden
-    from distillspec.config import (
-        ModelSize,
-        cell_config,
-    )
-    from distillspec.garden import build_garden
-    from distillspec.models import load_model
-    from distillspec.study import draft_score, run_cell
-
     results = {}
     for name in available(scale.garden_tasks):
         cfg, task = with_garden(task_config(name, scale, overrides, out / name))
@@ -278,10 +260,6 @@ def suite_garden(scale: Scale, overrides: list[str], out: Path) -> dict:
 def transfer_pretrained(scale: Scale, overrides: list[str], out: Path, key: str) -> dict:
     """A pretrained pair distilled on task ``key`` (the recipe suite's best recipe), tau gain on its own test prompts
     and on those of the other data sets in ../shared/data, which it never trained on (at T = 0 and 1)."""
-    from distillspec.data import chat_prompts, load_task
-    from distillspec.models import load_model
-    from distillspec.study import measure_pair
-
     cfg, task = with_garden(task_config(key, scale, overrides, out / key))
     source, divergence = best_recipe(out.parent, key)
     distilled = distilled_draft(cfg, key, task, out.parent, source, divergence)
@@ -332,13 +310,6 @@ def transfer_pretrained(scale: Scale, overrides: list[str], out: Path, key: str)
 def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
     """One garden pair trained on all the real tasks; a draft distilled on each task, tau gain on every task. A
     pretrained pair (scale real): :func:`transfer_pretrained`."""
-    from distillspec.config import cell_config
-    from distillspec.data import Task, load_task
-    from distillspec.errors import DistillSpecError
-    from distillspec.garden import build_garden
-    from distillspec.models import load_pair
-    from distillspec.study import measure_pair, run_cell
-
     pretrained = [n for n in available(scale.tasks) if setting(n, "target")]
     if pretrained:
         return transfer_pretrained(scale, overrides, out, pretrained[0])
@@ -395,14 +366,3 @@ def suite_transfer(scale: Scale, overrides: list[str], out: Path) -> dict:
         "steps": base.sweep.steps,
         "gamma": base.eval.speedup_gamma,
     }
-
-
-SUITES = {
-    "recipes": suite_recipes,
-    "theory": suite_theory,
-    "table": suite_table,
-    "lenience": suite_lenience,
-    "garden": suite_garden,
-    "transfer": suite_transfer,
-}
-__all__ = ["SUITES", "TASKS"]

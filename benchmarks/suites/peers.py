@@ -13,24 +13,29 @@ import copy
 import functools
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from datasets import Dataset
+from transformers import TrainerCallback
 
+from benchmarks.suites.analysis import plot_peer_curves, race
 from benchmarks.suites.common import Scale, available, best_recipe, task_config, with_garden
+from distillspec.config import cell_config
+from distillspec.learner import Distiller
+from distillspec.models import encode_prompts, load_pair
+from distillspec.speculative import autoregressive_generate, speculative_generate
+from distillspec.study import measure_pair
 
 
 def _load(cfg):
-    from distillspec.models import load_pair
-
     return load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
 
 
 @torch.inference_mode()
 def _timed(fn, prompts: list[str], tokenizer, batch: int) -> tuple[float, list[list[int]]]:
     """Tokens/s of ``fn(ids, mask) -> (sequences, prompt_width, num_new)`` over ``prompts`` in batches."""
-    from distillspec.models import encode_prompts
-
     seconds, tokens, outputs = 0.0, 0, []
     for i in range(0, len(prompts), batch):
         ids, mask = encode_prompts(tokenizer, prompts[i : i + batch])
@@ -46,8 +51,6 @@ def _timed(fn, prompts: list[str], tokenizer, batch: int) -> tuple[float, list[l
 def decoder(kind: str, target, draft, tok, *, gamma: int, max_new_tokens: int, temperature: float, seed: int = 0):
     """``fn(ids, mask) -> (sequences, num_new)`` for ``kind``: hf, hf_assisted (transformers), ours, ours_sd,
     ours_sd_compiled (both models' decoding steps through ``torch.compile``)."""
-    from distillspec.speculative import autoregressive_generate, speculative_generate
-
     eos, pad = tok.eos_token_id, tok.pad_token_id
 
     def hf(ids, mask):
@@ -152,8 +155,6 @@ def suite_assisted(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 
 def _alpha(target, draft, tok, task, cfg) -> float:
-    from distillspec.study import measure_pair
-
     draft.eval()
     (r,) = measure_pair(
         target,
@@ -187,8 +188,6 @@ class _Clock:
 
 def _ours_curve(target, draft, tok, task, cfg, dcfg, steps: int, every: int, start_alpha: float) -> list[dict]:
     """Our synchronous loop (Algorithm A.2) on a copy of ``draft``: alpha every ``every`` steps against seconds."""
-    from distillspec.learner import Distiller
-
     model = copy.deepcopy(draft)
     distiller = Distiller(target, model, tok, task.train, replace_steps(dcfg, steps), seed=cfg.seed)
     clock, curve = _Clock(), [{"step": 0, "seconds": 0.0, "alpha": start_alpha}]
@@ -210,14 +209,50 @@ BEST_RECIPES = {
 }
 
 
-def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
-    """alpha vs training time: ours (sync loop, recipe gkd) vs TRL's DistillationTrainer, same settings."""
-    from datasets import Dataset
+def _trl_curve(target, draft, tok, task, cfg, out: Path, steps: int, every: int, start_alpha: float) -> list[dict]:
+    """alpha against training time of TRL's ``DistillationTrainer`` on a copy of ``draft``, with our settings."""
     from trl import DistillationConfig, DistillationTrainer
 
-    from benchmarks.suites.analysis import plot_peer_curves, race
-    from distillspec.config import cell_config
+    d = cfg.distill
+    student = copy.deepcopy(draft)
+    clock, curve = _Clock(), [{"step": 0, "seconds": 0.0, "alpha": start_alpha}]
+    args = DistillationConfig(
+        output_dir=str(out),
+        per_device_train_batch_size=d.batch_size,
+        max_steps=steps,
+        learning_rate=d.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=min(d.warmup_steps, steps),
+        beta=d.beta,
+        temperature=d.temperature,
+        max_completion_length=d.max_new_tokens,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=cfg.device == "cpu",
+        disable_dropout=True,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=every,
+        disable_tqdm=True,
+        seed=cfg.seed,
+    )
+    # Our prompts start with BOS (encode_prompts); TRL tokenizes the text as given, so give it the BOS too (once).
+    bos = tok.bos_token or ""
+    prompts = [p if p.startswith(bos) else bos + p for p in (e.prompt for e in task.train[: steps * d.batch_size * 2])]
+    trainer = DistillationTrainer(
+        model=student,
+        teacher_model=target,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        callbacks=[probe(clock, curve, every, functools.partial(_alpha, target, student, tok, task, cfg), student)],
+    )
+    trainer.train()
+    return curve
 
+
+def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
+    """alpha vs training time: ours (sync loop, recipe gkd) vs TRL's DistillationTrainer, same settings."""
     results = {}
     for name in available(scale.tasks[:1]):
         cfg, task = with_garden(
@@ -237,45 +272,7 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
         curves["ours_best"] = _ours_curve(target, draft, tok, task, cfg, best_cfg, steps, every, start_alpha)
 
         print(f"== trl: {name}, TRL DistillationTrainer ({steps} steps)")
-        student = copy.deepcopy(draft)
-        clock, curve = _Clock(), [{"step": 0, "seconds": 0.0, "alpha": start_alpha}]
-
-        args = DistillationConfig(
-            output_dir=str(out / name / "trl"),
-            per_device_train_batch_size=d.batch_size,
-            max_steps=steps,
-            learning_rate=d.lr,
-            lr_scheduler_type="cosine",
-            warmup_steps=min(d.warmup_steps, steps),
-            beta=d.beta,
-            temperature=d.temperature,
-            max_completion_length=d.max_new_tokens,
-            bf16=False,
-            gradient_checkpointing=False,
-            use_cpu=cfg.device == "cpu",
-            disable_dropout=True,
-            save_strategy="no",
-            report_to=[],
-            logging_steps=every,
-            disable_tqdm=True,
-            seed=cfg.seed,
-        )
-        # Our prompts start with BOS (encode_prompts); TRL tokenizes the text as given, so give it the BOS too (once).
-        bos = tok.bos_token or ""
-        prompts = [
-            p if p.startswith(bos) else bos + p for p in (e.prompt for e in task.train[: steps * d.batch_size * 2])
-        ]
-        data = Dataset.from_dict({"prompt": prompts})
-        trainer = DistillationTrainer(
-            model=student,
-            teacher_model=target,
-            args=args,
-            train_dataset=data,
-            processing_class=tok,
-            callbacks=[probe(clock, curve, every, functools.partial(_alpha, target, student, tok, task, cfg), student)],
-        )
-        trainer.train()
-        curves["trl"] = curve
+        curves["trl"] = _trl_curve(target, draft, tok, task, cfg, out / name / "trl", steps, every, start_alpha)
 
         reached = race(curves["ours"], curves["trl"])
         best = race(curves["ours_best"], curves["trl"])
@@ -313,7 +310,6 @@ def suite_trl(scale: Scale, overrides: list[str], out: Path) -> dict:
 
 def probe(clock: _Clock, curve: list[dict], every: int, measure, student):
     """A TRL (transformers) callback that appends ``{step, seconds, alpha}`` to ``curve`` every ``every`` steps."""
-    from transformers import TrainerCallback
 
     class Probe(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -329,9 +325,4 @@ def probe(clock: _Clock, curve: list[dict], every: int, measure, student):
 
 
 def replace_steps(d, steps: int):
-    from dataclasses import replace
-
     return replace(d, steps=steps, time_budget_s=0.0)
-
-
-SUITES = {"assisted": suite_assisted, "trl": suite_trl}

@@ -20,6 +20,7 @@ import threading
 import time
 
 import requests
+from transformers import AutoTokenizer
 
 PORT = 8123
 
@@ -74,8 +75,6 @@ def main() -> None:
     print(f"{args.job} ready in {time.time() - start:.0f} s")
     threads, results = [], {}
     if args.job == "serve":
-        from transformers import AutoTokenizer
-
         target = next(line.split(None, 1)[1] for _, line in lines if line.startswith("target "))
         threads, results = open_streams(args.streams, AutoTokenizer.from_pretrained(target).eos_token_id)
     time.sleep(args.after)

@@ -1,0 +1,46 @@
+"""The benchmark runner: one registry whose every entry loads, a docstring per suite as its help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.benchmark import GROUPS, SUITES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_every_registered_suite_loads_and_says_what_it_measures(name):
+    suite = SUITES[name]
+    assert callable(suite.load())
+    assert (ROOT / "benchmarks" / "suites" / f"{suite.module}.py").exists()
+    assert f"``{name}``" in suite.doc() or suite.kind == "command", f"{suite.module}.py does not describe {name}"
+    assert suite.summary()
+
+
+def test_groups_name_registered_suites_only():
+    assert {s for group in GROUPS.values() for s in group} <= set(SUITES)
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "benchmarks/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+
+
+def test_the_runner_lists_explains_and_refuses_in_one_line():
+    listed = run("--list")
+    assert listed.returncode == 0 and all(name in listed.stdout for name in SUITES)
+    helped = run("trace", "--help")
+    assert helped.returncode == 0 and "benchmarks/suites/transport.py" in helped.stdout
+    assert "Suite ``trace``" in helped.stdout
+    unknown = run("nosuch")
+    assert unknown.returncode == 2 and "unknown suite(s) ['nosuch']" in unknown.stderr
+    mixed = run("async", "speed")
+    assert mixed.returncode == 2 and "suite speed takes options of its own" in mixed.stderr
+    own = run("speed", "--help")  # passed on to the suite's own command line
+    assert own.returncode == 0 and "--draft-vocab" in own.stdout
