@@ -93,7 +93,9 @@ def learner_loop(config: dict) -> None:
     run = s.run
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
-    target, _ = load_model(m.target, device=str(device), dtype=m.dtype, prepack=m.prepack)
+    target = None  # with scoring actors every batch comes scored: the learner holds no copy of the target
+    if s.learner.target_logits == "learner":
+        target = load_model(m.target, device=str(device), dtype=m.dtype, prepack=m.prepack)[0]
     draft, tokenizer = load_model(m.draft, device=str(device))
     learner = Learner(draft, target, distill)
     records, seconds_before = None, 0.0  # the run's log (rank 0 keeps it)

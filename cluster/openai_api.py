@@ -154,9 +154,12 @@ def sd_stats(done: list[Completion]) -> dict:
     }
 
 
-def logprobs_body(scores: TokenLogprobs | None, chat: bool, decode: Callable[[int], str]) -> dict | None:
+def logprobs_body(
+    scores: TokenLogprobs | None, chat: bool, decode: Callable[[int], str], offset: int = 0
+) -> dict | None:
     """A choice's ``logprobs`` in OpenAI's shape: chat's ``content`` list, or the completions' parallel lists (with
-    each token's character offset in the text); ``decode`` gives a token's text."""
+    each token's character offset in the text, from ``offset``: a stream's chunk continues the ones before it);
+    ``decode`` gives a token's text."""
     if scores is None:
         return None
 
@@ -170,7 +173,7 @@ def logprobs_body(scores: TokenLogprobs | None, chat: bool, decode: Callable[[in
             content.append({**entry(token, logprob), "top_logprobs": [entry(t, v) for t, v in (top or {}).items()]})
         return {"content": content}
     texts = [decode(t) for t in scores.tokens]
-    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
     tops = [None if top is None else {decode(t): max(v, -9999.0) for t, v in top.items()} for top in scores.top]
     logprobs = [None if v is None else max(v, -9999.0) for v in scores.logprobs]
     return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -213,17 +216,20 @@ def completion_response(
 
 
 def stream_events(chat: bool, model: str) -> Callable[..., str]:
-    """The server-sent event of one stream's chunks: ``event(text, finish, index=0, **extra)`` (``index``: the
-    choice); ``text=None`` (chat only) is a choice's first chunk, which names the role."""
+    """The server-sent event of one stream's chunks: ``event(text, finish, index=0, logprobs=None, **extra)``
+    (``index``: the choice; ``logprobs``: the chunk's, from :func:`logprobs_body`); ``text=None`` (chat only) is a
+    choice's first chunk, which names the role."""
     rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(text: str | None, finish: str | None = None, index: int = 0, **extra: Any) -> str:
+    def event(
+        text: str | None, finish: str | None = None, index: int = 0, logprobs: dict | None = None, **extra: Any
+    ) -> str:
         if chat:
             delta = {"role": "assistant", "content": ""} if text is None else {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish}
+            choice = {"text": text or "", "index": index, "logprobs": logprobs, "finish_reason": finish}
         data = {"id": rid, "object": kind, "created": created, "model": model}
         return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
 

@@ -54,6 +54,7 @@ from cluster.openai_api import (
     HTTPError,
     completion_response,
     error_body,
+    logprobs_body,
     param_of,
     sample_seed,
     sd_stats,
@@ -73,6 +74,7 @@ from distillspec.serving import (
     DecodingArgs,
     DraftServer,
     RequestBatcher,
+    ScoredDelta,
     merge_stats,
 )
 
@@ -261,8 +263,8 @@ def scoring(body: DecodingRequest) -> tuple[int | None, bool]:
         raise HTTPError(
             400, "max_tokens: 0 generates nothing; it scores a prompt with echo=true (completions)", "max_tokens"
         )
-    if body.stream and (logprobs is not None or echo):
-        raise HTTPError(400, "logprobs: log-probs and echo are answered whole: set stream=false", "logprobs")
+    if body.stream and echo:
+        raise HTTPError(400, "echo: a prompt's log-probs are answered whole: set stream=false", "echo")
     return logprobs, echo
 
 
@@ -561,6 +563,7 @@ class Completions:
                 await queue.put((index, None))
 
         tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+        offsets = [0] * len(jobs)  # each choice's characters of token text scored so far (completions' text_offset)
         self.streams[queue] = asyncio.get_running_loop()
         try:
             if chat:
@@ -573,6 +576,11 @@ class Completions:
                         raise item
                     if isinstance(item, str):
                         yield event(item, index=index)
+                        continue
+                    if isinstance(item, ScoredDelta):  # its tokens' log-probs, their offsets after the ones sent
+                        scores = logprobs_body(item.logprobs, chat, self._token_text, offsets[index])
+                        offsets[index] += sum(len(self._token_text(t)) for t in item.logprobs.tokens)
+                        yield event(item.text, index=index, logprobs=scores)
                         continue
                     self._observe([item])
                     self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)

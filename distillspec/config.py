@@ -109,8 +109,8 @@ class GardenConfig:
     bf16: bool | None = knob(
         False,
         "bfloat16 autocast while training: about 2x faster where the hardware has it (AMX or AVX512-BF16 CPUs, GPUs), "
-        "18-33x slower where it is emulated, and a different garden; false (float32) = the same garden from the same "
-        "seed on every CPU; null = on where the hardware has it",
+        "about 18x slower where it is emulated, and a different garden; false (float32) = the same garden from the "
+        "same seed on every CPU; null = on where the hardware has it",
     )
     cache_dir: str | None = knob(
         None,
@@ -147,7 +147,7 @@ class DistillConfig:
     bf16: bool | None = knob(
         None,
         "train the draft under bfloat16 autocast (its weights stay float32): several times faster where the hardware "
-        "computes bfloat16 (AMX or AVX512-BF16 CPUs, GPUs), 18-33x slower where it is emulated; unset = on where "
+        "computes bfloat16 (AMX or AVX512-BF16 CPUs, GPUs), about 18x slower where it is emulated; unset = on where "
         "the pair runs in bfloat16 (dtype), else off",
     )
     train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*|head)$")] = knob(

@@ -87,7 +87,7 @@ def train_lm(
     """Next-token training on whole examples (prompt and reference). Returns the loss per step.
 
     ``bf16`` runs the forward pass under bfloat16 autocast (weights stay float32): ~2x faster on CPUs
-    with AVX512-BF16 or AMX, and on GPUs; 18-33x slower on CPUs that emulate it (see :func:`native_bf16`).
+    with AVX512-BF16 or AMX, and on GPUs; about 18x slower on CPUs that emulate it (see :func:`native_bf16`).
     """
     rng = random.Random(seed)
     schedule = DistillConfig(lr=lr, steps=steps, warmup_steps=max(1, steps // 20))
@@ -155,7 +155,7 @@ def build_garden(task: Task, cfg: GardenConfig, *, seed: int = 0, log=print) -> 
     folders = {role: root / f"{role}-{keys[role]}" for role in ("target", "draft")}
     if bf16 and not native_bf16("cpu") and not all((f / "garden.json").exists() for f in folders.values()):
         log(
-            "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, 18-33x slower "
+            "garden: warning: garden.bf16=true on a CPU without AMX or AVX512-BF16 emulates bfloat16, about 18x slower "
             "than float32: leave garden.bf16 false"
         )
     paths = {}

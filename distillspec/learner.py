@@ -116,6 +116,8 @@ class Learner:
     def kd_objective(self, model: torch.nn.Module, batch: Batch, target_logits: Tensor | TopKLogprobs | None) -> Tensor:
         """D(p || q_theta) of the recipe's divergence over the continuation (the target scores the batch here
         unless its logits came with it)."""
+        if self.target is None and target_logits is None:
+            raise DistillSpecError("a batch came without the target's scores to a learner that holds no target")
         return kd_loss(
             model,
             self.target,

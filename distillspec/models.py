@@ -60,7 +60,7 @@ def _unloadable(name: str, exc: Exception) -> DistillSpecError:
 def native_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
     AMX. Elsewhere bfloat16 is emulated: on an AVX2-only CPU a bfloat16 forward pass runs 2.5-4x, and a training step
-    under bfloat16 autocast 18-33x, slower than in float32 (``benchmarks/benchmark.py precision``)."""
+    under bfloat16 autocast about 18x slower than in float32 (``benchmarks/benchmark.py precision``)."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -299,7 +299,7 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
     log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}")
     if bf16 and not native_bf16(cfg.device):
-        log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, 18-33x slower")
+        log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, about 18x slower")
     distill = replace(cfg.distill, bf16=bf16)
     cfg = replace(cfg, target=target, draft=draft, dtype=dtype, prepack=prepack, distill=distill)
     check_pair_sources(

@@ -107,6 +107,17 @@ class TokenLogprobs:
 
 
 @dataclass
+class ScoredDelta:
+    """A stream's text delta with the log-probabilities of the tokens it completes (a request with ``logprobs``)."""
+
+    text: str
+    logprobs: TokenLogprobs
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.logprobs.tokens)
+
+
+@dataclass
 class Completion:
     text: str
     finish_reason: str  #: stop (EOS or a stop string) | length
@@ -133,6 +144,15 @@ class StreamText:
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
+
+    def tokens_sent(self, token_ids: list[int], start: int = 0) -> int:
+        """How many of ``token_ids`` lie wholly within the text released so far (``start``: that many do)."""
+        n = start
+        while (
+            n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1], skip_special_tokens=True)) <= self.sent
+        ):
+            n += 1
+        return n
 
     def update(self, token_ids: list[int]) -> tuple[str, bool]:
         """The new final text given all tokens so far, and whether a stop string was reached."""
@@ -306,14 +326,21 @@ class Completer:
         """gamma=auto's choices, alpha and tokens/s (:meth:`distillspec.auto_gamma.AutoGamma.summary`)."""
         return self.auto.summary()
 
-    async def stream(self, job: CompletionJob) -> AsyncIterator[str | Completion]:
+    async def stream(self, job: CompletionJob) -> AsyncIterator[str | ScoredDelta | Completion]:
         """Text deltas block by block as the decoder (in a thread) accepts tokens (final text only: see
-        :class:`StreamText`), then the completion. A client that leaves stops the decoding at the next block."""
+        :class:`StreamText`), then the completion. With the job's ``logprobs``, each delta is a :class:`ScoredDelta`
+        with the scores of the tokens whose text it completes. A client that leaves stops the decoding at the next
+        block."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text, state = StreamText(self.tokenizer, job.stop), {"cancel": False}
+        text, state = StreamText(self.tokenizer, job.stop), {"cancel": False, "scored": 0}
 
-        def on_block(tokens: torch.Tensor, counts: torch.Tensor) -> bool:
-            delta, hit = text.update(tokens[0, : int(counts[0])].tolist())
+        def on_block(tokens: torch.Tensor, counts: torch.Tensor, scores: Logprobs | None) -> bool:
+            ids = tokens[0, : int(counts[0])].tolist()
+            delta, hit = text.update(ids)
+            if delta and scores is not None:
+                start = state["scored"]
+                end = text.tokens_sent(ids, start)
+                delta, state["scored"] = ScoredDelta(delta, TokenLogprobs.of(scores, 0, ids[start:end], start)), end
             if delta:
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
             return hit or state["cancel"]
@@ -332,8 +359,12 @@ class Completer:
             while (delta := await queue.get()) is not None:
                 yield delta
             done = await task
-            if len(done.text) > text.sent:
-                yield done.text[text.sent :]
+            rest = done.text[text.sent :]
+            if done.logprobs is not None:  # the scores not sent yet: of the kept tokens (a stop string cuts them)
+                scored = done.logprobs
+                rest = ScoredDelta(rest, TokenLogprobs(*(x[state["scored"] :] for x in vars(scored).values())))
+            if rest:
+                yield rest
             yield done
         finally:
             state["cancel"] = True

@@ -199,10 +199,10 @@ def step_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-#: ``on_block(tokens, counts)`` is called after each decoding block with the new tokens so far ([B, max], padded)
-#: and how many each row has ([B]); it returns True to stop the whole batch early (a streaming client left, or a
-#: stop string was reached).
-BlockCallback = Callable[[Tensor, Tensor], bool | None]
+#: ``on_block(tokens, counts, scores)`` is called after each decoding block with the new tokens so far ([B, max],
+#: padded), how many each row has ([B]) and, with ``logprobs``, their :class:`Logprobs` so far (else None); it returns
+#: True to stop the whole batch early (a streaming client left, or a stop string was reached).
+BlockCallback = Callable[[Tensor, Tensor, "Logprobs | None"], bool | None]
 
 
 class _Emitter:
@@ -365,7 +365,7 @@ def autoregressive_generate(
         token = next_token(logits, temperature, generator, race)
         token = token if ids is None else ids[token]
         done = emitter.emit(rows, token[:, None], torch.ones_like(token), raw)
-        if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count)):
+        if bool(done.all()) or (on_block is not None and on_block(emitter.out, emitter.count, emitter.scores)):
             break
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
@@ -645,7 +645,7 @@ def speculative_generate(
         emitted = torch.cat([drafts, new[:, None]], 1)
         emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
         done = emitter.emit(rows, emitted, n + 1, raw)
-        if on_block is not None and on_block(emitter.out, emitter.count):
+        if on_block is not None and on_block(emitter.out, emitter.count, emitter.scores):
             done = torch.ones_like(done)
         target_in, draft_in, draft_valid = _rewind(tgt, drf, drafts, n, new, draft_in, draft_valid)
 

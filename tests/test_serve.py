@@ -232,12 +232,36 @@ def test_logprobs_and_echo_score_under_the_target(client, tiny_garden):
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
+def test_streamed_logprobs_are_the_whole_responses_chunk_by_chunk(client):
+    """A streamed request with log-probs gets each chunk's tokens scored (completions: offsets continuing from the
+    chunks before; chat: ``logprobs.content``), the same as the whole response's, seeded at T = 1 with a stop."""
+    kw = dict(model="distillspec", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=3, logprobs=2, stop=["?"])
+    whole = client.completions.create(**kw).choices[0]
+    text, tokens, values, offsets = "", [], [], []
+    for chunk in client.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+                offsets += choice.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=1e-6) and len(tokens) > 1
+    chat = dict(model="distillspec", messages=[{"role": "user", "content": "Mia has 3 pens."}], max_tokens=8,
+                temperature=0.0, logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [c for chunk in client.chat.completions.create(**chat, stream=True) for choice in chunk.choices
+                for c in (choice.logprobs.content if choice.logprobs else [])]  # fmt: skip
+    assert [c.token for c in streamed] == [c.token for c in whole] and len(whole) > 1
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in whole], abs=1e-6)
+
+
 @pytest.mark.parametrize(
     "route, body, field",
     [
         ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ("completions", {"prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
-        ("completions", {"prompt": "1+1=", "logprobs": 2, "stream": True}, "logprobs"),
+        ("completions", {"prompt": "1+1=", "echo": True, "logprobs": 1, "stream": True}, "echo"),
         ("completions", {"prompt": "1+1=", "logprobs": 21}, "logprobs"),
     ],
 )

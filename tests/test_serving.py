@@ -127,7 +127,7 @@ def test_swap_keeps_a_running_call_on_its_draft(text_pair, tokenizer):
     completer = Completer(target, draft, tokenizer)
     seen = []
 
-    def on_block(tokens, counts):
+    def on_block(tokens, counts, scores):
         if not seen:  # mid-call: a new version arrives
             completer.swap_draft(lambda m: (torch.nn.init.zeros_(m.lm_head.weight), 3)[1])
         seen.append(completer.version)

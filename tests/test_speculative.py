@@ -220,7 +220,7 @@ def test_per_row_budgets_and_streaming_callback(close_pair, speculative):
     limits = [3, 9, 1, 17, 12]
     seen = []
 
-    def on_block(tokens, counts):
+    def on_block(tokens, counts, scores):
         seen.append(counts.clone())
 
     def run(**kw):
@@ -236,7 +236,7 @@ def test_per_row_budgets_and_streaming_callback(close_pair, speculative):
         assert torch.equal(out.sequences[row, 7 : 7 + n], full.sequences[row, 7 : 7 + n])
     assert len(seen) > 1 and all((b >= a).all() for a, b in zip(seen, seen[1:], strict=False))
     assert (seen[-1] <= out.num_new_tokens).all()
-    stopped = run(on_block=lambda tokens, counts: bool(counts[3] >= 4))
+    stopped = run(on_block=lambda tokens, counts, scores: bool(counts[3] >= 4))
     assert 4 <= int(stopped.num_new_tokens[3]) < 17
 
 

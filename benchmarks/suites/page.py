@@ -455,8 +455,9 @@ def pearson(x: list[float], y: list[float]) -> float:
 
 
 #: The two results pages, the garden models' and the real pretrained pair's (``--scale real``): the page, and the
-#: notes written by hand that end it.
-PAGES = {False: ("RESULTS.md", "RESULTS-notes.md"), True: ("RESULTS-real.md", "RESULTS-real-notes.md")}
+#: notes written by hand that end it (inputs of the page, kept under ``benchmarks/notes/``).
+PAGES = {False: ("RESULTS.md", "results.md"), True: ("RESULTS-real.md", "results-real.md")}
+NOTES = Path(__file__).resolve().parents[1] / "notes"
 
 
 def write_page(runs: Path | list[Path], docs: Path, *, real: bool = False) -> Path:
@@ -494,8 +495,8 @@ def write_page(runs: Path | list[Path], docs: Path, *, real: bool = False) -> Pa
     )
     for name, data in found.items():
         SECTIONS[name](page, data)
-    if (docs / notes).exists():
-        page.add((docs / notes).read_text())
+    if (NOTES / notes).exists():
+        page.add((NOTES / notes).read_text())
     docs.mkdir(parents=True, exist_ok=True)
     path = docs / filename
     path.write_text("\n".join(page.lines).rstrip() + "\n")
