@@ -95,7 +95,7 @@ class BufferActor:
             version, source, held = -1, None, None
             problem = f"a batch must be a RolloutBatch, got {type(batch).__name__}"
         del batch
-        current = ray.get(self.store.version.remote())
+        current = ray.get(self.store.status.remote()).latest
         with self.changed:
             self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)
             if self.closed:

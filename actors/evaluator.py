@@ -5,6 +5,7 @@ version only when its alpha, decoded as the Serve replicas decode (``serve.backe
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -13,12 +14,13 @@ import ray
 
 from actors.common import log, setup_worker, weights_name
 from actors.dashboard import count, gauge
-from actors.weights import pull_held
+from actors.weights import take
 from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, VLLMConfig
 from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
-from distillspec.models import load_decoding_pair, load_model, state_arrays
+from distillspec.integrity import TransferRefused
+from distillspec.models import load_arrays, load_decoding_pair, load_model, state_arrays
 from distillspec.packing import quantize_int8
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
@@ -88,8 +90,12 @@ class EvalActor:
 
     def evaluate(self) -> dict | None:
         """Pull the latest weights and measure them (None when nothing was ever published)."""
-        self.version, held = pull_held(self.store, self.draft, self.version)
-        self.held = held or self.held
+        try:
+            self.version, answer = take(self.store, self.version, functools.partial(load_arrays, self.draft))
+            if answer.held is not None and answer.held.number == self.version:
+                self.held = answer.held  # the store's entry of the version held: what the gate promotes
+        except TransferRefused:
+            pass  # logged and counted where it was found; measure the weights held
         if self.version < 0:
             return None
         rec = {
@@ -158,7 +164,7 @@ class EvalActor:
         """Evaluate every ``evaluator.every`` versions until stopped; returns the number of evaluations."""
         every = self.settings.evaluator.every
         while not self.stopped.is_set() and every:
-            latest = ray.get(self.store.version.remote())
+            latest = ray.get(self.store.status.remote()).latest
             if latest >= 0 and (not self.history or latest >= self.history[-1]["version"] + every):
                 self.evaluate()
             else:

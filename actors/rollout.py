@@ -3,6 +3,7 @@ scoring actors add the target's distribution to a batch when the learner is not 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 
 from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
 from actors.dashboard import gauge
-from actors.weights import fetch
+from actors.weights import take
 from distillspec.batches import RolloutBatch
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
 from distillspec.data import Example
@@ -132,14 +133,9 @@ class RolloutActor:
 
     def sync(self) -> None:
         """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines."""
+        load = functools.partial(load_arrays, self.draft) if self.draft is not None else self.engine.load_draft
         try:
-            version, arrays = fetch(self.store, self.version)
-            if arrays is not None:
-                if self.draft is not None:
-                    load_arrays(self.draft, arrays)
-                else:
-                    self.engine.load_draft(arrays)
-            self.version = version
+            self.version = take(self.store, self.version, load)[0]
         except TransferRefused:
             pass  # logged and counted where it was found; sample with the weights held
 

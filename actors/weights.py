@@ -9,13 +9,18 @@ deployment returns to the serving version before it. The store numbers the versi
 (:class:`~distillspec.versions.VersionNumbers`): the learner's steps, shifted after a restarted learner publishes a
 step again, so a number never names two drafts.
 
+A consumer (a rollout actor, the evaluator, a Serve replica) takes a version one way, :func:`take`; the store answers
+two reads, :meth:`WeightStore.follow` (the version to hold, with its weights) and :meth:`WeightStore.status` (the
+numbers, for the driver, the buffer and the gate).
+
 The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
-that do); :func:`publish` and :func:`pull` import them where they run.
+that do); :func:`publish` imports them where it runs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import ray
@@ -41,6 +46,18 @@ class Follow(NamedTuple):
         return -1 if self.held is None else self.held.number
 
 
+class StoreStatus(NamedTuple):
+    """:meth:`WeightStore.status`'s answer."""
+
+    latest: int  #: the latest version (-1: none published)
+    serving: int  #: the serving version (-1: none: the replicas' start draft)
+    step: int  #: the learner step of the latest version (-1: none)
+    record: dict | None  #: the learner's log record of the latest step it published
+    refused: list[dict]  #: versions the gate refused or serving rolled back, with the reason
+    rolled_back: list[int]
+    run: str
+
+
 KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
 
 
@@ -60,7 +77,7 @@ class WeightStore:
         self.rolled_back: set[int] = set()
         self.canary: dict[int, float] = {}  #: the canary's alpha of each serving version kept
 
-    def kept(self) -> set[int]:
+    def _kept(self) -> set[int]:
         return {held.number for held in (self.current, self.serving, *self.earlier) if held is not None}
 
     def publish(
@@ -87,17 +104,14 @@ class WeightStore:
             self.promote(self.current)
         return self.current.number
 
-    def run_name(self) -> str:
-        return self.run
-
     def promote(self, version: DraftVersion, alpha: float | None = None) -> None:
-        """Make ``version`` (an entry this store gave out: :meth:`latest`) the serving version: it passed the gate,
+        """Make ``version`` (an entry this store gave out: :meth:`follow`) the serving version: it passed the gate,
         whose canary measured ``alpha``. The entry names the store's own copy of the weights; nothing is copied."""
         if self.serving is not None:
             self.earlier = [*self.earlier, self.serving][-KEEP_EARLIER:]
         self.serving = version
         if alpha is not None:
-            self.canary = {v: a for v, a in self.canary.items() if v in self.kept()} | {version.number: alpha}
+            self.canary = {v: a for v, a in self.canary.items() if v in self._kept()} | {version.number: alpha}
         gauge("distillspec_serving_version", version.number, run=self.run)
 
     def refuse(self, version: int, reason: str) -> None:
@@ -121,43 +135,34 @@ class WeightStore:
             count("distillspec_rollbacks", run=self.run)
             log.error("ALARM: serving rolled back from draft version %d: %s", version, reason)
         self._step_back()
-        return self.version("serving")
+        return self._number(self.serving)
 
     def _step_back(self) -> None:
         """While the serving version was refused or rolled back, serve the one before it."""
         refused = {r["version"] for r in self.refused}
         while self.serving is not None and self.serving.number in refused:
             self.serving = self.earlier.pop() if self.earlier else None
-            gauge("distillspec_serving_version", self.version("serving"), run=self.run)
+            gauge("distillspec_serving_version", self._number(self.serving), run=self.run)
 
     def follow(self, which: str = "serving") -> Follow:
-        """What a Serve replica checks, in one call: the latest (or serving) version with its weights' reference and
-        checksums, the alpha the serving gate's canary measured for it (None: not measured), and the versions rolled
-        back."""
-        held = self.latest(which)
+        """The read of a consumer (:func:`take`), in one call: the latest (or serving) version with its weights'
+        reference and checksums, the alpha the serving gate's canary measured for it (None: not measured), and the
+        versions rolled back."""
+        held = self.current if which == "latest" else self.serving
         alpha = None if held is None else self.canary.get(held.number)
         return Follow(held, alpha, sorted(self.rolled_back))
 
-    def gate(self) -> dict:
-        return {
-            "latest": self.version(),
-            "serving": self.version("serving"),
-            "refused": self.refused,
-            "rolled_back": sorted(self.rolled_back),
-        }
+    def status(self) -> StoreStatus:
+        """The read of the driver, the buffer and the gate: the versions' numbers, refusals and rollbacks."""
+        step = -1 if self.current is None else self.current.step
+        return StoreStatus(
+            self._number(self.current), self._number(self.serving), step, self.record, self.refused,
+            sorted(self.rolled_back), self.run,
+        )  # fmt: skip
 
-    def version(self, which: str = "latest") -> int:
-        """The latest (or serving) version, or -1 before there is one."""
-        held = self.current if which == "latest" else self.serving
+    @staticmethod
+    def _number(held: DraftVersion | None) -> int:
         return -1 if held is None else held.number
-
-    def status(self) -> tuple[int, int, dict | None]:
-        """The latest version's number and learner step (-1, -1 before there is one), and the learner's record of
-        the latest step it published."""
-        return self.version(), -1 if self.current is None else self.current.step, self.record
-
-    def latest(self, which: str = "latest") -> DraftVersion | None:
-        return self.current if which == "latest" else self.serving
 
 
 def publish(
@@ -183,55 +188,33 @@ def publish(
     return ray.get(store.publish.remote(step, [ray.put(arrays)], record, checksums(arrays), serving=serving))
 
 
-def fetch(
-    store: ray.actor.ActorHandle, version: int, which: str = "latest"
-) -> tuple[int, dict[str, np.ndarray] | None]:
-    """The store's latest (or serving) version and its weights when it differs from ``version`` (the one held),
-    else ``(version, None)``. Weights that fail their integrity check raise
-    :class:`~distillspec.integrity.TransferRefused` (logged and counted here): the caller keeps what it holds."""
-    return fetch_held(store, ray.get(store.latest.remote(which)), version)
-
-
-def fetch_held(
-    store: ray.actor.ActorHandle, held: DraftVersion | None, version: int
-) -> tuple[int, dict[str, np.ndarray] | None]:
-    """:func:`fetch` of what the store answered already (``held``: its entry of the version)."""
+def take(
+    store: ray.actor.ActorHandle,
+    version: int,
+    load: Callable[[dict[str, np.ndarray]], Any],
+    which: str = "latest",
+    answer: Follow | None = None,
+) -> tuple[int, Follow]:
+    """The one way a consumer takes a draft version: the version it should hold (the store's latest or serving one,
+    or the store's ``answer`` to a :meth:`WeightStore.follow` already made) and, when that is not ``version`` (the
+    one held), its weights, checked against their checksums and handed to ``load``. Returns the version held now and
+    the store's answer (whose ``held`` is the store's entry of that version once loaded). Weights that fail their
+    check raise :class:`~distillspec.integrity.TransferRefused` (logged and counted here) before ``load`` sees them:
+    the caller keeps what it holds."""
+    answer = answer or ray.get(store.follow.remote(which))
+    held = answer.held
     if held is None or held.number == version:
-        return version, None
-    latest, sums = held.number, held.sums
+        return version, answer
     try:
         arrays = ray.get(held.weights[0])
     except ray.exceptions.ObjectLostError:
-        return version, None  # its owner, the store, died with its job
-    try:
-        if sums is not None:
-            check(arrays, sums, f"draft version {latest}")
-    except TransferRefused as exc:  # mangled between the publisher and here
-        log.warning("refused %s", exc)
-        count("distillspec_weights_refused", run=ray.get(store.run_name.remote()), reason="integrity")
-        raise
-    return latest, arrays
-
-
-def pull(store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest") -> int:
-    """Load the store's latest (or serving) weights into ``model`` when they differ from ``version``; returns the
-    version held (``version`` itself when the new weights were refused)."""
-    return pull_held(store, model, version, which)[0]
-
-
-def pull_held(
-    store: ray.actor.ActorHandle, model: torch.nn.Module, version: int, which: str = "latest"
-) -> tuple[int, DraftVersion | None]:
-    """:func:`pull`, and the store's entry of the version it loaded (None: nothing new loaded), whose reference a
-    caller can hand back to the store (the gate promotes by reference)."""
-    held = ray.get(store.latest.remote(which))
-    try:
-        latest, arrays = fetch_held(store, held, version)
-    except TransferRefused:
-        return version, None
-    if arrays is None:
-        return latest, None
-    from distillspec.models import load_arrays
-
-    load_arrays(model, arrays)
-    return latest, held
+        return version, answer  # its owner, the store, died with its job
+    if held.sums is not None:
+        try:
+            check(arrays, held.sums, f"draft version {held.number}")
+        except TransferRefused as exc:  # mangled between the publisher and here
+            log.warning("refused %s", exc)
+            count("distillspec_weights_refused", run=ray.get(store.status.remote()).run, reason="integrity")
+            raise
+    load(arrays)
+    return held.number, answer

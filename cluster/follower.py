@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from actors.common import NAMESPACE, weights_name
-from actors.weights import Follow, fetch_held
+from actors.weights import Follow, take
 from distillspec.integrity import TransferRefused
 from distillspec.serving import Completion, DraftServer, LiveAcceptance
 
@@ -99,7 +99,7 @@ class DraftFollower:
                 current = self.server.version
                 if wanted >= 0 and wanted != current and wanted not in self.rolled_back and wanted not in self.refused:
                     self._swap(current, follow)
-        except TransferRefused as exc:  # logged and counted by fetch; served requests never see these weights
+        except TransferRefused as exc:  # logged and counted by take; served requests never see these weights
             self.refused[wanted] = str(exc)
             self.store.refuse.remote(wanted, str(exc))  # a rollback must not return to it
         except (RuntimeError, ValueError, KeyError, AssertionError) as exc:  # weights of another shape: another draft
@@ -113,14 +113,17 @@ class DraftFollower:
         """Load the version the store named (``follow``) into the server's draft (vLLM: in place; the torch decoder:
         into a copy, so calls already running keep theirs). Weights that fail their integrity check raise before
         anything is loaded; a new version's gamma choice starts from its canary alpha."""
-        version, arrays = fetch_held(self.store, follow.held, before)
-        if arrays is None:
+        version = take(self.store, before, self._load(follow), answer=follow)[0]
+        if version == before:
             return
-        version = self.server.load_draft(arrays, version, follow.alpha)
         self.live.forget({before, version})  # the versions a rollback can compare: the current and the previous
         self.swaps.append({"from": before, "to": version, "time": time.time()})
         self.version_gauge.set(version)
         log.info("draft version %d -> %d", before, version)
+
+    def _load(self, follow: Follow):
+        """The server's load of the weights of the version ``follow`` names (with its canary alpha)."""
+        return lambda arrays: self.server.load_draft(arrays, follow.version, follow.alpha)
 
     def judge(self, done: list[Completion]) -> None:
         """Count each completion for the version that made it (one that spanned a swap counts for neither, one of a

@@ -11,9 +11,12 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from transformers import PreTrainedTokenizerBase
 
+from distillspec.config import ServeConfig
+from distillspec.errors import DistillSpecError
 from distillspec.sampling import SamplingControls
-from distillspec.serving import Completion, TokenLogprobs, merge_stats
+from distillspec.serving import Completion, CompletionJob, DecodingArgs, TokenLogprobs, merge_stats
 
 #: The most likeliest tokens a request may ask scores of at each position (``logprobs``, ``top_logprobs``), as vLLM.
 MAX_LOGPROBS = 20
@@ -234,3 +237,78 @@ def stream_events(chat: bool, model: str) -> Callable[..., str]:
         return f"data: {json.dumps({**data, 'choices': [choice], **extra})}\n\n"
 
     return event
+
+
+def scoring(body: DecodingRequest) -> tuple[int | None, bool]:
+    """A request's log-probs (how many likeliest tokens at each position; None: none asked) and ``echo``, or a 400
+    for a combination the endpoint does not take."""
+    chat = isinstance(body, ChatRequest)
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs: give logprobs=true with it", "top_logprobs")
+        logprobs, echo = (body.top_logprobs or 0) if body.logprobs else None, False
+    else:
+        logprobs, echo = body.logprobs, body.echo
+    if body.max_tokens == 0 and not echo:
+        raise HTTPError(
+            400, "max_tokens: 0 generates nothing; it scores a prompt with echo=true (completions)", "max_tokens"
+        )
+    if body.stream and echo:
+        raise HTTPError(400, "echo: a prompt's log-probs are answered whole: set stream=false", "echo")
+    return logprobs, echo
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], model: str) -> str:
+    """The conversation as the model's prompt, through its tokenizer's chat template (``model``: its name here)."""
+    if not tokenizer.chat_template:
+        raise HTTPError(
+            400,
+            f"model {model!r} has no chat template (its tokenizer defines none): use /v1/completions with a prompt in "
+            "the model's own format",
+            "messages",
+        )
+    try:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
+        raise HTTPError(400, f"messages: the chat template refused them: {exc}", "messages") from None
+
+
+def completion_jobs(
+    body: DecodingRequest, prompts: list[str], s: ServeConfig, check: Callable[[CompletionJob], None]
+) -> list[CompletionJob]:
+    """The jobs of a request (each prompt ``n`` times), within the server's limits (``s``) and checked by the backend
+    (``check``); a 4xx names what is wrong."""
+    if len(prompts) > s.max_prompts:
+        raise HTTPError(
+            413,
+            f"prompt: {len(prompts)} prompts, more than this server's limit of {s.max_prompts} per request "
+            "(serve.max_prompts)",
+            "prompt",
+        )
+    if body.model not in (None, s.model_name):
+        raise HTTPError(404, f"model: {body.model!r} is not served here (this serves {s.model_name!r})", "model")
+    if body.max_tokens > s.max_tokens:
+        raise HTTPError(400, f"max_tokens: {body.max_tokens} is above this server's limit {s.max_tokens}", "max_tokens")
+    gamma = (body.gamma or s.gamma) if body.speculative else 0
+    try:
+        controls = SamplingControls.of(**body.model_dump(include=CONTROL_FIELDS))
+        args = DecodingArgs(
+            gamma=gamma,
+            temperature=s.temperature if body.temperature is None else body.temperature,
+            lenience=body.lenience,
+            epsilon=body.epsilon,
+            controls=controls,
+        )
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        logprobs, echo = scoring(body)
+        jobs = [
+            CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, i), logprobs, echo)
+            for p in prompts
+            for i in range(body.n)
+        ]
+        for job in jobs:
+            check(job)
+    except DistillSpecError as exc:
+        raise HTTPError(400, str(exc), param_of(str(exc))) from None
+    return jobs

@@ -188,7 +188,7 @@ class Pipeline:
         )
         # Every actor is created before any is waited for: their processes start (and import torch) side by side;
         # the rollout actors find the buffer and the store by name, before those are up.
-        ray.get([self.store.version.remote(), self.buffer.ledger.remote()])
+        ray.get([self.store.status.remote(), self.buffer.ledger.remote()])
 
     def watch(self) -> None:
         """Beside the learner: a rollout actor's failure (one Ray cannot cure by restarting it) closes the buffer,
@@ -239,7 +239,7 @@ class Pipeline:
         with result.checkpoint.as_directory() as d:
             write_folder(draft_dir, lambda tmp: shutil.copytree(Path(d) / "draft", tmp, dirs_exist_ok=True))
             train_log = checkpoint_log(d, self.out / LOG_FILE).records
-        if train_log and ray.get(self.store.status.remote())[1] != train_log[-1]["step"]:
+        if train_log and ray.get(self.store.status.remote()).step != train_log[-1]["step"]:
             # the learner publishes every learner.publish_every steps: the final draft, for the evaluator and replicas
             publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
         report = {"history": [], "alarms": []}
@@ -265,7 +265,7 @@ class Pipeline:
         latest: dict = {}
         while not self.stopping.wait(every_s):
             try:
-                version, step, record = ray.get(self.store.status.remote(), timeout=10)
+                version, step, record = ray.get(self.store.status.remote(), timeout=10)[:3]
                 ledger = ray.get(self.buffer.ledger.remote(), timeout=10)
                 history = ray.get(self.evaluator.report.remote(), timeout=10)["history"] if self.evaluator else []
             except (ray.exceptions.RayError, TimeoutError):

@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import yaml
 
 from distillspec import split_gguf
-from distillspec.data import Task, chat_prompts
+from distillspec.data import Task, chat_prompts, load_task
 from distillspec.draft_vocab import frequent_tokens, restrict_head
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
@@ -328,3 +329,44 @@ def task_vocab(task: Task, tokenizer, size: int) -> torch.Tensor:
     texts = [e.prompt + e.reference for e in task.train]
     sequences = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return frequent_tokens(sequences, size, len(tokenizer), always=tokenizer.all_special_ids)
+
+
+RUN_CONFIG = "config.yaml"  #: what jobs/distill.py writes into its output folder: the resolved config of the run
+
+
+def run_models(run: Path) -> dict[str, str]:
+    """The ``target``, distilled ``draft`` and ``dataset`` of a jobs/distill.py output folder."""
+    config, draft = run / RUN_CONFIG, run / "draft"
+    if not config.exists():
+        raise DistillSpecError(f"--run {run}: no {RUN_CONFIG} there: not an output folder of jobs/distill.py")
+    if not (draft / "config.json").exists():
+        raise DistillSpecError(
+            f"--run {run}: no distilled draft yet ({draft}): the run has not finished. While it runs, serve its "
+            "latest version with serve.follow_run=<its ray.run_name>"
+        )
+    recorded = yaml.safe_load(config.read_text()) or {}
+    target = recorded.get("target")
+    if not target:
+        raise DistillSpecError(f"--run {run}: {config} names no target")
+    return {"target": target, "draft": str(draft.resolve()), "dataset": recorded.get("dataset", "arith")}
+
+
+def resolve_models(cfg: JobConfig) -> JobConfig:
+    """The pair to serve, with local paths made absolute (replicas may run in another working directory):
+
+    - ``serve.run`` (``--run``): that jobs/distill.py output folder's ``draft/`` with the target it was distilled for
+      (its ``config.yaml``);
+    - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
+    - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
+    """
+    run = Path(cfg.serve.run) if cfg.serve.run else None
+    if run is None and cfg.draft is not None and cfg.target is None:
+        run = Path(cfg.draft).parent
+        if not (run / RUN_CONFIG).exists():
+            raise DistillSpecError(
+                f"--draft {cfg.draft}: give its --target too (only a jobs/distill.py run's draft/ folder, next to its "
+                f"{RUN_CONFIG}, knows its target)"
+            )
+    if run is not None:
+        return replace(cfg, **run_models(run))
+    return prepare_models(cfg, load_task(cfg.dataset, seed=cfg.seed))

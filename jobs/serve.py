@@ -51,7 +51,7 @@ def stop(*, own_cluster: bool) -> None:
     import ray
     from ray import serve
 
-    from cluster.serve import stop_signal
+    from cluster.stopping import stop_signal
 
     if ray.is_initialized():
         ray.get(stop_signal(APP).set.remote())
@@ -63,7 +63,8 @@ def stop(*, own_cluster: bool) -> None:
 
 def main(cfg: JobConfig) -> None:
     from cluster.connect import connect
-    from cluster.serve import API_KEY_ENV, resolve_models, with_api_key
+    from cluster.serve import API_KEY_ENV, with_api_key
+    from distillspec.pretrained import resolve_models
 
     cfg = resolve_models(cfg)  # a wrong --run or --draft fails here, before Ray starts
     cfg = with_api_key(cfg)

@@ -40,7 +40,7 @@ def test_a_broken_cluster_yaml_is_refused(cluster):
 
 
 def test_grafana_dashboard_charts_every_pipeline_and_endpoint_metric():
-    from cluster.serve import SERVE_SPECS
+    from cluster.serve_metrics import SERVE_SPECS
 
     dashboard = json.loads((ROOT / "cluster" / "grafana_dashboard.json").read_text())
     queries = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))

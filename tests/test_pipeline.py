@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -59,7 +60,7 @@ def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_gard
     pipeline = Pipeline(cfg, task, tmp_path)
     try:
         result = pipeline.run()
-        store_version = ray.get(pipeline.store.version.remote())
+        store_version = ray.get(pipeline.store.status.remote()).latest
     finally:
         pipeline.shutdown()
     assert [r["step"] for r in result.train_log] == list(range(1, 9))
@@ -238,7 +239,7 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
         EvalSettings.of(cfg), [e.prompt for e in task.test[:8]]
     )  # knows the serving alpha from the store
     assert not ray.get(restarted.evaluate.remote())["served"]
-    gate = ray.get(store.gate.remote())
+    gate = ray.get(store.status.remote())._asdict()
     ray.kill(evaluator)
     ray.kill(restarted)
     ray.kill(store)
@@ -351,23 +352,25 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
 
 
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
-    from actors.weights import pull
-    from distillspec.integrity import checksums
-    from distillspec.models import state_arrays
+    from actors.weights import take
+    from distillspec.integrity import TransferRefused, checksums
+    from distillspec.models import load_arrays, state_arrays
 
     store = WeightStore.remote("integrity")
     draft, consumer = load_model(str(tiny_garden.draft))[0], load_model(str(tiny_garden.draft))[0]
     publish(store, draft, 1)
-    assert pull(store, consumer, -1) == 1  # an intact transfer loads
+    pull = lambda held: take(store, held, functools.partial(load_arrays, consumer))[0]
+    assert pull(-1) == 1  # an intact transfer loads
     held = {k: v.clone() for k, v in consumer.state_dict().items()}
     arrays = state_arrays(draft)
     name = next(k for k, a in arrays.items() if a.size > 1)
     scrambled = {**arrays, name: np.random.default_rng(0).permutation(arrays[name].ravel()).reshape(arrays[name].shape)}
     ray.get(store.publish.remote(2, [ray.put(scrambled)], None, checksums(arrays)))  # one tensor mangled in transit
-    assert pull(store, consumer, 1) == 1  # refused: the consumer keeps version 1, bit for bit
+    with pytest.raises(TransferRefused):
+        pull(1)  # refused before loading: the consumer keeps version 1, bit for bit
     assert all(torch.equal(held[k], v) for k, v in consumer.state_dict().items())
     ray.get(store.publish.remote(3, [ray.put(arrays)], None, checksums(arrays)))
-    assert pull(store, consumer, 1) == 3  # the next intact version loads
+    assert pull(1) == 3  # the next intact version loads
     ray.kill(store)
 
 
@@ -375,27 +378,28 @@ def test_a_restarted_learner_publishes_new_version_numbers(ray_cluster):
     """A learner restarted from its checkpoint publishes steps it published before: the store gives them new
     numbers (a number never names two drafts), a consumer holding the old number takes the new draft, and the
     numbers go on from there by the learner's steps."""
-    from actors.weights import fetch
+    from actors.weights import take
 
     store = WeightStore.remote("numbers")
     weights = [ray.put({"w": np.full(2, step, dtype=np.float32)}) for step in range(7)]
     assert [ray.get(store.publish.remote(step, [weights[step]])) for step in (0, 2, 4, 6)] == [0, 2, 4, 6]
     ray.get(store.roll_back.remote(6, "rollback: live alpha fell"))  # refused for good
-    held = ray.get(store.status.remote())[0]
+    held = ray.get(store.status.remote()).latest
     assert ray.get(store.publish.remote(4, [weights[4]])) == 7  # the checkpoint of step 4, published again
-    assert ray.get(store.status.remote())[:2] == (7, 4)
-    version, arrays = fetch(store, held)
-    assert version == 7 and arrays["w"].tolist() == [4.0, 4.0]
+    assert ray.get(store.status.remote())[:3] == (7, -1, 4)
+    arrays: dict = {}
+    assert take(store, held, arrays.update)[0] == 7 and arrays["w"].tolist() == [4.0, 4.0]
     assert ray.get(store.publish.remote(5, [weights[5]])) == 8  # its steps, shifted by the same 3
     assert ray.get(store.publish.remote(6, [weights[6]], serving=True)) == 9  # not 6: rolled back
-    assert ray.get(store.version.remote("serving")) == 9
+    assert ray.get(store.status.remote()).serving == 9
     ray.kill(store)
 
 
 def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
     """The store owns the bytes of the versions it keeps: a consumer that starts after the publisher died (a rollout
     actor restarted after the learner's node went, a replica started after the job ended) loads the version."""
-    from actors.weights import pull
+    from actors.weights import take
+    from distillspec.models import load_arrays
 
     @ray.remote(num_cpus=0)
     class Publisher:
@@ -411,7 +415,7 @@ def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
     with torch.no_grad():
         for p in consumer.parameters():
             p.zero_()
-    assert pull(store, consumer, -1) == 7
+    assert take(store, -1, functools.partial(load_arrays, consumer))[0] == 7
     assert torch.equal(consumer.lm_head.weight, load_model(str(tiny_garden.draft))[0].lm_head.weight)
     ray.kill(store)
 
@@ -424,17 +428,17 @@ def test_the_weight_store_rolls_serving_back_past_refused_versions(ray_cluster):
     assert ray.get(store.follow.remote()) == (None, None, [])
     for version in (1, 2, 3):
         ray.get(store.publish.remote(version, refs))
-        ray.get(store.promote.remote(ray.get(store.latest.remote()), version / 10))  # its canary alpha
+        ray.get(store.promote.remote(ray.get(store.follow.remote("latest")).held, version / 10))  # its canary alpha
     ray.get(store.refuse.remote(2, "integrity: a replica found it mangled"))  # not the serving one: serving stays
-    assert ray.get(store.version.remote("serving")) == 3
+    assert ray.get(store.status.remote()).serving == 3
     assert ray.get(store.roll_back.remote(3, "rollback: live alpha fell")) == 1  # past the refused version 2
     assert ray.get(store.roll_back.remote(3, "rollback: a second replica saw it too")) == 1  # counted once
-    gate = ray.get(store.gate.remote())
+    gate = ray.get(store.status.remote())._asdict()
     follow = ray.get(store.follow.remote())  # one call: the version to serve, its weights and canary alpha, rollbacks
     assert (follow.version, follow.alpha, follow.rolled_back) == (1, 0.1, [3])
     assert ray.get(follow.held.weights[0])["w"].tolist() == [0.0, 0.0]  # the store's own copy of the bytes
     assert gate["rolled_back"] == [3]
     assert [(r["version"], r["reason"].split(":")[0]) for r in gate["refused"]] == [(2, "integrity"), (3, "rollback")]
     assert ray.get(store.roll_back.remote(1, "rollback: and this one")) == -1  # nothing earlier: the start draft
-    assert ray.get(store.version.remote("latest")) == 3  # rollouts keep training on the latest version
+    assert ray.get(store.status.remote()).latest == 3  # rollouts keep training on the latest version
     ray.kill(store)

@@ -150,7 +150,7 @@ def check_safe_rollout(
             assert not canary[-1]["served"], [c["canary"] for c in canary]
 
         phase(PHASES[2], worse_3)
-        gate = ray.get(store.gate.remote())
+        gate = ray.get(store.status.remote())._asdict()
         assert gate["latest"] == 3 and gate["serving"] == 1, gate
 
         # (4) Version 4 passes the gate (injected: published straight to serving) and collapses on live traffic: the
@@ -166,7 +166,7 @@ def check_safe_rollout(
             wait_for("the rollback of version 4", lambda: stats()["rollbacks"], 120, seen)
 
         phase(PHASES[3], collapse_4)
-        final, gate = stats(), ray.get(store.gate.remote())
+        final, gate = stats(), ray.get(store.status.remote())._asdict()
     finally:
         ray.kill(evaluator)
         ray.kill(store)
@@ -290,7 +290,7 @@ def test_every_replica_leaves_a_version_one_of_them_rolled_back(two_replicas, ti
         load.phase(96)  # each replica's window of version 1 fills
         before = len(load.answers)
         load.phase(200, lambda: publish(store, random_copy(draft, seed=4), 4, serving=True))
-        gate = ray.get(store.gate.remote())
+        gate = ray.get(store.status.remote())._asdict()
         during = load.answers[before:]
         # A rollback that comes only from the store (another replica's verdict): both replicas leave version 5.
         publish(store, draft, 5, serving=True)

@@ -271,11 +271,12 @@ def test_scoring_requests_refused_naming_the_field(endpoint, route, body, field)
 
 
 def test_a_stopping_endpoint_ends_its_streams_with_an_error_event(endpoint, tiny_garden):
-    """When the job that serves it stops (its :class:`~cluster.serve.StopSignal` set), each replica ends the streams
+    """When the job that serves it stops (its :class:`~cluster.stopping.StopSignal` set), each replica ends the streams
     in flight with an error event and ``[DONE]``, and answers new requests 503."""
     from ray import serve
 
-    from cluster.serve import bind, stop_signal
+    from cluster.serve import bind
+    from cluster.stopping import stop_signal
 
     cfg = load_config(None, [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "serve.replica_cpus=0.25"])
     serve.run(bind(cfg), name="stoppable", route_prefix="/stoppable")
@@ -459,8 +460,8 @@ def test_served_prompts_reach_the_prompt_log(client):
 
 
 def test_serve_finds_a_runs_draft_and_its_target(tmp_path, tiny_garden):
-    from cluster.serve import resolve_models
     from distillspec import DistillSpecError
+    from distillspec.pretrained import resolve_models
 
     run = tmp_path / "run"
     run.mkdir()

@@ -39,11 +39,11 @@ from actors.common import NAMESPACE, weights_name
 from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
-from cluster.serve import resolve_models
 from distillspec.config import load_config
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_model
+from distillspec.pretrained import resolve_models
 from jobs.serve import start
 
 

@@ -172,7 +172,7 @@ def trace_version(model: torch.nn.Module, store_name: str, rounds: int) -> dict:
         refs, put = clock(lambda a: [ray.put(a)], arrays)
         _, stored = clock(call, store.publish, step, refs, None, sums)
         del refs  # the publisher's copy goes
-        held = ray.get(store.latest.remote())
+        held = ray.get(store.follow.remote("latest")).held
         samples.append(
             {
                 "publisher to numpy": to_numpy,

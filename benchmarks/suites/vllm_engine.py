@@ -29,12 +29,12 @@ from actors.common import NAMESPACE, weights_name
 from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
-from cluster.serve import resolve_models
 from distillspec.config import load_config
 from distillspec.data import chat_prompts, load_task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.models import encode_prompts, load_model, load_pair
+from distillspec.pretrained import resolve_models
 from jobs.serve import start
 
 
