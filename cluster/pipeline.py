@@ -265,7 +265,8 @@ class Pipeline:
         latest: dict = {}
         while not self.stopping.wait(every_s):
             try:
-                version, step, record = ray.get(self.store.status.remote(), timeout=10)[:3]
+                status = ray.get(self.store.status.remote(), timeout=10)
+                version, step, record = status.latest, status.step, status.record
                 ledger = ray.get(self.buffer.ledger.remote(), timeout=10)
                 history = ray.get(self.evaluator.report.remote(), timeout=10)["history"] if self.evaluator else []
             except (ray.exceptions.RayError, TimeoutError):

@@ -130,6 +130,15 @@ class Completion:
     logprobs: TokenLogprobs | None = None  #: with the job's ``logprobs`` (its text starts with the prompt: ``echo``)
 
 
+def tokens_within(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: str) -> int:
+    """How many of ``tokens`` a completion ``text`` cut from their decoding keeps: not those wholly past its end (a
+    stop string cut them)."""
+    kept = len(tokens)
+    while kept and len(tokenizer.decode(tokens[: kept - 1], skip_special_tokens=True)) >= len(text):
+        kept -= 1
+    return kept
+
+
 def cut_at_stop(text: str, stop: Iterable[str]) -> tuple[str, bool]:
     """``text`` up to the first stop string (excluded), and whether one was found."""
     hits = [i for s in stop if s and (i := text.find(s)) >= 0]
@@ -470,9 +479,7 @@ class Completer:
     ) -> TokenLogprobs:
         """Row ``row``'s scores: its new tokens up to the text's end (a stop string cuts them), after its prompt's
         (``echo``)."""
-        kept = len(new)
-        while kept and len(self.tokenizer.decode(new[: kept - 1], skip_special_tokens=True)) >= len(text):
-            kept -= 1  # a token wholly past a stop string
+        kept = tokens_within(self.tokenizer, new, text)
         scores = TokenLogprobs.of(out.logprobs, row, new[:kept], 0) if kept else TokenLogprobs([], [], [])
         if not job.echo:
             return scores

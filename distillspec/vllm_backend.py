@@ -43,7 +43,17 @@ from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused, checksums
 from distillspec.metrics import AcceptanceCounts
 from distillspec.models import encode_prompts, load_model, state_arrays
-from distillspec.serving import Completion, CompletionJob, StreamText, check_prompt, counts_stats, cut_at_stop
+from distillspec.serving import (
+    Completion,
+    CompletionJob,
+    ScoredDelta,
+    StreamText,
+    TokenLogprobs,
+    check_prompt,
+    counts_stats,
+    cut_at_stop,
+    tokens_within,
+)
 from distillspec.vllm_scheduler import MAILBOX, GammaMailbox
 
 #: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
@@ -69,6 +79,21 @@ def prepare_environment(cfg: VLLMConfig) -> None:
 def head_size(model: str) -> int:
     config = AutoConfig.from_pretrained(model)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def vllm_logprobs(tokens: list[int], entries: Any, k: int) -> TokenLogprobs:
+    """:class:`~distillspec.serving.TokenLogprobs` of ``tokens`` from vLLM's log-probs of them (``entries``: one
+    ``{token id: Logprob}`` per position, None where nothing scores it: a prompt's first token), with the ``k``
+    likeliest at each position (vLLM adds the token itself where it is not among them)."""
+    values, tops = [], []
+    for token, entry in zip(tokens, entries, strict=True):
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(entry[token].logprob)
+        tops.append({i: lp.logprob for i, lp in entry.items() if lp.rank is not None and lp.rank <= k})
+    return TokenLogprobs(list(tokens), values, tops)
 
 
 def check_models(*models: str) -> None:
@@ -358,10 +383,8 @@ class VLLMCompleter:
         for name, value in (("min_p", args.controls.min_p), ("logit_bias", args.controls.logit_bias)):
             if value:  # vLLM 0.32 refuses them with speculative decoding, when the engine already has the request
                 raise DistillSpecError(f"{name}: vLLM's speculative decoding does not take it; serve.backend=hf does")
-        if job.logprobs is not None or job.echo:
-            raise DistillSpecError(
-                "logprobs: the vLLM backend does not answer log-probs or echo; serve.backend=hf does"
-            )
+        if job.echo and job.max_new_tokens == 0:
+            raise DistillSpecError("max_tokens: vLLM generates at least one token; serve.backend=hf scores a text")
         if args.gamma == 0:
             raise DistillSpecError(
                 "speculative=false: the vLLM engine always decodes speculatively (serve.backend=hf can turn it off)"
@@ -395,6 +418,8 @@ class VLLMCompleter:
             repetition_penalty=c.repetition_penalty,
             logit_bias=dict(c.logit_bias) or None,
             stop_token_ids=list(c.stop_token_ids) or None,
+            logprobs=job.logprobs,
+            prompt_logprobs=(job.logprobs or 0) if job.echo else None,
         )
 
     async def _generate(self, job: CompletionJob, sink: Any) -> Completion:
@@ -406,14 +431,21 @@ class VLLMCompleter:
         version, final = self.version, None
         async for out in self.engine.generate(prompt, self._params(job), uuid.uuid4().hex):
             final = out.outputs[0]
-            sink(list(final.token_ids))
+            sink(list(final.token_ids), final.logprobs)
         tokens = list(final.token_ids)
         text, hit = cut_at_stop(self.tokenizer.decode(tokens, skip_special_tokens=True), job.stop)
+        scores = None
+        if job.logprobs is not None:  # the target's, as vLLM reports them (raw, before sampling controls)
+            kept = tokens_within(self.tokenizer, tokens, text)
+            scores = vllm_logprobs(tokens[:kept], final.logprobs, job.logprobs)
+            if job.echo:
+                ids = prompt["prompt_token_ids"]
+                scores = vllm_logprobs(ids, out.prompt_logprobs, job.logprobs) + scores
         stats = _request_stats(final.spec_decode_metrics, len(tokens), "auto" if self.auto else self.gamma)
         if self.version != version:
             stats["draft_version_end"] = self.version
         return Completion(
-            text=text,
+            text=job.prompt + text if job.echo else text,
             finish_reason="stop" if hit or final.finish_reason == "stop" else "length",
             prompt_tokens=len(prompt["prompt_token_ids"]),
             completion_tokens=len(tokens),
@@ -421,20 +453,27 @@ class VLLMCompleter:
             stats=stats,
             seconds=time.perf_counter() - start,
             args=job.args,
+            logprobs=scores,
         )
 
     async def complete(self, job: CompletionJob) -> Completion:
         """One completion (await it from any event loop)."""
-        future = asyncio.run_coroutine_threadsafe(self._generate(job, lambda _: None), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._generate(job, lambda *_: None), self.loop)
         return await asyncio.wrap_future(future)
 
-    async def stream(self, job: CompletionJob) -> AsyncIterator[str | Completion]:
-        """Text deltas as the engine makes tokens (final text only: see :class:`StreamText`), then the completion."""
+    async def stream(self, job: CompletionJob) -> AsyncIterator[str | ScoredDelta | Completion]:
+        """Text deltas as the engine makes tokens (final text only: see :class:`StreamText`; with ``logprobs``, each a
+        :class:`~distillspec.serving.ScoredDelta`), then the completion."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text = StreamText(self.tokenizer, job.stop)
+        text, state = StreamText(self.tokenizer, job.stop), {"scored": 0}
 
-        def sink(tokens: list[int]) -> None:
+        def sink(tokens: list[int], entries: Any) -> None:
             delta, _ = text.update(tokens)
+            if delta and job.logprobs is not None:
+                start = state["scored"]
+                end = text.tokens_sent(tokens, start)
+                scores = vllm_logprobs(tokens[start:end], entries[start:end], job.logprobs)
+                delta, state["scored"] = ScoredDelta(delta, scores), end
             if delta:
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
 
@@ -444,8 +483,11 @@ class VLLMCompleter:
             while (delta := await queue.get()) is not None:
                 yield delta
             done = future.result()
-            if len(done.text) > text.sent:
-                yield done.text[text.sent :]
+            rest = done.text[text.sent :]
+            if done.logprobs is not None:  # the scores not sent yet: of the kept tokens (a stop string cuts them)
+                rest = ScoredDelta(rest, TokenLogprobs(*(x[state["scored"] :] for x in vars(done.logprobs).values())))
+            if rest:
+                yield rest
             yield done
         finally:
             future.cancel()  # the client left: vLLM aborts the request

@@ -427,10 +427,44 @@ def test_vllm_endpoint_openai_client_streams_and_refuses(vllm_endpoint, models, 
         ({"speculative": False}, "speculative"),
         ({"min_p": 0.1}, "min_p"),  # vLLM 0.32 takes neither with speculative decoding
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True, "max_tokens": 0, "logprobs": 0}, "max_tokens"),  # vLLM generates at least one token
     ]:
         r = requests.post(f"{vllm_endpoint}/v1/completions", json={"prompt": prompts[0], **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_vllm_endpoint_logprobs_are_the_targets(vllm_endpoint, models, clear_examples):
+    """Log-probs from vLLM's engine, greedy: each token the likeliest, its log-probability the target's own (within
+    the engine's float32 arithmetic), the same streamed chunk by chunk; ``echo`` scores the prompt's tokens too."""
+    from openai import OpenAI
+
+    target, _, tokenizer = models
+    client = OpenAI(base_url=f"{vllm_endpoint}/v1", api_key="-", max_retries=0)
+    prompt = clear_examples[0].prompt
+    kw = dict(model="distillspec", prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert "".join(lp.tokens) == whole.text and len(lp.token_logprobs) > 1
+    ids = encode_prompts(tokenizer, [prompt])[0]
+    new = tokenizer(whole.text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = target(torch.cat([ids, new], 1)).logits[0, ids.shape[1] - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, new[0, :, None]).squeeze(-1)
+    if new.shape[1] == len(lp.token_logprobs):  # the text re-tokenised as generated
+        assert lp.token_logprobs == pytest.approx(expected.tolist(), abs=2e-3)
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and value == pytest.approx(max(top.values()), abs=1e-5) and value <= 0
+    streamed: list[float] = []
+    for chunk in client.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            streamed += choice.logprobs.token_logprobs if choice.logprobs else []
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+    echoed = client.completions.create(**(kw | {"echo": True, "max_tokens": 1})).choices[0]
+    assert echoed.text.startswith(prompt) and echoed.logprobs.token_logprobs[0] is None
+    with torch.no_grad():
+        full = torch.log_softmax(target(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None]).sum()
+    scored = echoed.logprobs.token_logprobs[1 : ids.shape[1]]
+    assert sum(scored) == pytest.approx(float(full), abs=1e-2)
 
 
 def test_vllm_safe_rollout_under_load_with_faults_injected(vllm_endpoint, garden, models, clear_examples):
