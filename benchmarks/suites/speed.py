@@ -147,17 +147,7 @@ def suite_speed(
             compile=compile,
         )
         result["target_alone"][race_name(temperature, coupled)] = raced["target"]["tokens_per_s"]
-        for row in raced["sd"]:
-            row["seeded"] = coupled
-            c, v = draft_ms[row["draft"]] / target_ms[1], target_ms[row["gamma"] + 1] / target_ms[1]
-            row |= {
-                "temperature": temperature,
-                "c": c,
-                "v": v,
-                "predicted_from_tau": predicted_speedup(row["tau"], c, row["gamma"], v),
-                "predicted_from_alpha": predicted_speedup(expected_tau(row["alpha"], row["gamma"]), c, row["gamma"], v),
-            }
-            result["rows"].append(row)
+        result["rows"] += [predicted(row, temperature, coupled, target_ms, draft_ms) for row in raced["sd"]]
         print(format_table(result))
         (out / "speed.json").write_text(json.dumps(result, indent=1))
     if vllm:
@@ -167,6 +157,19 @@ def suite_speed(
         (out / "speed.json").write_text(json.dumps(result, indent=1))
     (out / "speed.md").write_text(format_table(result) + "\n")
     return result
+
+
+def predicted(row: dict, temperature: float, seeded: bool, target_ms: dict, draft_ms: dict) -> dict:
+    """A raced row with its costs (``c``, ``v``) and the speedups they predict from the tau and the alpha measured."""
+    c, v = draft_ms[row["draft"]] / target_ms[1], target_ms[row["gamma"] + 1] / target_ms[1]
+    return row | {
+        "seeded": seeded,
+        "temperature": temperature,
+        "c": c,
+        "v": v,
+        "predicted_from_tau": predicted_speedup(row["tau"], c, row["gamma"], v),
+        "predicted_from_alpha": predicted_speedup(expected_tau(row["alpha"], row["gamma"]), c, row["gamma"], v),
+    }
 
 
 def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats) -> list[dict]:

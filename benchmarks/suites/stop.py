@@ -5,6 +5,7 @@ stream ended (an error event then ``[DONE]``, or a cut connection) and every lin
 
     python -m benchmarks.suites.stop --job serve --signal SIGINT --streams 4
     python -m benchmarks.suites.stop --job distill --signal SIGTERM --after 90
+    python -m benchmarks.suites.stop --job serve --signal SIGTERM --starting 10   # while it is still starting
 
 Extra arguments go to the job (``serve.port=8123`` is set for the endpoint).
 """
@@ -53,6 +54,9 @@ def main() -> None:
     parser.add_argument("--signal", choices=["SIGINT", "SIGTERM"], default="SIGINT")
     parser.add_argument("--streams", type=int, default=4, help="streams open at the signal (serve)")
     parser.add_argument("--after", type=float, default=3.0, help="seconds after the job is ready (serve: serving)")
+    parser.add_argument(
+        "--starting", type=float, help="instead: seconds after the job was launched, ready or not (no streams)"
+    )
     args, extra = parser.parse_known_args()
     command = [sys.executable, f"jobs/{args.job}.py", *extra]
     if args.job == "serve":
@@ -69,15 +73,20 @@ def main() -> None:
 
     threading.Thread(target=read, daemon=True).start()
     start = time.time()
-    if not ready.wait(900):
-        job.kill()
-        sys.exit("the job did not start within 15 minutes:\n" + "\n".join(line for _, line in lines[-20:]))
-    print(f"{args.job} ready in {time.time() - start:.0f} s")
     threads, results = [], {}
-    if args.job == "serve":
-        target = next(line.split(None, 1)[1] for _, line in lines if line.startswith("target "))
-        threads, results = open_streams(args.streams, AutoTokenizer.from_pretrained(target).eos_token_id)
-    time.sleep(args.after)
+    if args.starting is not None:
+        if ready.wait(args.starting):
+            sys.exit(f"the job was ready within {args.starting:g} s: give a shorter --starting")
+        print(f"{args.job} still starting {args.starting:g} s after its launch")
+    else:
+        if not ready.wait(900):
+            job.kill()
+            sys.exit("the job did not start within 15 minutes:\n" + "\n".join(line for _, line in lines[-20:]))
+        print(f"{args.job} ready in {time.time() - start:.0f} s")
+        if args.job == "serve":
+            target = next(line.split(None, 1)[1] for _, line in lines if line.startswith("target "))
+            threads, results = open_streams(args.streams, AutoTokenizer.from_pretrained(target).eos_token_id)
+        time.sleep(args.after)
     sent = time.time()
     sig = getattr(signal, args.signal)
     os.killpg(job.pid, sig) if sig == signal.SIGINT else job.send_signal(sig)
