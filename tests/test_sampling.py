@@ -63,7 +63,9 @@ def fit(out, expected: torch.Tensor) -> float:
     support = expected > 0
     assert observed[~support].sum() == 0, "a sample the processed target gives no probability"
     exp = expected[support] * observed.sum() / expected[support].sum()
-    return chisquare(observed[support].numpy(), exp.numpy()).pvalue
+    p = chisquare(observed[support].numpy(), exp.numpy()).pvalue
+    print(f"chi-square over {int(observed.sum())} samples, {int(support.sum())} outcomes: p = {p:.4f}")  # pytest -rP
+    return p
 
 
 @pytest.mark.parametrize("name", sorted(CONTROLS))
