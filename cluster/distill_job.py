@@ -17,7 +17,7 @@ from actors.evaluator import measure_on_cluster
 from actors.learner import RUN_DIR, checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
-from distillspec.cli import stop_on_sigterm
+from distillspec.cli import sigterm_held
 from distillspec.config import JobConfig, resolve_recipe, to_dict
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
@@ -69,8 +69,8 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     and after run as Ray tasks (on a GPU when ``device`` is one), not in this driver: on a cluster the driver runs
     on the head node, which may have no GPU. Returns the measurements and the training summary."""
     check_devices(cfg)
-    how = connect(cfg.ray)
-    stop_on_sigterm()
+    with sigterm_held():  # Ray's own handler would abort the process
+        how = connect(cfg.ray)
     print(f"ray: {how}; dashboard: {dashboard_url() or '-'}; metrics (Prometheus): {metrics_url()}")
     if not cfg.ray.log_to_driver:
         print(f"ray: the actors' logs are in {logs_dir()} (ray.log_to_driver=true shows them here)")

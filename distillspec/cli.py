@@ -5,12 +5,13 @@ never a traceback."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from distillspec.config import JobConfig, describe, load_config
@@ -98,9 +99,24 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Hold SIGTERM back while Ray starts (``ray.init`` installs a handler of its own that aborts the process, with a
+    stack dump): one that arrives meanwhile is delivered once :func:`stop_on_sigterm`'s handler is in place again, and
+    stops the job as Ctrl-C does."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        stop_on_sigterm()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def run_main(main: Callable[[], Any]) -> None:
+    """Run a job's ``main``: a user's mistake is one line and exit status 2, Ctrl-C or SIGTERM "interrupted" and 130."""
     for key, value in QUIET.items():
         os.environ.setdefault(key, value)
+    stop_on_sigterm()
     try:
         main()
     except DistillSpecError as exc:

@@ -21,7 +21,7 @@ import logging
 import signal
 import time
 
-from distillspec.cli import parse_job_args, run_main, stop_on_sigterm
+from distillspec.cli import parse_job_args, run_main, sigterm_held
 from distillspec.config import JobConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -73,10 +73,11 @@ def main(cfg: JobConfig) -> None:
             f"warning: serve.host={cfg.serve.host} without an API key: anyone who reaches port {cfg.serve.port} can "
             f"use the endpoint (set {API_KEY_ENV}, or serve.api_key)"
         )
-    how = connect(cfg.ray)
-    print(f"ray: {how}")
-    stop_on_sigterm()
+    how = ""
     try:
+        with sigterm_held():  # Ray's own handler would abort the process
+            how = connect(cfg.ray)
+        print(f"ray: {how}")
         url = start(cfg)
         key = "set (serve.api_key)" if cfg.serve.api_key else "none"
         print(f"target {cfg.target}\ndraft  {cfg.draft}")

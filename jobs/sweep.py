@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from distillspec.cli import parse_job_args, run_main
+from distillspec.cli import parse_job_args, run_main, sigterm_held
 from distillspec.config import JobConfig
 from distillspec.errors import DistillSpecError
 from distillspec.files import exclusive, write_json
@@ -151,7 +151,8 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         + ", ".join(f"{k} alpha {r['alpha']:.3f} tau {r['tau']:.3f}" for k, r in before.items())
     )
     del target, draft
-    started = connect(cfg.ray).startswith("started")
+    with sigterm_held():  # Ray's own handler would abort the process
+        started = connect(cfg.ray).startswith("started")
     rank = f"tau_gain_{_key(cfg.sweep.rank_temperature)}"
     grid = {
         "source": tune.grid_search(cfg.sweep.sources),

@@ -170,12 +170,32 @@ def test_sigterm_interrupts_a_job_as_ctrl_c_does():
     distill job's "interrupted" and status 130)."""
     code = (
         "import os, signal, time\n"
-        "from distillspec.cli import run_main, stop_on_sigterm\n"
+        "from distillspec.cli import run_main\n"
         "def main():\n"
-        "    stop_on_sigterm()\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(30)\n"
         "run_main(main)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 130 and done.stderr.strip() == "interrupted"
+
+
+def test_a_sigterm_while_ray_starts_is_held_then_stops_the_job():
+    """While Ray starts (its handler would abort the process) a SIGTERM waits; once Ray is up it stops the job as
+    Ctrl-C does, its cleanup run."""
+    code = (
+        "import os, signal, sys\n"
+        "from distillspec.cli import run_main, sigterm_held\n"
+        "def main():\n"
+        "    try:\n"
+        "        with sigterm_held():\n"
+        "            signal.signal(signal.SIGTERM, lambda *_: os._exit(6))  # as ray.init's would\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            print('held', flush=True)\n"
+        "        signal.pause()\n"
+        "    finally:\n"
+        "        print('cleanup', flush=True)\n"
+        "run_main(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130 and done.stdout.split() == ["held", "cleanup"], (done.stdout, done.stderr)
