@@ -109,8 +109,8 @@ class GardenConfig:
     bf16: bool | None = knob(
         False,
         "bfloat16 autocast while training: about 2x faster where the hardware has it (AMX or AVX512-BF16 CPUs, GPUs), "
-        "about 18x slower where it is emulated, and a different garden; false (float32) = the same garden from the "
-        "same seed on every CPU; null = on where the hardware has it",
+        "about 18x slower where it is emulated, and a different garden; false (float32) = the same precision on every "
+        "CPU; null = on where the hardware has it",
     )
     cache_dir: str | None = knob(
         None,
