@@ -146,6 +146,12 @@ def tiny_garden(tmp_path_factory, task):
     return build_garden(task, cfg, seed=0)
 
 
+def garden_overrides(garden, *extra: str) -> list[str]:
+    """Config overrides that name a garden pair on the embedded task, small batches of short continuations."""
+    return [f"target={garden.target}", f"draft={garden.draft}", "dataset=arith", "distill.batch_size=4",
+            "distill.max_new_tokens=6", *extra]  # fmt: skip
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for an endpoint a test starts)."""
     with socket.socket() as s:

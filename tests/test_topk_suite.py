@@ -8,16 +8,12 @@ import pytest
 from benchmarks.suites.topk import suite_topk
 from distillspec.models import load_tokenizer
 
+from .conftest import garden_overrides
+
 
 def test_the_topk_suite_bounds_each_divergence_from_below(tiny_garden, tmp_path):
     vocab = len(load_tokenizer(str(tiny_garden.target)))
-    overrides = [
-        f"target={tiny_garden.target}",
-        f"draft={tiny_garden.draft}",
-        "dataset=arith",
-        "distill.batch_size=4",
-        "distill.max_new_tokens=6",
-    ]
+    overrides = garden_overrides(tiny_garden)
     result = suite_topk(overrides, [1, 4, vocab], batches=1, out=tmp_path)
     for name, row in result["divergence"].items():
         assert row["full"] > 0, name

@@ -5,15 +5,11 @@ import json
 
 from benchmarks.suites.trajectory import suite_trajectory
 
+from .conftest import garden_overrides
+
 
 def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_garden, tmp_path):
-    overrides = [
-        f"target={tiny_garden.target}",
-        f"draft={tiny_garden.draft}",
-        "dataset=arith",
-        "distill.batch_size=4",
-        "distill.max_new_tokens=6",
-    ]
+    overrides = garden_overrides(tiny_garden)
     settings = ["distill.lr=1e-3", "distill.lr=1e-3 distill.divergence=fkl distill.train=top:1"]
     result = suite_trajectory(overrides, settings, steps=3, every=2, held=4, out=tmp_path)
     assert 0.0 < result["start"]["alpha"] <= 1.0 and 0.0 <= result["start"]["greedy"] <= 1.0
