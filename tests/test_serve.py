@@ -224,6 +224,7 @@ def test_logprobs_and_echo_score_under_the_target(client, tiny_garden):
         messages=[{"role": "user", "content": "Mia has 3 pens. How many?"}],
         max_tokens=6,
         temperature=1.0,
+        seed=1,  # drawn tokens that decode one by one (a token that is part of a character shows as U+FFFD)
         logprobs=True,
         top_logprobs=3,
     )
