@@ -101,15 +101,18 @@ def stop_on_sigterm() -> None:
 
 @contextlib.contextmanager
 def sigterm_held() -> Iterator[None]:
-    """Hold SIGTERM back while Ray starts (``ray.init`` installs a handler of its own that aborts the process, with a
-    stack dump): one that arrives meanwhile is delivered once :func:`stop_on_sigterm`'s handler is in place again, and
-    stops the job as Ctrl-C does."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Hold a SIGTERM back while Ray starts, then stop the job as Ctrl-C does. One that comes before ``ray.init``
+    installs a handler of its own (which aborts the process with a stack dump) waits here; one that comes after it
+    meets Ray's. (Blocking the signal instead would close that window, but the processes Ray starts meanwhile would
+    inherit the block, and a local cluster's shutdown then waits seconds for each of them.)"""
+    held: list[int] = []
+    signal.signal(signal.SIGTERM, lambda number, _frame: held.append(number))
     try:
         yield
     finally:
         stop_on_sigterm()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if held:
+        raise KeyboardInterrupt
 
 
 def run_main(main: Callable[[], Any]) -> None:
