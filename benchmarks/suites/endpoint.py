@@ -50,7 +50,7 @@ from jobs.serve import start
 def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """The endpoint under load: SD vs speculation off, before and after distillation, and a swap under load."""
     del budget
-    cfg = load_config(None, ["ray.run_name=serve-bench", "serve.sync_every_s=0.5", *overrides])
+    cfg = resolve_models(load_config(None, ["ray.run_name=serve-bench", "serve.sync_every_s=0.5", *overrides]))
     if distilled is None or not Path(distilled).is_dir():
         raise DistillSpecError(f"--distilled {distilled!r}: give the draft a distill run made (its out/draft folder)")
     connect(cfg.ray)
@@ -218,6 +218,7 @@ def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
     if not Path(st).exists():
         raise DistillSpecError('suite fuzz needs Schemathesis: pip install -e ".[fuzz]"')
     cfg = load_config(None, ["ray.run_name=fuzz", "serve.sync_every_s=0", "serve.max_tokens=16", *overrides])
+    cfg = resolve_models(cfg)
     connect(cfg.ray)
     base = start(cfg).removesuffix("/v1")
     shutil.rmtree(out, ignore_errors=True)

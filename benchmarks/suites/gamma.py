@@ -32,6 +32,7 @@ from cluster.connect import connect
 from distillspec.config import JobConfig, load_config
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
+from distillspec.pretrained import resolve_models
 from distillspec.report import pyplot
 from distillspec.serving import merge_stats
 from jobs.serve import start
@@ -146,6 +147,7 @@ def suite_gamma(
             "serve.backend=vllm (gamma fixed per engine)" if bench.vllm else "--rounds (rounds run until the job ends)"
         )
         raise DistillSpecError(f"--distilling: not with {what}")
+    bench.cfg = resolve_models(bench.cfg)  # the pair to serve (the garden's, built once, where none is named)
     connect(bench.cfg.ray)
     bench.prompts = [e.prompt for e in load_task(bench.cfg.dataset, seed=bench.cfg.seed).test]
     # Requests per client per setting and round: a pretrained target 2, the garden 8 (2 while distilling, so that a

@@ -19,6 +19,7 @@ from cluster.connect import connect
 from distillspec.config import load_config
 from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
+from distillspec.pretrained import resolve_models
 from distillspec.report import pyplot
 from distillspec.serving import merge_stats
 from jobs.serve import start
@@ -31,7 +32,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     # The replica follows every version the learner publishes (no evaluator runs, so none passes a gate).
     run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", "serve.follow_version=latest"]
     run += overrides
-    cfg = load_config(None, run)
+    cfg = resolve_models(load_config(None, run))
     connect(cfg.ray)
     url = start(cfg)
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
