@@ -105,6 +105,10 @@ class TokenLogprobs:
     def __add__(self, other: TokenLogprobs) -> TokenLogprobs:
         return TokenLogprobs(self.tokens + other.tokens, self.logprobs + other.logprobs, self.top + other.top)
 
+    def after(self, n: int) -> TokenLogprobs:
+        """The scores of the tokens after the first ``n``."""
+        return TokenLogprobs(self.tokens[n:], self.logprobs[n:], self.top[n:])
+
 
 @dataclass
 class ScoredDelta:
@@ -153,15 +157,22 @@ class StreamText:
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.sent = 0
+        self.scored = 0  #: tokens whose log-probs went out with a delta (:meth:`scored_delta`)
 
-    def tokens_sent(self, token_ids: list[int], start: int = 0) -> int:
-        """How many of ``token_ids`` lie wholly within the text released so far (``start``: that many do)."""
-        n = start
-        while (
-            n < len(token_ids) and len(self.tokenizer.decode(token_ids[: n + 1], skip_special_tokens=True)) <= self.sent
-        ):
-            n += 1
-        return n
+    def scored_delta(self, delta: str, token_ids: list[int], score: Callable[[int, int], TokenLogprobs]) -> ScoredDelta:
+        """``delta`` with the scores of the tokens it completes, those now wholly within the text released:
+        ``score(start, end)`` scores ``token_ids[start:end]``."""
+        start, end, decode = self.scored, self.scored, self.tokenizer.decode
+        while end < len(token_ids) and len(decode(token_ids[: end + 1], skip_special_tokens=True)) <= self.sent:
+            end += 1
+        self.scored = end
+        return ScoredDelta(delta, score(start, end))
+
+    def rest(self, done: Completion) -> str | ScoredDelta:
+        """What the stream has yet to send of ``done``: its text past the deltas, with the scores not sent yet (of
+        the tokens it kept: a stop string cuts them)."""
+        text = done.text[self.sent :]
+        return text if done.logprobs is None else ScoredDelta(text, done.logprobs.after(self.scored))
 
     def update(self, token_ids: list[int]) -> tuple[str, bool]:
         """The new final text given all tokens so far, and whether a stop string was reached."""
@@ -341,15 +352,13 @@ class Completer:
         with the scores of the tokens whose text it completes. A client that leaves stops the decoding at the next
         block."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text, state = StreamText(self.tokenizer, job.stop), {"cancel": False, "scored": 0}
+        text, state = StreamText(self.tokenizer, job.stop), {"cancel": False}
 
         def on_block(tokens: torch.Tensor, counts: torch.Tensor, scores: Logprobs | None) -> bool:
             ids = tokens[0, : int(counts[0])].tolist()
             delta, hit = text.update(ids)
             if delta and scores is not None:
-                start = state["scored"]
-                end = text.tokens_sent(ids, start)
-                delta, state["scored"] = ScoredDelta(delta, TokenLogprobs.of(scores, 0, ids[start:end], start)), end
+                delta = text.scored_delta(delta, ids, lambda a, b: TokenLogprobs.of(scores, 0, ids[a:b], a))
             if delta:
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
             return hit or state["cancel"]
@@ -368,11 +377,7 @@ class Completer:
             while (delta := await queue.get()) is not None:
                 yield delta
             done = await task
-            rest = done.text[text.sent :]
-            if done.logprobs is not None:  # the scores not sent yet: of the kept tokens (a stop string cuts them)
-                scored = done.logprobs
-                rest = ScoredDelta(rest, TokenLogprobs(*(x[state["scored"] :] for x in vars(scored).values())))
-            if rest:
+            if rest := text.rest(done):
                 yield rest
             yield done
         finally:

@@ -465,15 +465,14 @@ class VLLMCompleter:
         """Text deltas as the engine makes tokens (final text only: see :class:`StreamText`; with ``logprobs``, each a
         :class:`~distillspec.serving.ScoredDelta`), then the completion."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text, state = StreamText(self.tokenizer, job.stop), {"scored": 0}
+        text = StreamText(self.tokenizer, job.stop)
 
         def sink(tokens: list[int], entries: Any) -> None:
             delta, _ = text.update(tokens)
             if delta and job.logprobs is not None:
-                start = state["scored"]
-                end = text.tokens_sent(tokens, start)
-                scores = vllm_logprobs(tokens[start:end], entries[start:end], job.logprobs)
-                delta, state["scored"] = ScoredDelta(delta, scores), end
+                delta = text.scored_delta(
+                    delta, tokens, lambda a, b: vllm_logprobs(tokens[a:b], entries[a:b], job.logprobs)
+                )
             if delta:
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
 
@@ -483,10 +482,7 @@ class VLLMCompleter:
             while (delta := await queue.get()) is not None:
                 yield delta
             done = future.result()
-            rest = done.text[text.sent :]
-            if done.logprobs is not None:  # the scores not sent yet: of the kept tokens (a stop string cuts them)
-                rest = ScoredDelta(rest, TokenLogprobs(*(x[state["scored"] :] for x in vars(done.logprobs).values())))
-            if rest:
+            if rest := text.rest(done):
                 yield rest
             yield done
         finally:
