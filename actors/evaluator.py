@@ -20,8 +20,7 @@ from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
 from distillspec.evaluate import evaluate_sd
 from distillspec.integrity import TransferRefused
-from distillspec.models import load_arrays, load_decoding_pair, load_model, state_arrays
-from distillspec.packing import quantize_int8
+from distillspec.models import load_arrays, load_decoding_draft, load_decoding_pair, state_arrays
 from distillspec.serving import canary_refusal
 from distillspec.study import measure_phase
 from distillspec.versions import DraftVersion
@@ -184,9 +183,9 @@ def _measure_task(
 ) -> list[dict]:
     setup_worker(threads)
     target, model, tokenizer = load_decoding_pair(cfg.models, draft)
-    before = None if baseline is None else load_model(baseline, device=cfg.device, dtype=model.dtype)[0]
-    if before is not None and cfg.draft_int8:
-        quantize_int8(before)
+    before = None
+    if baseline is not None:
+        before = load_decoding_draft(baseline, device=cfg.device, dtype=model.dtype, int8=cfg.draft_int8)[0]
     return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before)
 
 

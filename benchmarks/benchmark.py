@@ -89,6 +89,8 @@ SUITES = {
     "stop": Suite("stop", "main", "command"),
     "gpu": Suite("gpu", "main", "command"),
     "topk": Suite("topk", "main", "command"),
+    "lossy": Suite("lossy", "main", "command"),
+    "transfer-run": Suite("transfer_run", "main", "command"),
     "client": Suite("client", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).

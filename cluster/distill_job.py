@@ -25,7 +25,7 @@ from distillspec.files import RecordLog, exclusive, read_json, write_atomic, wri
 from distillspec.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
 from distillspec.models import load_pair
 from distillspec.packing import quantize_int8
-from distillspec.pretrained import prepare_pair
+from distillspec.pretrained import RUN_CONFIG, prepare_pair
 from distillspec.report import format_table, plot_tau, plot_training
 from distillspec.study import measure_phase, merge_baseline_speed
 
@@ -144,10 +144,10 @@ def check_resume(cfg: JobConfig, out: Path) -> None:
     ``config.yaml``), or stops with what changed; a run that starts afresh is not checked."""
     sync = cfg.ray.mode == "sync"
     checkpoint = (out / SYNC_CHECKPOINT / "state.pt").exists() if sync else bool(checkpoint_steps(out))
-    if not (cfg.learner.resume and checkpoint and (out / "config.yaml").exists()):
+    if not (cfg.learner.resume and checkpoint and (out / RUN_CONFIG).exists()):
         return
     try:
-        before, now = yaml.safe_load((out / "config.yaml").read_text()) or {}, to_dict(cfg)
+        before, now = yaml.safe_load((out / RUN_CONFIG).read_text()) or {}, to_dict(cfg)
     except yaml.YAMLError:
         return  # not what this project wrote: nothing to compare with
 
@@ -183,7 +183,7 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
     check_resume(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
     saved = to_dict(replace(cfg, serve=replace(cfg.serve, api_key=None)))  # the run's folder never holds the key
-    write_atomic(out / "config.yaml", yaml.safe_dump(saved, sort_keys=False))
+    write_atomic(out / RUN_CONFIG, yaml.safe_dump(saved, sort_keys=False))
     if cfg.ray.mode == "sync":
         target, draft, tokenizer = load_pair(
             cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack

@@ -273,17 +273,27 @@ def load_pair(
             "than in float32; set dtype=float32 (or auto)",
             str(dtype).removeprefix("torch."),
         )
+    if draft_int8 and not decode_only:
+        raise DistillSpecError("draft_int8=true quantizes a draft that only decodes; the draft that trains stays float")
     target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack)
-    draft_model, draft_tok = load_model(draft, device=device, dtype=dtype if decode_only else torch.float32)
-    if draft_int8:
-        if not decode_only:
-            raise DistillSpecError(
-                "draft_int8=true quantizes a draft that only decodes; the draft that trains stays float"
-            )
-        quantize_int8(draft_model)
+    if decode_only:
+        draft_model, draft_tok = load_decoding_draft(draft, device=device, dtype=dtype, int8=draft_int8)
+    else:
+        draft_model, draft_tok = load_model(draft, device=device, dtype=torch.float32)
     check_tokenizers(target_tok, draft_tok)
     check_pair(target_model, draft_model)
     return target_model, draft_model, target_tok
+
+
+def load_decoding_draft(
+    draft: str, *, device: str, dtype: torch.dtype, int8: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """:func:`load_model` of a draft as the decoders run it beside a target: in the target's ``dtype``, with int8
+    weights if ``int8`` (``draft_int8``; :func:`~distillspec.packing.quantize_int8`)."""
+    model, tokenizer = load_model(draft, device=device, dtype=dtype)
+    if int8:
+        quantize_int8(model)
+    return model, tokenizer
 
 
 def load_decoding_pair(

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distillspec.config import ModelSize
@@ -157,3 +161,36 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_job(*args: str, job: str = "distill.py", env: dict | None = None, **popen) -> subprocess.Popen:
+    """A script of jobs/ started as a user starts it: from the repository root, progress bars off."""
+    env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, str(ROOT / "jobs" / job), *args], text=True, env=env, cwd=ROOT, **popen)
+
+
+def run_job(*args: str, job: str = "distill.py", env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`start_job` to its end (10 minutes at most), its output and errors captured."""
+    with start_job(*args, job=job, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def finished_run(garden, folder: Path, *extra: str) -> Path:
+    """A jobs/distill.py output folder as a finished run leaves it (its resolved ``config.yaml`` and ``draft/``), for
+    the garden pair, with the garden's draft standing in for the distilled one."""
+    from distillspec.config import load_config, to_dict
+    from distillspec.pretrained import RUN_CONFIG
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(None, garden_overrides(garden, *extra))
+    (folder / RUN_CONFIG).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    shutil.copytree(garden.draft, folder / "draft")
+    return folder

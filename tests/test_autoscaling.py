@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -20,7 +19,8 @@ from cluster.autoscaling import HEAD_TYPE, LocalAutoscalingCluster, local_config
 from distillspec import DistillSpecError
 from distillspec.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT
+
 GPU_SETTINGS = ["device=cpu", "ray.gpu_dry_run=true", "learner.use_gpu=true", "rollout.gpus=1", "evaluator.gpus=0.5"]
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.benchmark import GROUPS, SUITES
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))

@@ -2,7 +2,6 @@
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import yaml
@@ -11,7 +10,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from actors.dashboard import SPECS
 from distillspec import DistillSpecError
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT
 
 
 @pytest.fixture(scope="module")

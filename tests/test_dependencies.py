@@ -6,9 +6,9 @@ import importlib.metadata
 import re
 import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT
+
 PRODUCT = ("distillspec", "actors", "cluster", "jobs", "benchmarks")
 
 

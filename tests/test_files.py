@@ -19,7 +19,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
 from distillspec.learner import Learner, checkpoint_log, load_checkpoint, save_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import ROOT
 
 
 def test_an_atomic_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path):

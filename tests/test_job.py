@@ -1,7 +1,6 @@
 """End-to-end smoke tests of jobs/distill.py, run as a user runs it (a subprocess)."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from distillspec import DistillSpecError
 from distillspec.models import load_model, load_pair
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import run_job
+
 TINY = [
     "garden.vocab_size=300",
     "garden.train_examples=300",
@@ -37,18 +37,6 @@ TINY = [
     "eval.speedup_prompts=2",
     "eval.speedup_gamma=3",
 ]
-
-
-def run_job(*args: str, job: str = "distill.py", env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "jobs" / job), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TQDM_DISABLE": "1", **(env or {})},
-        cwd=ROOT,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -31,7 +29,8 @@ from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, load_config
 from distillspec.models import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+from .conftest import start_job
+
 PIPELINE_TINY = [
     "distill.batch_size=4",
     "distill.max_new_tokens=8",
@@ -251,19 +250,6 @@ def test_weight_sync_alarm_when_alpha_collapses(ray_cluster, tiny_garden, task):
     assert [r["version"] for r in gate["refused"]] == [1] and gate["refused"][0]["reason"].startswith("canary: alpha")
 
 
-def run_job(*args: str, **popen) -> subprocess.Popen:
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "jobs" / "distill.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        **popen,
-    )
-
-
 def test_resume_step_is_the_checkpoint_ray_train_registered(tmp_path):
     """A directory the controller never registered (a job killed mid-report) is no resume point, but it still
     stops a rerun that did not ask to resume from overwriting it."""
@@ -288,7 +274,7 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
         "evaluator.every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
         "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
     ]  # fmt: skip
-    first = run_job(*args)
+    first = start_job(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while latest_step(out) is None and time.time() < deadline:
         assert first.poll() is None, first.stdout.read()[-3000:]
@@ -304,11 +290,12 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     assert saved is not None and 3 <= saved < 60, saved
 
     # A rerun that changed the recipe would mix two runs in one checkpoint: refused in one line, the checkpoint kept.
-    other, _ = run_job(*args, "distill.divergence=fkl").communicate(timeout=300)
+    other = start_job(*args, "distill.divergence=fkl", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    other, _ = other.communicate(timeout=300)
     assert "holds a checkpoint of another run (distill.divergence" in other and "Traceback" not in other, other[-2000:]
     assert latest_step(out) == saved
 
-    second = run_job(*args)
+    second = start_job(*args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output, _ = second.communicate(timeout=900)
     assert second.returncode == 0, output[-3000:]
     # The rerun resumes from the checkpoint Ray Train registered last: the one seen above, or a later one the dying

@@ -23,8 +23,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.models import encode_prompts
 from distillspec.pretrained import DONE, draft_layers, is_draft_spec
 
-from .conftest import greedy_text
-from .test_job import run_job
+from .conftest import greedy_text, run_job
 
 REAL = "smollm2-135m-instruct"
 

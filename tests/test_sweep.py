@@ -9,7 +9,7 @@ import pytest
 
 from distillspec.config import load_config
 from distillspec.models import load_model
-from tests.test_job import run_job
+from tests.conftest import run_job
 
 
 def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(

@@ -95,7 +95,9 @@ def plot_lenience(points: list[dict], metric: str, path: str | Path, title: str 
     styles = {"raw": "--", "distilled": "-"}
     colors = {"lin": "C0", "sq": "C1", "exp": "C2"}
     for draft, ls in styles.items():
-        lossless = next(p for p in points if p["draft"] == draft and p["lenience"] is None)
+        lossless = next((p for p in points if p["draft"] == draft and p["lenience"] is None), None)
+        if lossless is None:
+            continue
         ax.scatter(
             [lossless["relative_latency"]],
             [lossless[metric]],

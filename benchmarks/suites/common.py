@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distillspec.config import JobConfig, cell_config, load_config
-from distillspec.data import load_task
+from distillspec.data import Task, load_task
 from distillspec.errors import DistillSpecError
 from distillspec.models import load_pair
-from distillspec.pretrained import PACKAGED, packaged_file, prepare_pair
+from distillspec.pretrained import PACKAGED, RUN_CONFIG, packaged_file, prepare_pair, run_models
 from distillspec.study import run_cell
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +162,16 @@ def with_garden(cfg: JobConfig, log=print):
     """``cfg`` with the pair's paths filled in and its task as the target is prompted
     (:func:`distillspec.pretrained.prepare_pair`)."""
     return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
+
+
+def run_pair(run: Path, overrides: list[str], log=print) -> tuple[JobConfig, Task, Path]:
+    """The pair a finished jobs/distill.py run distilled, as its ``config.yaml`` records it (the undistilled draft
+    already with the run's draft vocabulary), then ``overrides``; the run's task as the target is prompted; and the
+    run's distilled draft (``draft/``)."""
+    distilled = Path(run_models(run)["draft"])
+    cfg = replace(load_config(run / RUN_CONFIG, overrides), draft_vocab=0)  # the recorded draft is restricted already
+    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
+    return cfg, task, distilled
 
 
 def distilled_draft(
