@@ -1,11 +1,11 @@
 """The sample buffer: a named actor between the rollout actors and the learner.
 
 It pulls batches: :meth:`BufferActor.feed` asks a rollout actor for its next
-:class:`~distillspec.batches.RolloutBatch` once it holds a slot for it, and keeps the reference to the answer. The
-answer of a call is owned by its caller, so the buffer owns each batch with the one copy the rollout actor wrote
-when it returned it (serialised once, and it outlives a producer that dies); the learner reads that copy. ``put``
+:class:`~distillspec.training.batches.RolloutBatch` once it holds a slot for it, and keeps the reference to the
+answer. The answer of a call is owned by its caller, so the buffer owns each batch with the one copy the rollout actor
+wrote when it returned it (serialised once, and it outlives a producer that dies); the learner reads that copy. ``put``
 takes a batch from any other producer and keeps its own copy of it. ``take`` waits while the buffer is empty. Its
-bookkeeping (capacity, staleness, ledger) is :class:`distillspec.batches.SampleBuffer`.
+bookkeeping (capacity, staleness, ledger) is :class:`distillspec.training.batches.SampleBuffer`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import ray
 
 from actors.common import log, setup_worker
 from actors.dashboard import count, gauge
-from distillspec.batches import RolloutBatch, SampleBuffer
+from distillspec.training.batches import RolloutBatch, SampleBuffer
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)

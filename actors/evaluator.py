@@ -16,13 +16,13 @@ from actors.common import log, setup_worker, weights_name
 from actors.dashboard import count, gauge
 from actors.weights import take
 from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, VLLMConfig
-from distillspec.data import Example, Task
 from distillspec.errors import DistillSpecError
-from distillspec.evaluate import evaluate_sd
+from distillspec.evaluation.measure import evaluate_sd
+from distillspec.evaluation.study import measure_phase
 from distillspec.integrity import TransferRefused
-from distillspec.models import load_arrays, load_decoding_draft, load_decoding_pair, state_arrays
-from distillspec.serving import canary_refusal
-from distillspec.study import measure_phase
+from distillspec.models.loading import load_arrays, load_decoding_draft, load_decoding_pair, state_arrays
+from distillspec.serving.completer import canary_refusal
+from distillspec.tasks.data import Example, Task
 from distillspec.versions import DraftVersion
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
@@ -73,7 +73,7 @@ class EvalActor:
         self.serving_alpha: float | None = ray.get(self.store.follow.remote()).alpha
         self.canary = None  #: with serve.backend=vllm, the canary decodes with vLLM, as the replicas do
         if s.canary_backend == "vllm":
-            from distillspec.vllm_backend import VLLMGenerator
+            from distillspec.serving.vllm_backend import VLLMGenerator
 
             self.canary = VLLMGenerator(
                 s.vllm,
@@ -199,11 +199,11 @@ def measure_on_cluster(
     speed: bool = True,
     baseline: str | None = None,
 ) -> list[dict]:
-    """The job's before/after measurements (:func:`distillspec.study.measure_phase`) of the pair ``cfg.target`` and
-    ``draft`` as a Ray task with ``evaluator.cpus`` CPUs and ``evaluator.gpus`` GPUs (``threads`` torch threads), so a
-    driver on a head node without the job's device still measures on it; ``speed``/``baseline``: the wall-clock
-    speedup, of ``draft`` alone or side by side with the ``baseline`` draft. A user's mistake (a bad path, a
-    tokenizer mismatch) comes back as the :class:`DistillSpecError` it is."""
+    """The job's before/after measurements (:func:`distillspec.evaluation.study.measure_phase`) of the pair
+    ``cfg.target`` and ``draft`` as a Ray task with ``evaluator.cpus`` CPUs and ``evaluator.gpus`` GPUs (``threads``
+    torch threads), so a driver on a head node without the job's device still measures on it; ``speed``/``baseline``:
+    the wall-clock speedup, of ``draft`` alone or side by side with the ``baseline`` draft. A user's mistake (a bad
+    path, a tokenizer mismatch) comes back as the :class:`DistillSpecError` it is."""
     e = cfg.eval
     side = " side by side with the undistilled draft" if baseline else ""
     speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts{side}" if speed else ""

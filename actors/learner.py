@@ -24,13 +24,13 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from actors.common import buffer_name, log, setup_worker, weights_name
 from actors.dashboard import gauge
 from actors.weights import publish
-from distillspec.batches import RolloutBatch
 from distillspec.config import DistillConfig, JobConfig, LearnerConfig, Models
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog
-from distillspec.learner import LOG_FILE, Learner, checkpoint_log, load_checkpoint, save_checkpoint
-from distillspec.losses import train_temperature
-from distillspec.models import load_model
+from distillspec.models.loading import load_model
+from distillspec.training.batches import RolloutBatch
+from distillspec.training.learner import LOG_FILE, Learner, checkpoint_log, load_checkpoint, save_checkpoint
+from distillspec.training.losses import train_temperature
 
 RUN_DIR = "learner"  #: Ray Train's run folder under output_dir (checkpoints live there)
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  #: Ray Train's record of the registered checkpoints, in RUN_DIR

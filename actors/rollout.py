@@ -14,13 +14,13 @@ import torch
 from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
 from actors.dashboard import gauge
 from actors.weights import take
-from distillspec.batches import RolloutBatch
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
-from distillspec.data import Example
 from distillspec.integrity import TransferRefused
-from distillspec.losses import forward_logits, train_temperature
-from distillspec.models import load_arrays, load_model, load_tokenizer
-from distillspec.rollout import Sampler, needs_target_samples
+from distillspec.models.loading import load_arrays, load_model, load_tokenizer
+from distillspec.tasks.data import Example
+from distillspec.training.batches import RolloutBatch
+from distillspec.training.losses import forward_logits, train_temperature
+from distillspec.training.rollout import Sampler, needs_target_samples
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,9 @@ class RolloutActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = s.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
         if s.rollout.backend == "vllm":  # the engines hold the draft; new versions load into them in place
-            from distillspec.vllm_backend import VLLMGenerator  # the optional extra, imported only when asked for
+            from distillspec.serving.vllm_backend import (
+                VLLMGenerator,  # the optional extra, imported only when asked for
+            )
 
             self.draft, self.tokenizer = None, load_tokenizer(m.draft)
             self.engine = VLLMGenerator(
@@ -161,7 +163,9 @@ class ScorerActor:
         self.topk, self.temperature = s.topk, s.temperature
         self.target = self.engine = None
         if s.backend == "vllm":
-            from distillspec.vllm_backend import start_engine  # the optional extra, imported only when asked for
+            from distillspec.serving.vllm_backend import (
+                start_engine,  # the optional extra, imported only when asked for
+            )
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
@@ -171,7 +175,7 @@ class ScorerActor:
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """``batch`` with the target's distribution attached."""
         if self.engine is not None:
-            from distillspec.vllm_backend import prompt_topk  # loaded by __init__ already
+            from distillspec.serving.vllm_backend import prompt_topk  # loaded by __init__ already
 
             batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))
             return batch

@@ -182,7 +182,7 @@ def publish(
     consumer started after the learner died (a restarted rollout actor, a new replica) still loads it. Promotion and
     rollback move the store's reference, never the bytes.
     """
-    from distillspec.models import state_arrays
+    from distillspec.models.loading import state_arrays
 
     arrays = state_arrays(model)
     return ray.get(store.publish.remote(step, [ray.put(arrays)], record, checksums(arrays), serving=serving))

@@ -19,15 +19,15 @@ from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
 from distillspec.cli import sigterm_held
 from distillspec.config import JobConfig, resolve_recipe, to_dict
-from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
+from distillspec.evaluation.report import format_table, plot_tau, plot_training
+from distillspec.evaluation.study import measure_phase, merge_baseline_speed
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
-from distillspec.models import load_pair
-from distillspec.packing import quantize_int8
-from distillspec.pretrained import RUN_CONFIG, prepare_pair
-from distillspec.report import format_table, plot_tau, plot_training
-from distillspec.study import measure_phase, merge_baseline_speed
+from distillspec.models.loading import load_pair
+from distillspec.models.packing import quantize_int8
+from distillspec.models.pretrained import RUN_CONFIG, prepare_pair
+from distillspec.tasks.data import load_task
+from distillspec.training.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
 
 SYNC_CHECKPOINT = "checkpoint"  #: the single-process loop's checkpoint folder under output_dir
 

@@ -14,7 +14,7 @@ import ray
 from actors.common import NAMESPACE, weights_name
 from actors.weights import Follow, take
 from distillspec.integrity import TransferRefused
-from distillspec.serving import Completion, DraftServer, LiveAcceptance
+from distillspec.serving.completer import Completion, DraftServer, LiveAcceptance
 
 log = logging.getLogger("distillspec.serve")
 
@@ -128,7 +128,7 @@ class DraftFollower:
     def judge(self, done: list[Completion]) -> None:
         """Count each completion for the version that made it (one that spanned a swap counts for neither, one of a
         version rolled back for nothing), and roll the current version back when its live alpha collapsed against
-        the previous version's (:class:`distillspec.serving.LiveAcceptance`)."""
+        the previous version's (:class:`distillspec.serving.completer.LiveAcceptance`)."""
         for c in done:
             if "draft_version_end" not in c.stats and c.version not in self.rolled_back:
                 self.live.record(c.version, c.stats, c.args)

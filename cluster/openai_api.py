@@ -14,22 +14,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from distillspec.config import ServeConfig
+from distillspec.decoding.sampling import SamplingControls
 from distillspec.errors import DistillSpecError
-from distillspec.sampling import SamplingControls
-from distillspec.serving import Completion, CompletionJob, DecodingArgs, TokenLogprobs, merge_stats
+from distillspec.serving.completer import Completion, CompletionJob, DecodingArgs, TokenLogprobs, merge_stats
 
 #: The most likeliest tokens a request may ask scores of at each position (``logprobs``, ``top_logprobs``), as vLLM.
 MAX_LOGPROBS = 20
 
-#: The request fields that are :class:`~distillspec.sampling.SamplingControls`, by the same names.
+#: The request fields that are :class:`~distillspec.decoding.sampling.SamplingControls`, by the same names.
 CONTROL_FIELDS = {f.name for f in dataclasses.fields(SamplingControls)}
 
 
 class DecodingRequest(BaseModel):
     """The decoding fields of OpenAI's requests, vLLM's sampling extensions (``top_k``, ``min_p``,
     ``repetition_penalty``, ``stop_token_ids``), plus ``gamma``, ``lenience``, ``epsilon`` and ``speculative``. The
-    sampling controls' ranges are checked once, by :meth:`distillspec.sampling.SamplingControls.check` (a 400 naming
-    the field)."""
+    sampling controls' ranges are checked once, by :meth:`distillspec.decoding.sampling.SamplingControls.check` (a 400
+    naming the field)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -34,11 +34,11 @@ from actors.prompts import PromptLog
 from actors.rollout import RolloutActor, RolloutSettings, ScorerActor, ScorerSettings
 from actors.weights import WeightStore, publish
 from distillspec.config import JobConfig
-from distillspec.data import Task
 from distillspec.errors import DistillSpecError
 from distillspec.files import write_folder, write_json
-from distillspec.learner import LOG_FILE, checkpoint_log
-from distillspec.models import load_model
+from distillspec.models.loading import load_model
+from distillspec.tasks.data import Task
+from distillspec.training.learner import LOG_FILE, checkpoint_log
 
 EVALUATIONS = "evaluations.json"  #: the periodic evaluations so far, in output_dir (a resumed run keeps them)
 

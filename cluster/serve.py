@@ -2,12 +2,12 @@
 whose draft follows a running distillation job (``serve run cluster/serve_config.yaml``, or ``python jobs/serve.py``).
 
 One deployment, :class:`Completions`, is the FastAPI ingress (:mod:`cluster.http_app`) and the model holder. With
-``serve.backend=hf`` a replica batches concurrent requests (:class:`distillspec.serving.RequestBatcher`) into
-:class:`distillspec.serving.Completer` calls; with ``serve.backend=vllm`` it runs vLLM's async engine with the draft
-as its ``draft_model`` (:class:`distillspec.vllm_backend.VLLMCompleter`). A thread follows the run's weight store and
-swaps in each serving version whose weights pass their check, and rolls back a version whose live alpha collapses
-(:class:`cluster.follower.DraftFollower`). Requests, responses and stream events: :mod:`cluster.openai_api`; metrics:
-:mod:`cluster.serve_metrics`; stopping: :mod:`cluster.stopping`.
+``serve.backend=hf`` a replica batches concurrent requests (:class:`distillspec.serving.completer.RequestBatcher`) into
+:class:`distillspec.serving.completer.Completer` calls; with ``serve.backend=vllm`` it runs vLLM's async engine with
+the draft as its ``draft_model`` (:class:`distillspec.serving.vllm_backend.VLLMCompleter`). A thread follows the run's
+weight store and swaps in each serving version whose weights pass their check, and rolls back a version whose live
+alpha collapses (:class:`cluster.follower.DraftFollower`). Requests, responses and stream events:
+:mod:`cluster.openai_api`; metrics: :mod:`cluster.serve_metrics`; stopping: :mod:`cluster.stopping`.
 """
 
 import asyncio
@@ -48,9 +48,9 @@ from cluster.serve_metrics import ServeMetrics, cpu_seconds
 from cluster.stopping import ShuttingDown, stop_signal
 from distillspec.config import JobConfig, load_config
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_decoding_pair, load_tokenizer
-from distillspec.pretrained import resolve_models
-from distillspec.serving import (
+from distillspec.models.loading import load_decoding_pair, load_tokenizer
+from distillspec.models.pretrained import resolve_models
+from distillspec.serving.completer import (
     Completer,
     Completion,
     CompletionJob,
@@ -78,7 +78,9 @@ class Completions:
         self.streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
         self.completer: DraftServer
         if s.backend == "vllm":
-            from distillspec.vllm_backend import VLLMCompleter  # the optional extra, imported only when asked for
+            from distillspec.serving.vllm_backend import (
+                VLLMCompleter,  # the optional extra, imported only when asked for
+            )
 
             self.completer = VLLMCompleter(
                 cfg.vllm,
@@ -243,7 +245,7 @@ class Completions:
 
     # -- decoding -------------------------------------------------------------------------------------------
     async def _decode(self, jobs: list[CompletionJob]) -> list[Completion | Exception]:
-        """One batch of :class:`distillspec.serving.RequestBatcher`: decoded in a thread, observed here."""
+        """One batch of :class:`distillspec.serving.completer.RequestBatcher`: decoded in a thread, observed here."""
         self.metrics["distillspec_serve_batch_size"].observe(len(jobs))
         done = await asyncio.to_thread(self.completer.complete, jobs)
         if ok := [d for d in done if isinstance(d, Completion)]:

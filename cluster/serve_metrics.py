@@ -7,7 +7,7 @@ from collections.abc import Callable
 import psutil
 from ray.serve import metrics
 
-from distillspec.serving import Completion, merge_stats
+from distillspec.serving.completer import Completion, merge_stats
 
 #: name -> (kind, description, tag keys) of the endpoint's metrics (Prometheus: ``ray_<name>``)
 SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "distillspec.divergences": [
+    "distillspec.training.divergences": [
         "DIVERGENCES",
         "TopKLogprobs",
         "compress_topk",
@@ -21,16 +21,17 @@ _EXPORTS = {
         "tvd",
     ],
     "distillspec.errors": ["DistillSpecError"],
-    "distillspec.learner": ["Learner"],
-    "distillspec.rollout": ["RolloutBatch", "SampleBuffer", "Sampler"],
-    "distillspec.metrics": [
+    "distillspec.training.learner": ["Learner"],
+    "distillspec.training.batches": ["RolloutBatch", "SampleBuffer"],
+    "distillspec.training.rollout": ["Sampler"],
+    "distillspec.decoding.metrics": [
         "AcceptanceCounts",
         "alpha_from_tvd",
         "expected_tau",
         "measure_cost_ratio",
         "predicted_speedup",
     ],
-    "distillspec.speculative": [
+    "distillspec.decoding.speculative": [
         "LENIENCES",
         "GenerationOutput",
         "SpecStats",

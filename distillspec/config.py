@@ -397,7 +397,7 @@ class ServeConfig:
     @property
     def fixed_gamma(self) -> int:
         """Gamma where one number is needed (the canary): ``gamma``; for auto, where its choice starts
-        (:class:`distillspec.auto_gamma.AutoGamma`): 5, or ``max_gamma`` if lower."""
+        (:class:`distillspec.decoding.auto_gamma.AutoGamma`): 5, or ``max_gamma`` if lower."""
         return min(START_GAMMA, self.max_gamma) if self.gamma == "auto" else self.gamma
 
     def validate(self) -> None:

@@ -17,16 +17,16 @@ from distillspec.cli import parse_job_args, run_main
 from distillspec.config import JobConfig
 
 if TYPE_CHECKING:
-    from distillspec.garden import Garden
+    from distillspec.models.garden import Garden
 
 
 def main(cfg: JobConfig) -> Garden:
     """Build (or find in the cache) the garden of ``cfg.dataset``; print its folders and cost ratio."""
     # torch and transformers load after parsing: --help stays fast
-    from distillspec.data import load_task
-    from distillspec.garden import build_garden
-    from distillspec.metrics import measure_cost_ratio
-    from distillspec.models import encode_prompts, load_pair
+    from distillspec.decoding.metrics import measure_cost_ratio
+    from distillspec.models.garden import build_garden
+    from distillspec.models.loading import encode_prompts, load_pair
+    from distillspec.tasks.data import load_task
 
     task = load_task(cfg.dataset, seed=cfg.seed)
     garden = build_garden(task, cfg.garden, seed=cfg.seed)

@@ -64,7 +64,7 @@ def stop(*, own_cluster: bool) -> None:
 def main(cfg: JobConfig) -> None:
     from cluster.connect import connect
     from cluster.serve import API_KEY_ENV, with_api_key
-    from distillspec.pretrained import resolve_models
+    from distillspec.models.pretrained import resolve_models
 
     cfg = resolve_models(cfg)  # a wrong --run or --draft fails here, before Ray starts
     cfg = with_api_key(cfg)

@@ -7,7 +7,7 @@ The paper finds the best divergence and data source task-dependent (Sec. 5.2, Fi
     python jobs/sweep.py sweep.sources=[draft,fixed] sweep.divergences=[tvd,fkl] sweep.trial_cpus=0.5
     python jobs/sweep.py --target ORG/big --draft ORG/small --dataset gsm8k ray.address=auto sweep.trial_gpus=1
 
-Each trial distils the draft for ``sweep.steps`` steps with one recipe (``distillspec.study.run_cell``) and
+Each trial distils the draft for ``sweep.steps`` steps with one recipe (``distillspec.evaluation.study.run_cell``) and
 reports alpha, tau and its gain over the undistilled draft at gamma = ``eval.speedup_gamma`` and each of
 ``eval.temperatures``, the TVD-based alpha and tau, and the distilled draft's own task score. Writes
 ``sweep.json`` (every trial, the undistilled baseline, the best recipe), ``recipes.png`` (tau gain per cell)
@@ -48,14 +48,14 @@ def flatten(sd: list[dict], draft_alone: dict, before: dict[str, dict]) -> dict[
 
 
 def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str) -> None:
-    """One Ray Tune trial: distil one recipe cell on ``task`` (a :class:`~distillspec.data.Task`), report its
+    """One Ray Tune trial: distil one recipe cell on ``task`` (a :class:`~distillspec.tasks.data.Task`), report its
     measurements."""
     import torch
     from ray import tune
 
     from distillspec.config import cell_config
-    from distillspec.models import load_pair
-    from distillspec.study import run_cell
+    from distillspec.evaluation.study import run_cell
+    from distillspec.models.loading import load_pair
 
     torch.set_num_threads(max(1, int(cfg.sweep.trial_cpus)))
     torch.manual_seed(params["seed"])
@@ -94,7 +94,7 @@ def cell_name(params: dict) -> str:
 
 def summarise(trials: list[dict], rank: str) -> list[dict]:
     """One row per (source, divergence): every reported metric as mean/std/min/max over the seeds."""
-    from distillspec.study import spread
+    from distillspec.evaluation.study import spread
 
     cells: dict[tuple[str, str], list[dict]] = {}
     for t in trials:
@@ -119,10 +119,10 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     from ray import tune
 
     from cluster.connect import connect
-    from distillspec.data import load_task
-    from distillspec.models import load_pair
-    from distillspec.pretrained import prepare_pair
-    from distillspec.study import measure_pair
+    from distillspec.evaluation.study import measure_pair
+    from distillspec.models.loading import load_pair
+    from distillspec.models.pretrained import prepare_pair
+    from distillspec.tasks.data import load_task
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
         raise DistillSpecError(
@@ -234,7 +234,7 @@ def format_sweep(result: dict) -> str:
 
 
 def main(cfg: JobConfig) -> dict:
-    from distillspec.report import plot_recipe_grid
+    from distillspec.evaluation.report import plot_recipe_grid
 
     out = Path(cfg.output_dir).resolve()
     with exclusive(out):

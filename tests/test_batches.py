@@ -1,4 +1,4 @@
-"""The buffer's bookkeeping and the rollout batch (distillspec/batches.py), without Ray."""
+"""The buffer's bookkeeping and the rollout batch (distillspec/training/batches.py), without Ray."""
 
 import random
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.batches import MAX_REFUSALS, RolloutBatch, SampleBuffer, make_batch
-from distillspec.divergences import compress_topk
+from distillspec.training.batches import MAX_REFUSALS, RolloutBatch, SampleBuffer, make_batch
+from distillspec.training.divergences import compress_topk
 
 
 def test_ledger_balances_through_a_random_run():

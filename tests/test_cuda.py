@@ -8,10 +8,10 @@ from scipy.stats import chisquare
 
 from distillspec import autoregressive_generate, speculative_generate
 from distillspec.config import DistillConfig, ModelSize
-from distillspec.draft_vocab import d2t, frequent_tokens, restrict_head
-from distillspec.garden import make_model, train_lm
-from distillspec.learner import Learner
-from distillspec.rollout import encode_examples
+from distillspec.models.draft_vocab import d2t, frequent_tokens, restrict_head
+from distillspec.models.garden import make_model, train_lm
+from distillspec.training.learner import Learner
+from distillspec.training.rollout import encode_examples
 
 from .conftest import perturbed, tiny_llama
 
@@ -109,9 +109,9 @@ def test_greedy_sd_on_cuda_equals_generate(dtype, vocab, compile):
 
 
 def test_a_static_step_replayed_as_cuda_graphs_gives_the_eager_tokens():
-    """:class:`~distillspec.kvcache.CudaGraphs` over the compiled static step (the GPU suite's ``compiled``
+    """:class:`~distillspec.decoding.kvcache.CudaGraphs` over the compiled static step (the GPU suite's ``compiled``
     variant): captured once per shape, its logits equal the step run directly."""
-    from distillspec.kvcache import CachedLM, CudaGraphs, static_step
+    from distillspec.decoding.kvcache import CachedLM, CudaGraphs, static_step
 
     target = on_cuda(tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0), torch.float32)
     ids, mask = _prompts()

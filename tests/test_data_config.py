@@ -5,7 +5,7 @@ import pytest
 
 from distillspec import DistillSpecError
 from distillspec.config import JobConfig, load_config
-from distillspec.data import arith_task, final_number, load_task, score
+from distillspec.tasks.data import arith_task, final_number, load_task, score
 
 from .conftest import SHARED_DATA
 
@@ -121,8 +121,8 @@ def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):
     value it resolves to."""
     from dataclasses import replace
 
-    from distillspec import garden
     from distillspec.config import GardenConfig
+    from distillspec.models import garden
 
     assert GardenConfig().bf16 is False
     auto = GardenConfig(bf16=None)
@@ -138,7 +138,7 @@ def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):
 
 def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
     from benchmarks.suites.precision import suite_precision
-    from distillspec.models import native_bf16
+    from distillspec.models.loading import native_bf16
 
     tiny = [f"garden.{k}={v}" for k, v in {"vocab_size": 300, "target": {"d_model": 32, "n_layers": 1}}.items()]
     result = suite_precision(tiny, 0.0, tmp_path)
@@ -149,7 +149,7 @@ def test_precision_suite_times_each_dtype_and_names_the_hardware(tmp_path):
 
 
 def test_an_empty_or_partial_model_folder_says_what_is_missing(tmp_path):
-    from distillspec.models import check_pair_sources
+    from distillspec.models.loading import check_pair_sources
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(DistillSpecError, match="lacks config.json, tokenizer_config.json, weights"):

@@ -11,7 +11,7 @@ from distillspec import (
     predicted_speedup,
     tvd,
 )
-from distillspec.divergences import compress_topk, reduce
+from distillspec.training.divergences import compress_topk, reduce
 
 NAMES = ["fkl", "rkl", "jsd", "tvd"]
 

@@ -1,4 +1,4 @@
-"""The draft vocabulary (distillspec/draft_vocab.py): exact speculative decoding with a draft that proposes from
+"""The draft vocabulary (distillspec/models/draft_vocab.py): exact speculative decoding with a draft that proposes from
 part of the vocabulary, its training target, and its round trip through save_pretrained."""
 
 import copy
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
-from distillspec.divergences import compress_topk, divergence
-from distillspec.draft_vocab import d2t, expand_logits, frequent_tokens, restrict_head, restrict_target
-from distillspec.models import check_pair_sources, load_model
+from distillspec.models.draft_vocab import d2t, expand_logits, frequent_tokens, restrict_head, restrict_target
+from distillspec.models.loading import check_pair_sources, load_model
+from distillspec.training.divergences import compress_topk, divergence
 
 from .conftest import perturbed, tiny_llama
 from .test_speculative import V, assert_greedy_sd_is_target_greedy, fit_to_target
@@ -128,7 +128,7 @@ def test_the_training_target_is_the_target_conditioned_on_the_draft_vocabulary()
 def test_a_draft_vocabulary_and_a_pruned_draft_made_from_a_draft_folder(tmp_path, tokenizer, task):
     """``draft=model@spread:K`` keeps K of that model's own layers; ``draft_vocab=V`` keeps the V most frequent
     tokens of the task's data in its head, EOS among them; both cached folders that load as they were made."""
-    from distillspec.pretrained import resolve_pair, split_draft, task_vocab, vocab_draft
+    from distillspec.models.pretrained import resolve_pair, split_draft, task_vocab, vocab_draft
 
     for name, layers in (("target", 3), ("draft", 4)):
         model = tiny_llama(len(tokenizer), d=32, layers=layers, seed=layers)

@@ -17,7 +17,7 @@ import torch
 from distillspec.config import DistillConfig, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.learner import Learner, checkpoint_log, load_checkpoint, save_checkpoint
+from distillspec.training.learner import Learner, checkpoint_log, load_checkpoint, save_checkpoint
 
 from .conftest import ROOT
 
@@ -99,7 +99,7 @@ else:
 def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, text_pair, tokenizer, task):
     """The learner's state (weights, optimizer, scheduler, step) comes back as saved, through ``torch.load`` with
     ``weights_only=True`` (a checkpoint cannot run code when a run resumes from it)."""
-    from distillspec.rollout import encode_examples
+    from distillspec.training.rollout import encode_examples
 
     target, draft = text_pair
     cfg = DistillConfig(steps=4, batch_size=2, max_new_tokens=4, recipe="supkd")

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
-from distillspec.models import load_model, load_pair
+from distillspec.models.loading import load_model, load_pair
 
 from .conftest import run_job
 
@@ -110,7 +110,7 @@ def test_garden_job_reports_paths_and_cost_ratio(job_run):
 def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
     out, _ = job_run
     garden = next((out / "garden").iterdir())
-    from distillspec.garden import train_tokenizer
+    from distillspec.models.garden import train_tokenizer
 
     other = train_tokenizer(["completely different text " * 50], vocab_size=280)
     model, _ = load_model(str(next(garden.glob("draft-*"))))

@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
-from distillspec.kvcache import CachedLM, supports_lean
+from distillspec.decoding.kvcache import CachedLM, supports_lean
 
 from .conftest import perturbed, tiny_llama
 
@@ -123,7 +123,7 @@ def test_compiled_decoders_give_the_same_tokens():
 
 @needs_compiler
 def test_compiled_speedup_measurement_decodes_what_the_eager_one_does(text_pair, tokenizer, task):
-    from distillspec.evaluate import measure_speedup
+    from distillspec.evaluation.measure import measure_speedup
 
     target, draft = text_pair
     prompts = [e.prompt for e in task.test[:2]]
@@ -140,7 +140,7 @@ def test_compiled_speedup_measurement_decodes_what_the_eager_one_does(text_pair,
 def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_path, tiny_garden):
     from transformers import AutoTokenizer
 
-    from distillspec.models import check_pair_sources
+    from distillspec.models.loading import check_pair_sources
 
     check_pair_sources(str(tiny_garden.target), str(tiny_garden.draft), compile=True)  # Llama: accepted
     tokenizer = AutoTokenizer.from_pretrained(tiny_garden.target)

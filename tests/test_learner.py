@@ -1,4 +1,5 @@
-"""The learner (distillspec/learner.py): its losses, steps, freezing and checkpoints, and the single-process loop."""
+"""The learner (distillspec/training/learner.py): its losses, steps, freezing and checkpoints, and the single-process
+loop."""
 
 import logging
 import random
@@ -9,11 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
 from distillspec.config import RECIPES, DistillConfig, build, resolve_recipe
-from distillspec.data import Example
-from distillspec.divergences import divergence
-from distillspec.learner import Distiller, Learner, make_optimizer
-from distillspec.losses import forward_logits, kd_loss
-from distillspec.rollout import draw_source, encode_examples, generate_batch
+from distillspec.tasks.data import Example
+from distillspec.training.divergences import divergence
+from distillspec.training.learner import Distiller, Learner, make_optimizer
+from distillspec.training.losses import forward_logits, kd_loss
+from distillspec.training.rollout import draw_source, encode_examples, generate_batch
 
 from .conftest import tiny_llama
 
@@ -115,17 +116,17 @@ def test_empty_dataset_is_refused(text_pair, tokenizer):
 def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, caplog):
     """dtype=bfloat16: the frozen target loads in bfloat16, the draft stays float32 and trains, and greedy
     SD still gives the (bfloat16) target's own greedy output."""
-    from distillspec import models
     from distillspec.config import load_config
-    from distillspec.models import encode_prompts, load_pair
-    from distillspec.speculative import autoregressive_generate, speculative_generate
+    from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
+    from distillspec.models import loading
+    from distillspec.models.loading import encode_prompts, load_pair
 
     for name, model in zip(("target", "draft"), text_pair):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     cfg = load_config(None, [f"target={tmp_path / 'target'}", f"draft={tmp_path / 'draft'}", "dtype=bfloat16"])
-    monkeypatch.setattr(models, "native_bf16", lambda device="cpu": False)  # an AVX2-only CPU: a warning
-    with caplog.at_level(logging.WARNING, logger="distillspec.models"):
+    monkeypatch.setattr(loading, "native_bf16", lambda device="cpu": False)  # an AVX2-only CPU: a warning
+    with caplog.at_level(logging.WARNING, logger="distillspec.models.loading"):
         load_pair(cfg.target, cfg.draft)
         assert not caplog.records
         target, draft, _ = load_pair(cfg.target, cfg.draft, dtype=cfg.dtype)
@@ -145,25 +146,25 @@ def test_bfloat16_target(text_pair, tokenizer, task, tmp_path, monkeypatch, capl
 
 
 def test_dtype_auto_is_bfloat16_only_for_a_weight_bound_target_on_bfloat16_hardware(text_pair, tokenizer, tmp_path):
-    from distillspec import models
-    from distillspec.models import resolve_dtype
+    from distillspec.models import loading
+    from distillspec.models.loading import resolve_dtype
 
     text_pair[0].save_pretrained(tmp_path)
     assert resolve_dtype("float16", str(tmp_path)) == ("float16", "set by dtype")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(models, "native_bf16", lambda device="cpu": True)
+        mp.setattr(loading, "native_bf16", lambda device="cpu": True)
         assert resolve_dtype("auto", str(tmp_path))[0] == "float32"  # a small target
-        mp.setattr(models, "AUTO_BF16_BYTES", 1)
+        mp.setattr(loading, "AUTO_BF16_BYTES", 1)
         assert resolve_dtype("auto", str(tmp_path))[0] == "bfloat16"
-        mp.setattr(models, "native_bf16", lambda device="cpu": False)
+        mp.setattr(loading, "native_bf16", lambda device="cpu": False)
         dtype, why = resolve_dtype("auto", str(tmp_path))
         assert dtype == "float32" and "without native bfloat16" in why
 
 
 def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat16(text_pair, tokenizer, tmp_path):
-    from distillspec import models, pretrained
     from distillspec.config import load_config
-    from distillspec.data import arith_task
+    from distillspec.models import loading, pretrained
+    from distillspec.tasks.data import arith_task
 
     for name, model in zip(("target", "draft"), text_pair):
         model.save_pretrained(tmp_path / name)
@@ -174,9 +175,9 @@ def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat1
     assert cfg.distill.bf16 is False and cfg.prepack is False  # a small target: float32, not packed
     assert "the draft trains in float32" in lines[-1]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(models, "native_bf16", lambda device="cpu": True)
+        mp.setattr(loading, "native_bf16", lambda device="cpu": True)
         mp.setattr(pretrained, "native_bf16", lambda device="cpu": True)
-        mp.setattr(models, "AUTO_BF16_BYTES", 1)
+        mp.setattr(loading, "AUTO_BF16_BYTES", 1)
         cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
         assert cfg.dtype == "bfloat16" and cfg.distill.bf16 is True
         assert "under bfloat16 autocast" in lines[-1]
@@ -189,7 +190,7 @@ def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat1
 
 def test_train_top_k_trains_the_last_k_decoder_layers_only():
     from distillspec.config import load_config
-    from distillspec.learner import freeze_all_but_layers
+    from distillspec.training.learner import freeze_all_but_layers
 
     model = tiny_llama(64, d=32, layers=4)
     trained = freeze_all_but_layers(model, top=2)

@@ -1,5 +1,5 @@
-"""Prepacked float32 target weights (distillspec/packing.py): the same logits, exact speculative decoding, and the
-choice of when to pack (distillspec.models.resolve_prepack)."""
+"""Prepacked float32 target weights (distillspec/models/packing.py): the same logits, exact speculative decoding, and
+the choice of when to pack (distillspec.models.loading.resolve_prepack)."""
 
 import copy
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError, speculative_generate
-from distillspec.kvcache import CachedLM
-from distillspec.models import load_pair, resolve_prepack
-from distillspec.packing import PackedLinear, can_prepack, prepack_linears
+from distillspec.decoding.kvcache import CachedLM
+from distillspec.models.loading import load_pair, resolve_prepack
+from distillspec.models.packing import PackedLinear, can_prepack, prepack_linears
 
 from .conftest import perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
@@ -86,8 +86,8 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
 def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact():
     """Weight-only int8 (per-row scales): logits close to the bfloat16 draft's, the draft vocabulary's map kept,
     greedy SD still the target's greedy, and at T = 1 still the target's distribution (chi-square)."""
-    from distillspec.draft_vocab import d2t, restrict_head
-    from distillspec.packing import Int8Linear, quantize_int8
+    from distillspec.models.draft_vocab import d2t, restrict_head
+    from distillspec.models.packing import Int8Linear, quantize_int8
 
     from .test_speculative import V
 
@@ -113,8 +113,8 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact():
 def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer):
     """The endpoint's swap: a new draft version travels as float arrays (state_arrays) and an int8 draft quantizes
     them in place; load_pair makes the decode-only draft int8 and refuses it for a draft that trains."""
-    from distillspec.models import load_arrays, state_arrays
-    from distillspec.packing import Int8Linear
+    from distillspec.models.loading import load_arrays, state_arrays
+    from distillspec.models.packing import Int8Linear
 
     folders = []
     for name, model in zip(("target", "draft"), text_pair):
@@ -143,7 +143,7 @@ def test_draft_int8_is_refused_with_vllm_backends():
 
 def test_an_int8_layer_gives_the_same_product_for_a_step_and_for_a_prompt():
     """A few rows go through the int8 kernel, many (a prompt) through the weight dequantized: the same product."""
-    from distillspec.packing import INT8_ROWS, Int8Linear
+    from distillspec.models.packing import INT8_ROWS, Int8Linear
 
     torch.manual_seed(0)
     layer = Int8Linear(torch.nn.Linear(64, 96))

@@ -25,9 +25,9 @@ from actors.learner import checkpoint_steps, latest_step
 from actors.weights import WeightStore, publish
 from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
-from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, load_config
-from distillspec.models import load_model
+from distillspec.models.loading import load_model
+from distillspec.training.batches import RolloutBatch
 
 from .conftest import start_job
 
@@ -341,7 +341,7 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
     from actors.weights import take
     from distillspec.integrity import TransferRefused, checksums
-    from distillspec.models import load_arrays, state_arrays
+    from distillspec.models.loading import load_arrays, state_arrays
 
     store = WeightStore.remote("integrity")
     draft, consumer = load_model(str(tiny_garden.draft))[0], load_model(str(tiny_garden.draft))[0]
@@ -386,7 +386,7 @@ def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
     """The store owns the bytes of the versions it keeps: a consumer that starts after the publisher died (a rollout
     actor restarted after the learner's node went, a replica started after the job ended) loads the version."""
     from actors.weights import take
-    from distillspec.models import load_arrays
+    from distillspec.models.loading import load_arrays
 
     @ray.remote(num_cpus=0)
     class Publisher:

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from distillspec.config import DistillConfig
-from distillspec.data import Task, chat_prompts, chat_task, qa_example
 from distillspec.errors import DistillSpecError
-from distillspec.models import encode_prompts
-from distillspec.pretrained import DONE, draft_layers, is_draft_spec
+from distillspec.models.loading import encode_prompts
+from distillspec.models.pretrained import DONE, draft_layers, is_draft_spec
+from distillspec.tasks.data import Task, chat_prompts, chat_task, qa_example
 
 from .conftest import greedy_text, run_job
 
@@ -49,7 +49,7 @@ def test_draft_specs_name_layers_or_say_what_is_wrong():
 def test_chat_prompts_make_questions_user_messages(tokenizer, task):
     """A chat template writes each question as a user turn; a garden tokenizer (whose template is the task's own
     prompt format) keeps the prompts as they are, and so does ``chat_template=false``."""
-    from distillspec.data import chat_template
+    from distillspec.tasks.data import chat_template
 
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = chat_template(task)
@@ -74,8 +74,8 @@ needs_real = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def real():
     """The target (float32 folder made from the package's GGUF file), its tokenizer, and a spread:4 layer draft."""
-    from distillspec.models import load_model
-    from distillspec.pretrained import resolve_pair
+    from distillspec.models.loading import load_model
+    from distillspec.models.pretrained import resolve_pair
 
     target_dir, draft_dir = resolve_pair(REAL, "spread:4", log=lambda _: None)
     target, tokenizer = load_model(target_dir)
@@ -85,7 +85,7 @@ def real():
 
 @needs_real
 def test_gguf_imports_once_with_its_tokenizer_and_chat_template(real):
-    from distillspec.pretrained import packaged_file, resolve_model
+    from distillspec.models.pretrained import packaged_file, resolve_model
 
     target, _, tokenizer, folder, _ = real
     assert type(target).__name__ == "LlamaForCausalLM" and target.config.num_hidden_layers == 30
@@ -116,7 +116,7 @@ def test_a_layer_draft_is_the_targets_own_layers(real):
 
 @needs_real
 def test_greedy_sd_equals_the_targets_own_generate_on_chat_prompts(real, task):
-    from distillspec.speculative import speculative_generate
+    from distillspec.decoding.speculative import speculative_generate
 
     target, draft, tokenizer, _, _ = real
     prompts = [e.prompt for e in chat_task(Task("q", [], task.test[:2], None), tokenizer).test]
@@ -133,7 +133,7 @@ def test_greedy_sd_equals_the_targets_own_generate_on_chat_prompts(real, task):
 
 @needs_real
 def test_two_learner_steps_train_only_the_draft_layers(real, task):
-    from distillspec.learner import Distiller
+    from distillspec.training.learner import Distiller
 
     target, draft, tokenizer, _, _ = real
     student = copy.deepcopy(draft)

@@ -107,7 +107,7 @@ def check_safe_rollout(
     from actors.evaluator import EvalActor, EvalSettings
     from actors.weights import WeightStore, publish
     from distillspec.integrity import checksums
-    from distillspec.models import state_arrays
+    from distillspec.models.loading import state_arrays
 
     run = cfg.ray.run_name
     store = WeightStore.options(name=weights_name(run), namespace=NAMESPACE).remote(run)
@@ -232,7 +232,7 @@ def endpoint(ray_cluster, tiny_garden):
 
 
 def test_safe_rollout_under_load_with_faults_injected(endpoint, tiny_garden):
-    from distillspec.models import load_pair
+    from distillspec.models.loading import load_pair
 
     target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
     expected = {p: greedy_text(target, tokenizer, p, 16) for p in PROMPTS}
@@ -278,7 +278,7 @@ def test_every_replica_leaves_a_version_one_of_them_rolled_back(two_replicas, ti
     store, and the other leaves it at its next check if it has not judged it itself: the deployment returns."""
     from actors.common import NAMESPACE, weights_name
     from actors.weights import WeightStore, publish
-    from distillspec.models import load_pair
+    from distillspec.models.loading import load_pair
 
     target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
     expected = {p: greedy_text(target, tokenizer, p, 16) for p in PROMPTS}

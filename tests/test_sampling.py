@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
-from distillspec.draft_vocab import restrict_head
-from distillspec.sampling import History, SamplingControls, penalise, truncate
+from distillspec.decoding.sampling import History, SamplingControls, penalise, truncate
+from distillspec.models.draft_vocab import restrict_head
 
 from .conftest import perturbed, tiny_llama
 from .test_speculative import V, left_padded_prompts

@@ -6,9 +6,10 @@ import pytest
 import sacrebleu
 from rouge_score import rouge_scorer
 
-from distillspec import DistillSpecError, scores
-from distillspec.data import score
-from distillspec.metrics import AcceptanceCounts
+from distillspec import DistillSpecError
+from distillspec.decoding.metrics import AcceptanceCounts
+from distillspec.tasks import scores
+from distillspec.tasks.data import score
 
 
 @pytest.fixture(autouse=True)

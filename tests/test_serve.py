@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from distillspec.config import load_config
-from distillspec.models import encode_prompts, load_pair
+from distillspec.models.loading import encode_prompts, load_pair
 
 from .conftest import free_port, greedy_text
 
@@ -462,7 +462,7 @@ def test_served_prompts_reach_the_prompt_log(client):
 
 def test_serve_finds_a_runs_draft_and_its_target(tmp_path, tiny_garden):
     from distillspec import DistillSpecError
-    from distillspec.pretrained import resolve_models
+    from distillspec.models.pretrained import resolve_models
 
     run = tmp_path / "run"
     run.mkdir()

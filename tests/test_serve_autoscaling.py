@@ -29,7 +29,7 @@ def test_replicas_follow_the_load_and_late_ones_serve_the_current_draft(ray_clus
     from actors.common import NAMESPACE, weights_name
     from actors.weights import WeightStore, publish
     from cluster.serve import bind
-    from distillspec.models import load_model
+    from distillspec.models.loading import load_model
 
     store = WeightStore.options(name=weights_name(RUN), namespace=NAMESPACE).remote(RUN)
     draft = load_model(str(tiny_garden.draft))[0]

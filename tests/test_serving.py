@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distillspec import DistillSpecError
-from distillspec.serving import (
+from distillspec.serving.completer import (
     Completer,
     CompletionJob,
     DecodingArgs,

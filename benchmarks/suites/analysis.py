@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.models import encode_prompts
-from distillspec.report import pyplot
-from distillspec.speculative import autoregressive_generate, speculative_generate
+from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
+from distillspec.evaluation.report import pyplot
+from distillspec.models.loading import encode_prompts
 
 
 def time_to_alpha(curve: list[dict], alpha: float) -> float | None:

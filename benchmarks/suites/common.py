@@ -8,11 +8,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from distillspec.config import JobConfig, cell_config, load_config
-from distillspec.data import Task, load_task
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_pair
-from distillspec.pretrained import PACKAGED, RUN_CONFIG, packaged_file, prepare_pair, run_models
-from distillspec.study import run_cell
+from distillspec.evaluation.study import run_cell
+from distillspec.models.loading import load_pair
+from distillspec.models.pretrained import PACKAGED, RUN_CONFIG, packaged_file, prepare_pair, run_models
+from distillspec.tasks.data import Task, load_task
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
@@ -160,7 +160,7 @@ def task_config(task: str, scale: Scale, overrides: list[str], out: Path) -> Job
 
 def with_garden(cfg: JobConfig, log=print):
     """``cfg`` with the pair's paths filled in and its task as the target is prompted
-    (:func:`distillspec.pretrained.prepare_pair`)."""
+    (:func:`distillspec.models.pretrained.prepare_pair`)."""
     return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
 
 

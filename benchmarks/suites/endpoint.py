@@ -40,10 +40,10 @@ from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
 from distillspec.config import load_config
-from distillspec.data import load_task
 from distillspec.errors import DistillSpecError
-from distillspec.models import load_model
-from distillspec.pretrained import resolve_models
+from distillspec.models.loading import load_model
+from distillspec.models.pretrained import resolve_models
+from distillspec.tasks.data import load_task
 from jobs.serve import start
 
 

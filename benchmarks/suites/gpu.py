@@ -5,17 +5,17 @@ Random weights in bfloat16 of real shapes: a Llama-3.1-8B target with a Llama-3.
 by new positions k = 1..8 at batch 1, 8 and 32, in three ways of running the project's step:
 
 - ``eager``: the lean forward pass, one kernel launch at a time (``compile=False``);
-- ``graphs``: the same step captured once per shape as a CUDA graph and replayed (:class:`~distillspec.kvcache.
+- ``graphs``: the same step captured once per shape as a CUDA graph and replayed (:class:`~distillspec.decoding.kvcache.
   CudaGraphs`);
 - ``compiled``: the step through ``torch.compile`` (dynamic shapes here, so that 24 shapes a model cost a few
   compiles; the decoder compiles each shape it meets) and replayed as CUDA graphs: what ``compile=True`` runs.
 
 From them: ``c`` (a 1-token draft step over a 1-token target step) and ``v(k)`` (a k-token target step over a
 1-token one) per batch; the target alone's tokens/s at batch 1 through the project's decoder
-(:func:`~distillspec.speculative.autoregressive_generate`, eager and compiled) against the limit that reading its
-weights and cache once a token from device memory sets (bandwidth measured by a device-to-device copy); and the
+(:func:`~distillspec.decoding.speculative.autoregressive_generate`, eager and compiled) against the limit that reading
+its weights and cache once a token from device memory sets (bandwidth measured by a device-to-device copy); and the
 speedup ``E[tau] / (c gamma + v(gamma + 1))`` predicted for alpha 0.6, 0.7, 0.8 at the best gamma, also for drafts
-whose head keeps a 32,768-token draft vocabulary (:mod:`distillspec.draft_vocab`; alpha taken as unchanged).
+whose head keeps a 32,768-token draft vocabulary (:mod:`distillspec.models.draft_vocab`; alpha taken as unchanged).
 
     python -m benchmarks.suites.gpu --out results/gpu           # every variant (about 10 minutes on an H100)
     python -m benchmarks.suites.gpu --variants eager graphs     # no compilation
@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
-from distillspec.draft_vocab import restrict_head
-from distillspec.kvcache import CachedLM, CudaGraphs, static_step
-from distillspec.metrics import expected_tau, predicted_speedup
-from distillspec.speculative import autoregressive_generate
+from distillspec.decoding.kvcache import CachedLM, CudaGraphs, static_step
+from distillspec.decoding.metrics import expected_tau, predicted_speedup
+from distillspec.decoding.speculative import autoregressive_generate
+from distillspec.models.draft_vocab import restrict_head
 
 SHAPES = {
     "llama-3.1-8b": LlamaConfig(

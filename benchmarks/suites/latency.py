@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from distillspec.config import load_config
-from distillspec.data import chat_prompts, load_task
 from distillspec.errors import DistillSpecError
-from distillspec.evaluate import measure_speedup
-from distillspec.models import encode_prompts, load_model, load_pair
-from distillspec.pretrained import resolve_pair
+from distillspec.evaluation.measure import measure_speedup
+from distillspec.models.loading import encode_prompts, load_model, load_pair
+from distillspec.models.pretrained import resolve_pair
+from distillspec.tasks.data import chat_prompts, load_task
 
 
 def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
@@ -57,7 +57,7 @@ def suite_latency(overrides: list[str], budget: float, out: Path, distilled: str
     if importlib.util.find_spec("vllm") is not None:
         from vllm import SamplingParams  # the optional extra
 
-        from distillspec.vllm_backend import acceptance_counts, start_engine
+        from distillspec.serving.vllm_backend import acceptance_counts, start_engine
 
         ids = [encode_prompts(tokenizer, [p])[0][0].tolist() for p in prompts]
 

@@ -11,7 +11,7 @@ tokens it keeps, and the nearer the score comes to the draft's own (printed too)
 
 The drafts decode as the job's measurements decode them (the pair's dtype, int8 with ``draft_int8=true``). Latency is
 reported relative to the target alone, ``(c gamma + v(gamma + 1)) / tau``, from the step costs measured here at batch
-1 (:func:`distillspec.metrics.measure_cost_ratio`) and each setting's tau; the batched decode's own tokens/s is
+1 (:func:`distillspec.decoding.metrics.measure_cost_ratio`) and each setting's tau; the batched decode's own tokens/s is
 printed beside it. Writes ``lossy.json``, ``lossy.md`` and ``lossy.png``.
 """
 
@@ -24,13 +24,13 @@ from pathlib import Path
 from benchmarks.suites.analysis import plot_lenience
 from benchmarks.suites.common import run_pair
 from distillspec.config import load_config
-from distillspec.data import load_task
+from distillspec.decoding.metrics import measure_cost_ratio
+from distillspec.decoding.speculative import LENIENCES
 from distillspec.errors import DistillSpecError
-from distillspec.metrics import measure_cost_ratio
-from distillspec.models import encode_prompts, load_decoding_draft, load_decoding_pair
-from distillspec.pretrained import prepare_pair
-from distillspec.speculative import LENIENCES
-from distillspec.study import draft_score, measure_pair
+from distillspec.evaluation.study import draft_score, measure_pair
+from distillspec.models.loading import encode_prompts, load_decoding_draft, load_decoding_pair
+from distillspec.models.pretrained import prepare_pair
+from distillspec.tasks.data import load_task
 
 
 def parse_setting(text: str) -> tuple[str, float]:

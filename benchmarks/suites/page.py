@@ -10,7 +10,7 @@ from pathlib import Path
 
 from benchmarks.suites.analysis import plot_async, race
 from distillspec.errors import DistillSpecError
-from distillspec.report import plot_recipe_grid
+from distillspec.evaluation.report import plot_recipe_grid
 from jobs.sweep import summarise
 
 DIV = {"fkl": "FKL", "jsd": "JSD", "rkl": "RKL", "tvd": "TVD"}

@@ -23,10 +23,10 @@ from transformers import TrainerCallback
 from benchmarks.suites.analysis import plot_peer_curves, race
 from benchmarks.suites.common import Scale, available, best_recipe, task_config, with_garden
 from distillspec.config import cell_config
-from distillspec.learner import Distiller
-from distillspec.models import encode_prompts, load_pair
-from distillspec.speculative import autoregressive_generate, speculative_generate
-from distillspec.study import measure_pair
+from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
+from distillspec.evaluation.study import measure_pair
+from distillspec.models.loading import encode_prompts, load_pair
+from distillspec.training.learner import Distiller
 
 
 def _load(cfg):

@@ -25,10 +25,10 @@ import torch
 from benchmarks.suites.common import with_garden
 from cluster.distill_job import run
 from distillspec.config import JobConfig, load_config
-from distillspec.learner import Learner
-from distillspec.losses import forward_logits
-from distillspec.models import load_pair
-from distillspec.rollout import Sampler
+from distillspec.models.loading import load_pair
+from distillspec.training.learner import Learner
+from distillspec.training.losses import forward_logits
+from distillspec.training.rollout import Sampler
 
 ASYNC_VARIANTS = {
     "sync": ["ray.mode=sync"],

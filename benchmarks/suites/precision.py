@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from distillspec.config import load_config
-from distillspec.garden import make_model, train_tokenizer
-from distillspec.models import native_bf16, native_half
+from distillspec.models.garden import make_model, train_tokenizer
+from distillspec.models.loading import native_bf16, native_half
 
 
 def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:

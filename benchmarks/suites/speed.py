@@ -1,12 +1,12 @@
 """Where a pair's speed comes from: for each draft kind, gamma and temperature, the step costs (``c``, ``v(gamma+1)``),
 the acceptance (``alpha``, ``tau``) and tokens/s at batch 1, the speedup predicted from them against the one measured,
-in one run, every decoder side by side on the same prompts (:func:`distillspec.evaluate.race`).
+in one run, every decoder side by side on the same prompts (:func:`distillspec.evaluation.measure.race`).
 
 Draft kinds: the draft as named; with ``--draft-vocab V`` the same draft with its head restricted to the V most
-frequent tokens of the task's training data (:mod:`distillspec.draft_vocab`); with ``--pruned SPEC`` a draft made of
-the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of those
-again with int8 weights (:class:`distillspec.packing.Int8Linear`: half the bytes a drafting step reads). Each extra
-draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
+frequent tokens of the task's training data (:mod:`distillspec.models.draft_vocab`); with ``--pruned SPEC`` a draft
+made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
+those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads).
+Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
     python -m benchmarks.suites.speed target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 
 from distillspec.config import load_config
-from distillspec.data import load_task
-from distillspec.draft_vocab import vocab_size
-from distillspec.evaluate import race
-from distillspec.kvcache import CachedLM, bucketed_capacity
-from distillspec.metrics import expected_tau, predicted_speedup
-from distillspec.models import encode_prompts, load_model, load_tokenizer
-from distillspec.packing import quantize_int8
-from distillspec.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
+from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
+from distillspec.decoding.metrics import expected_tau, predicted_speedup
+from distillspec.evaluation.measure import race
+from distillspec.models.draft_vocab import vocab_size
+from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
+from distillspec.models.packing import quantize_int8
+from distillspec.models.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
+from distillspec.tasks.data import load_task
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
 
@@ -179,7 +179,7 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
     as torch does here (``OMP_NUM_THREADS``)."""
     from vllm import LLM, SamplingParams  # the optional extra
 
-    from distillspec.vllm_backend import acceptance_counts, engine_args, prepare_environment
+    from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment
 
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     prepare_environment(vllm_cfg)

@@ -1,13 +1,13 @@
 """What shipping the target's top-k log-probabilities (``learner.target_logits=scorer scorer.topk=K``) costs in the
 exactness of the distillation loss: each divergence over batches the draft samples (the default recipe's data),
 computed with the target's full distribution and with its top k only (the k tokens and "any other token": a lower
-bound of the full divergence, :mod:`distillspec.divergences`), and the bytes a batch then carries.
+bound of the full divergence, :mod:`distillspec.training.divergences`), and the bytes a batch then carries.
 
     python -m benchmarks.suites.topk target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k draft_vocab=32768 distill.batch_size=8 distill.max_new_tokens=48 --ks 8 20 64 256
 
 With a draft vocabulary the target's distribution is first conditioned on it, as the learner does
-(:func:`distillspec.draft_vocab.restrict_target`). Writes ``topk.json`` and ``topk.md``.
+(:func:`distillspec.models.draft_vocab.restrict_target`). Writes ``topk.json`` and ``topk.md``.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from distillspec.config import DIVERGENCE_NAMES, load_config
-from distillspec.data import load_task
-from distillspec.divergences import compress_topk, divergence
-from distillspec.draft_vocab import d2t, restrict_target
-from distillspec.losses import forward_logits, train_temperature
-from distillspec.models import load_pair
-from distillspec.pretrained import prepare_pair
-from distillspec.rollout import generate_batch
+from distillspec.models.draft_vocab import d2t, restrict_target
+from distillspec.models.loading import load_pair
+from distillspec.models.pretrained import prepare_pair
+from distillspec.tasks.data import load_task
+from distillspec.training.divergences import compress_topk, divergence
+from distillspec.training.losses import forward_logits, train_temperature
+from distillspec.training.rollout import generate_batch
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 import requests
 
-from distillspec.serving import merge_stats
+from distillspec.serving.completer import merge_stats
 
 
 def send(

@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 
 from distillspec.config import load_config
-from distillspec.data import load_task
-from distillspec.draft_vocab import d2t, expand_logits, vocab_size
-from distillspec.learner import Learner
-from distillspec.losses import forward_logits
-from distillspec.metrics import alpha_from_tvd
-from distillspec.models import load_pair
-from distillspec.pretrained import prepare_pair
-from distillspec.report import pyplot
-from distillspec.rollout import Sampler, generate_batch
+from distillspec.decoding.metrics import alpha_from_tvd
+from distillspec.evaluation.report import pyplot
+from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
+from distillspec.models.loading import load_pair
+from distillspec.models.pretrained import prepare_pair
+from distillspec.tasks.data import load_task
+from distillspec.training.learner import Learner
+from distillspec.training.losses import forward_logits
+from distillspec.training.rollout import Sampler, generate_batch
 
 
 @torch.inference_mode()

@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 from benchmarks.suites.common import run_pair
-from distillspec.data import chat_prompts, load_task
-from distillspec.models import load_decoding_draft, load_decoding_pair
-from distillspec.study import measure_pair
+from distillspec.evaluation.study import measure_pair
+from distillspec.models.loading import load_decoding_draft, load_decoding_pair
+from distillspec.tasks.data import chat_prompts, load_task
 
 
 def suite_transfer_run(

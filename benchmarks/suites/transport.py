@@ -25,11 +25,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from actors.buffer import BufferActor
 from actors.weights import WeightStore
 from cluster.connect import connect
-from distillspec.batches import RolloutBatch
 from distillspec.config import JobConfig, load_config
-from distillspec.garden import make_model, train_tokenizer
 from distillspec.integrity import check, checksums
-from distillspec.models import load_arrays, state_arrays
+from distillspec.models.garden import make_model, train_tokenizer
+from distillspec.models.loading import load_arrays, state_arrays
+from distillspec.training.batches import RolloutBatch
 
 
 def weight_suite_drafts(overrides: list[str]) -> tuple[JobConfig, dict[str, torch.nn.Module]]:

@@ -30,17 +30,17 @@ from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
 from distillspec.config import load_config
-from distillspec.data import chat_prompts, load_task
 from distillspec.errors import DistillSpecError
-from distillspec.evaluate import evaluate_sd
-from distillspec.models import encode_prompts, load_model, load_pair
-from distillspec.pretrained import resolve_models
+from distillspec.evaluation.measure import evaluate_sd
+from distillspec.models.loading import encode_prompts, load_model, load_pair
+from distillspec.models.pretrained import resolve_models
+from distillspec.tasks.data import chat_prompts, load_task
 from jobs.serve import start
 
 
 def vllm_server(cfg, port: int, speculative: bool):
     """vLLM's own OpenAI server on the pair (a subprocess); returns it once it answers."""
-    from distillspec.vllm_backend import engine_args, prepare_environment  # imports vLLM, the optional extra
+    from distillspec.serving.vllm_backend import engine_args, prepare_environment  # imports vLLM, the optional extra
 
     prepare_environment(cfg.vllm)
     args = engine_args(cfg.vllm, cfg.target, draft=cfg.draft if speculative else None, gamma=cfg.serve.fixed_gamma)
@@ -144,11 +144,11 @@ def suite_vllm_acceptance(overrides: list[str], budget: float, out: Path) -> dic
     """Alpha and tau at each of ``eval.temperatures``, gamma ``eval.speedup_gamma``, over ``eval.num_prompts`` test
     prompts of ``eval.max_new_tokens`` tokens: this project's decoder, then vLLM on the same pair and prompts as
     shipped (greedy drafting, the CPU platform's own rejection-sampler kernels), with the kernels repaired
-    (``distillspec.vllm_worker.repair_cpu_expand``) and greedy drafting, and as this project starts it (repaired,
-    drafts sampled: ``draft_sample_method="probabilistic"``)."""
+    (``distillspec.serving.vllm_worker.repair_cpu_expand``) and greedy drafting, and as this project starts it
+    (repaired, drafts sampled: ``draft_sample_method="probabilistic"``)."""
     from vllm import LLM, SamplingParams  # the optional extra
 
-    from distillspec.vllm_backend import acceptance_counts, engine_args, prepare_environment
+    from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment
 
     del budget
     cfg = resolve_models(load_config(None, overrides))

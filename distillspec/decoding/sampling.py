@@ -1,0 +1,167 @@
+"""Sampling controls as vLLM's sampler applies them (OpenAI's ``top_p``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``; vLLM's ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``),
+kept exact under speculative decoding.
+
+The controls turn a model's logits at a position into the *processed* distribution that is sampled from, in
+vLLM's order: ``logit_bias`` is added; the penalties see the tokens generated so far (``repetition_penalty`` also
+the prompt's): a repeated token's positive logit is divided by ``repetition_penalty`` and a negative one multiplied,
+``frequency_penalty`` times its count and ``presence_penalty`` once are subtracted; then, at the temperature,
+``min_p`` drops tokens less likely than ``min_p`` times the likeliest, ``top_k`` keeps the ``k`` likeliest and
+``top_p`` the smallest set of likeliest tokens whose mass reaches ``top_p``. Greedy decoding (T = 0) takes the
+argmax of the biased and penalised logits (truncation never removes it).
+
+Speculative decoding stays exact for the processed target: at each position of a block, the draft's and the
+target's logits are processed alike, with the penalties seeing the tokens emitted so far *and* the block's drafts
+before that position (:class:`History`). The processed distribution at a position is a function of the prefix
+alone, so the rejection sampler reproduces the chain of processed target distributions, as it does the plain one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from distillspec.errors import DistillSpecError
+
+
+@dataclass(frozen=True)
+class SamplingControls:
+    """The controls of a call, shared by its rows (each row's penalties see its own tokens). The defaults change
+    nothing. ``logit_bias``: ``(token id, bias)`` pairs; ``stop_token_ids``: tokens that end a row as EOS does."""
+
+    top_p: float = 1.0
+    top_k: int = 0  #: 0 (or -1, as vLLM takes it): every token
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, logit_bias: Mapping[int | str, float] | None = None, **kw) -> SamplingControls:
+        """From keyword values as requests give them (``logit_bias`` a mapping of token id, or its string, to bias;
+        ``top_k`` -1 for off; None for a default)."""
+        kw = {k: v for k, v in kw.items() if v is not None}
+        if kw.get("top_k") == -1:
+            kw["top_k"] = 0
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(int(t) for t in kw["stop_token_ids"])
+        try:
+            bias = tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items()))
+        except ValueError:
+            raise DistillSpecError("logit_bias: its keys must be token ids (integers)") from None
+        return cls(logit_bias=bias, **kw)
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the processed logits depend on the tokens so far."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def active(self) -> bool:
+        """Whether the controls change any distribution (``stop_token_ids`` change where rows end, not what they
+        sample)."""
+        truncated = self.top_p < 1 or self.top_k > 0 or self.min_p > 0
+        return truncated or self.penalised or bool(self.logit_bias)
+
+    def check(self, vocab: int | None = None) -> None:
+        """Raise :class:`DistillSpecError` naming the bad value (token ids against ``vocab`` where given)."""
+        if not 0 < self.top_p <= 1:
+            raise DistillSpecError(f"top_p={self.top_p}: must be in (0, 1]; 1 keeps every token")
+        if self.top_k < 0:
+            raise DistillSpecError(f"top_k={self.top_k}: must be >= 1, or 0 or -1 for every token")
+        if not 0 <= self.min_p <= 1:
+            raise DistillSpecError(f"min_p={self.min_p}: must be in [0, 1]; 0 keeps every token")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise DistillSpecError(f"{name}={getattr(self, name)}: must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 2 or not math.isfinite(self.repetition_penalty):
+            raise DistillSpecError(f"repetition_penalty={self.repetition_penalty}: must be in (0, 2]; 1 is none")
+        for token, bias in self.logit_bias:
+            if not -100 <= bias <= 100:
+                raise DistillSpecError(f"logit_bias: {bias} for token {token}: a bias must be in [-100, 100]")
+        if vocab is not None:
+            for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+                if bad := [t for t in ids if not 0 <= t < vocab]:
+                    raise DistillSpecError(f"{name}: token ids {bad} are outside the vocabulary [0, {vocab})")
+
+
+class History:
+    """The tokens each row of a call has seen, for the controls' penalties: the prompt's (for
+    ``repetition_penalty``) and the generated ones (counts, for all three). :meth:`process` gives the processed
+    logits of a block's positions, each seeing the block's drafts before it."""
+
+    def __init__(self, controls: SamplingControls, input_ids: Tensor, mask: Tensor, vocab: int) -> None:
+        self.controls, self.vocab = controls, vocab
+        device = input_ids.device
+        self.bias = None
+        if controls.logit_bias:
+            self.bias = torch.zeros(vocab, device=device)
+            ids, values = zip(*controls.logit_bias, strict=True)
+            self.bias[list(ids)] = torch.tensor(values, device=device)
+        self.prompt = None
+        if controls.repetition_penalty != 1:
+            self.prompt = torch.zeros(len(input_ids), vocab, dtype=torch.bool, device=device)
+            r, c = mask.nonzero(as_tuple=True)
+            self.prompt[r, input_ids[r, c]] = True
+        self.counts = torch.zeros(len(input_ids), vocab, device=device)
+
+    def observe(self, tokens: Tensor, counts: Tensor) -> None:
+        """The generated tokens of every row of the call so far (``tokens`` [B, max], the first ``counts[i]`` of
+        row ``i``), as :data:`~distillspec.decoding.speculative.BlockCallback` gets them."""
+        if not self.controls.penalised:
+            return
+        taken = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < counts[:, None]
+        self.counts.zero_().scatter_add_(1, tokens, taken.float())
+
+    def process(self, logits: Tensor, rows: Tensor, temperature: float, drafts: Tensor | None = None) -> Tensor:
+        """The processed logits of ``logits`` [b, k, V] (rows ``rows`` of the call) after the row's tokens and the
+        block's ``drafts`` [b, m] (m >= k - 1): the last position sees all ``m``, each one before it one fewer (the
+        target's ``gamma + 1`` positions after ``gamma`` drafts; a draft step's one position after the drafts so far).
+        Softmax of them at ``temperature`` is the distribution sampled from (argmax, greedily)."""
+        c = self.controls
+        out = logits.float()
+        if self.bias is not None:
+            out = out + self.bias
+        if c.penalised:
+            b, k = logits.shape[:2]
+            counts = self.counts[rows][:, None].expand(-1, k, -1)
+            if drafts is not None and drafts.shape[1]:
+                m = drafts.shape[1]  # position i sees the first m - k + 1 + i drafts: draft t from position t - m + k
+                first = (torch.arange(m, device=out.device) - m + k).clamp(min=0)
+                seen = torch.zeros(b, k * self.vocab, device=out.device)
+                seen.scatter_add_(1, first * self.vocab + drafts, torch.ones_like(drafts, dtype=seen.dtype))
+                counts = counts + seen.view(b, k, self.vocab).cumsum(1)
+            out = penalise(out, counts, None if self.prompt is None else self.prompt[rows][:, None], c)
+        return truncate(out, temperature, c) if temperature > 0 else out
+
+
+def penalise(logits: Tensor, counts: Tensor, prompt: Tensor | None, c: SamplingControls) -> Tensor:
+    """vLLM's penalties: ``counts`` [..., V] of each token among the generated ones, ``prompt`` [..., V] whether it is
+    in the prompt (for ``repetition_penalty``)."""
+    if c.repetition_penalty != 1:
+        seen = counts > 0 if prompt is None else (counts > 0) | prompt
+        scaled = torch.where(logits > 0, logits / c.repetition_penalty, logits * c.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    return logits - c.frequency_penalty * counts - c.presence_penalty * (counts > 0).float()
+
+
+def truncate(logits: Tensor, temperature: float, c: SamplingControls) -> Tensor:
+    """``logits`` with ``-inf`` outside what ``min_p``, ``top_k`` then ``top_p`` keep at ``temperature`` (> 0)."""
+    if c.min_p > 0:
+        probs = torch.softmax(logits / temperature, -1)
+        logits = logits.masked_fill(probs < c.min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if 0 < c.top_k < logits.shape[-1]:
+        kth = logits.topk(c.top_k, -1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if c.top_p < 1:
+        ordered, order = logits.sort(-1)  # ascending: drop the least likely while their mass stays <= 1 - top_p
+        below = torch.softmax(ordered / temperature, -1).cumsum(-1) <= 1 - c.top_p
+        below[..., -1] = False  # the likeliest token always stays
+        logits = logits.masked_fill(below.scatter(-1, order, below), -math.inf)
+    return logits

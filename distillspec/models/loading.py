@@ -1,0 +1,337 @@
+"""Loading a target/draft pair (hub id or local directory) and batching text for them."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from distillspec.config import Models
+from distillspec.decoding.kvcache import LEAN_MODEL_TYPES
+from distillspec.decoding.speculative import check_pair
+from distillspec.errors import DistillSpecError
+from distillspec.models import draft_vocab, hub
+from distillspec.models.packing import Int8Linear, can_prepack, prepack_linears, quantize_int8
+
+log = logging.getLogger(__name__)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).expanduser().exists() or name.count("/") > 1
+
+
+#: What a model folder made by ``save_pretrained`` (with its tokenizer) holds, besides the weights.
+MODEL_FILES = ("config.json", "tokenizer_config.json")
+
+
+def _check_path(name: str, weights: bool = True) -> None:
+    """A local model path exists and holds what loading it needs (the tokenizer only, unless ``weights``)."""
+    path = Path(name).expanduser()
+    if _looks_local(name) and not path.exists():
+        raise DistillSpecError(
+            f"model path {name!r} does not exist: give a local directory made by save_pretrained, or a hub id"
+        )
+    if not path.exists():
+        hub.require(name, "model")  # a hub id: fail at once when it cannot be had
+    if path.is_dir():
+        missing = [f for f in MODEL_FILES if (weights or f.startswith("tokenizer")) and not (path / f).exists()]
+        if weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            missing.append("weights (*.safetensors)")
+        if missing:
+            raise DistillSpecError(
+                f"model folder {name!r} lacks {', '.join(missing)}: save the model and its tokenizer there with "
+                "save_pretrained"
+            )
+
+
+def _unloadable(name: str, exc: Exception) -> DistillSpecError:
+    return DistillSpecError(
+        f"model {name!r} could not be loaded ({str(exc).splitlines()[0][:200]}): "
+        "give a local directory or a reachable hub id"
+    )
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
+    AMX. Elsewhere bfloat16 is emulated: on an AVX2-only CPU a bfloat16 forward pass runs 2.5-4x, and a training step
+    under bfloat16 autocast about 18x slower than in float32 (``benchmarks/benchmark.py precision``)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if kind == "cpu":
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up with a fallback
+        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    return False
+
+
+def native_half(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` in hardware: float32 always, bfloat16 with AVX512-BF16 or AMX, float16
+    with AMX-FP16."""
+    if dtype == torch.bfloat16:
+        return native_bf16("cpu")
+    if dtype == torch.float16:
+        return getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
+    return True
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a hub id or a local ``save_pretrained`` directory, with a pad token (EOS if it has none)."""
+    _check_path(name, weights=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise _unloadable(name, exc) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32, prepack: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
+    dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
+    freezes it with its float32 linear weights prepacked (:func:`~distillspec.models.packing.prepack_linears`): for a
+    target, which only scores and verifies."""
+    if dtype == "auto":
+        dtype = resolve_dtype("auto", name, device)[0]
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    tokenizer = load_tokenizer(name)
+    try:
+        config = AutoConfig.from_pretrained(name)
+        if getattr(config, draft_vocab.CONFIG_KEY, None):
+            model = _load_restricted(name, config, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise _unloadable(name, exc) from None
+    model = model.to(device).eval()
+    if prepack:
+        prepack_linears(model)
+    return model, tokenizer
+
+
+def _load_restricted(name: str, config, dtype: torch.dtype) -> PreTrainedModel:
+    """A draft saved with a draft vocabulary (:mod:`distillspec.models.draft_vocab`): the architecture from its
+    config, the head restricted to the saved size, then every weight from its safetensors files."""
+    files = sorted(Path(name).expanduser().glob("*.safetensors"))
+    if not files:
+        raise OSError(f"{name} has a draft vocabulary ({draft_vocab.CONFIG_KEY}) but no *.safetensors weights")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    draft_vocab.restrict_head(model, torch.arange(getattr(config, draft_vocab.CONFIG_KEY)))
+    state = {}
+    for file in files:
+        state.update(safetensors.torch.load_file(file))
+    model.load_state_dict(state, strict=False)  # buffers of the architecture (rotary) are not saved
+    missing = {k for k, _ in model.named_parameters()} - set(state)
+    if missing:
+        raise OSError(f"{name} lacks weights {sorted(missing)[:3]}")
+    return model
+
+
+def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy arrays: the form a draft version travels in (read zero-copy by every
+    puller on a node) and is checksummed in."""
+    model = getattr(model, "module", model)  # DDP
+    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Copy ``arrays`` (:func:`state_arrays` of a model of the same architecture) into ``model``'s weights: one copy,
+    read straight from the arrays, which may be read-only views of Ray's object store (only ``copy_`` reads them, so
+    torch's warning about tensors over read-only memory does not apply)."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        quantized = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+        for name, tensor in model.state_dict().items():
+            layer, _, leaf = name.rpartition(".")
+            if layer not in quantized:
+                tensor.copy_(torch.as_tensor(arrays[name]))
+            elif leaf == "weight":  # an int8 layer quantizes the float weight (its scales and bias come with it)
+                quantized[layer].load_dense(torch.as_tensor(arrays[name]), arrays.get(f"{layer}.bias"))
+
+
+def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
+    """The draft and the target must map text to the same ids."""
+    if len(target_tok) != len(draft_tok):
+        raise DistillSpecError(
+            f"draft tokenizer has {len(draft_tok)} tokens but the target's has {len(target_tok)}: "
+            "the draft and target must share one tokenizer"
+        )
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise DistillSpecError(
+            "draft and target tokenizers map tokens to different ids: the draft and target must share one tokenizer"
+        )
+
+
+def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: bool = False) -> None:
+    """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
+    share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs; with
+    ``vllm``, the draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the
+    models to its workers, before anything long starts."""
+    tokenizers, vocab = [], []
+    for name in (target, draft):
+        _check_path(name)
+        try:
+            tokenizers.append(AutoTokenizer.from_pretrained(name))
+            config = AutoConfig.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise _unloadable(name, exc) from None
+        vocab.append(config.vocab_size)
+        if vllm and getattr(config, draft_vocab.CONFIG_KEY, None):
+            raise DistillSpecError(
+                f"{name} has a draft vocabulary ({getattr(config, draft_vocab.CONFIG_KEY)} tokens): vLLM's draft_model "
+                "drafts take none; set rollout.backend=hf and serve.backend=hf"
+            )
+        if compile and (config.model_type not in LEAN_MODEL_TYPES or getattr(config, "sliding_window", None)):
+            raise DistillSpecError(
+                f"eval.compile=true: {name} is a {config.model_type!r} model; compiled decoding runs "
+                f"{', '.join(LEAN_MODEL_TYPES)} models with full attention: set eval.compile=false"
+            )
+    check_tokenizers(*tokenizers)
+    if vocab[0] != vocab[1]:
+        raise DistillSpecError(
+            f"draft vocab {vocab[1]} != target vocab {vocab[0]}: the draft and target must share one tokenizer"
+        )
+
+
+#: ``dtype=auto`` runs a target in bfloat16 (where the device computes it natively) from this many bytes of float32
+#: weights on: a larger model's decoding step is bound by reading its weights, which bfloat16 halves, and on such
+#: hardware a few more rows (a verification) cost about what one does; a smaller one is bound by per-call costs,
+#: which bfloat16 does not lower (the garden, SmolLM2-135M).
+AUTO_BF16_BYTES = 1 << 30
+
+
+def _weight_bytes(target: str) -> int | None:
+    """Bytes of a local model folder's safetensors weights (None for a hub id or a folder without them)."""
+    path = Path(target).expanduser()
+    files = list(path.glob("*.safetensors")) if path.is_dir() else []
+    return sum(f.stat().st_size for f in files) if files else None
+
+
+def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, str]:
+    """The concrete dtype that ``dtype`` (``auto``, ``float32``, ``bfloat16``, ``float16``) names for the pair whose
+    target is the local folder or hub id ``target`` on ``device``, and why (one line for the console)."""
+    if dtype != "auto":
+        return dtype, "set by dtype"
+    if not native_bf16(device):
+        return "float32", f"auto: {torch.device(device).type} without native bfloat16"
+    size = _weight_bytes(target)
+    if size is not None and size < AUTO_BF16_BYTES:
+        return "float32", f"auto: {size / 1e9:.2f} GB of weights, too small to be bound by reading them"
+    return "bfloat16", f"auto: native bfloat16 on {torch.device(device).type}, a weight-bound target"
+
+
+def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool, str]:
+    """Whether the frozen target's linear weights are prepacked (:mod:`distillspec.models.packing`) for ``prepack``
+    (``auto``, true, false) with the resolved ``dtype``, and why. ``auto`` packs a float32 target on a CPU where it is
+    bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it)."""
+    if prepack is False:
+        return False, "set by prepack"
+    if not can_prepack(device) or dtype != "float32":
+        if prepack is True:
+            raise DistillSpecError(
+                f"prepack=true lays float32 weights out for a CPU's oneDNN kernels; here dtype={dtype} on "
+                f"{torch.device(device).type}: set dtype=float32 on a CPU, or prepack=auto"
+            )
+        return False, f"auto: {dtype} on {torch.device(device).type} needs no packing"
+    if prepack is True:
+        return True, "set by prepack"
+    size = _weight_bytes(target)
+    if size is not None and size < AUTO_BF16_BYTES:
+        return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
+    return True, "auto: a weight-bound float32 target on a CPU"
+
+
+def load_pair(
+    target: str,
+    draft: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    decode_only: bool = False,
+    prepack: bool | str = "auto",
+    draft_int8: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`), its weights prepacked as ``prepack``
+    says (:func:`resolve_prepack`), and the draft in float32, to be trained, or in ``dtype`` too where it only decodes
+    (``decode_only``), then with int8 weights if ``draft_int8`` (:func:`~distillspec.models.packing.quantize_int8`);
+    checked to share a tokenizer."""
+    if dtype == "auto":
+        dtype = resolve_dtype(dtype, target, device)[0]
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), target, device)[0]
+    if torch.device(device).type == "cpu" and not native_half(dtype):
+        log.warning(
+            "dtype=%s on a CPU that has no hardware for it (AVX512-BF16, AMX): the pair runs several times slower "
+            "than in float32; set dtype=float32 (or auto)",
+            str(dtype).removeprefix("torch."),
+        )
+    if draft_int8 and not decode_only:
+        raise DistillSpecError("draft_int8=true quantizes a draft that only decodes; the draft that trains stays float")
+    target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack)
+    if decode_only:
+        draft_model, draft_tok = load_decoding_draft(draft, device=device, dtype=dtype, int8=draft_int8)
+    else:
+        draft_model, draft_tok = load_model(draft, device=device, dtype=torch.float32)
+    check_tokenizers(target_tok, draft_tok)
+    check_pair(target_model, draft_model)
+    return target_model, draft_model, target_tok
+
+
+def load_decoding_draft(
+    draft: str, *, device: str, dtype: torch.dtype, int8: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """:func:`load_model` of a draft as the decoders run it beside a target: in the target's ``dtype``, with int8
+    weights if ``int8`` (``draft_int8``; :func:`~distillspec.models.packing.quantize_int8`)."""
+    model, tokenizer = load_model(draft, device=device, dtype=dtype)
+    if int8:
+        quantize_int8(model)
+    return model, tokenizer
+
+
+def load_decoding_pair(
+    models: Models, draft: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
+    """The pair as the evaluator, the job's measurements and the endpoint decode it: :func:`load_pair` of ``models``
+    (``draft`` instead of its draft, if given) with the draft in the pair's dtype, int8 if ``models.draft_int8``."""
+    return load_pair(
+        models.target,
+        draft or models.draft,
+        device=models.device,
+        dtype=models.dtype,
+        decode_only=True,
+        prepack=models.prepack,
+        draft_int8=models.draft_int8,
+    )
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_len: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and attention mask (the layout the decoders take). Each prompt starts with the BOS
+    token, unless its text already does (a chat template that writes it)."""
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    bos = tokenizer.bos_token_id
+    if bos is not None:
+        ids = [x if x[:1] == [bos] else [bos, *x] for x in ids]
+    if max_len is not None:
+        ids = [x[-max_len:] for x in ids]
+    width = max(len(x) for x in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    return input_ids, mask
+
+
+def decode_new(tokenizer: PreTrainedTokenizerBase, sequences: Tensor, prompt_len: int, num_new: Tensor) -> list[str]:
+    return [
+        tokenizer.decode(seq[prompt_len : prompt_len + int(n)], skip_special_tokens=True)
+        for seq, n in zip(sequences, num_new)
+    ]

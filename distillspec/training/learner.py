@@ -1,0 +1,276 @@
+"""The one training step of the project: the :class:`Learner` owns the draft, its optimizer and schedule, and the
+recipe; ``step(batch)`` computes the loss, steps the optimizer and returns the log record.
+
+The single-process loop (:class:`Distiller`, ``ray.mode=sync``), the Ray Train worker
+(``actors/learner.py``) and the garden trainer (:func:`distillspec.models.garden.train_lm`) all step through it, and all
+save and resume through :func:`save_checkpoint` / :func:`load_checkpoint` (one checkpoint format).
+
+Every log record has the keys of :data:`LOG_KEYS`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+
+from distillspec.config import DistillConfig, resolve_recipe
+from distillspec.errors import DistillSpecError
+from distillspec.files import RecordLog, write_folder
+from distillspec.models.loading import load_model
+from distillspec.tasks.data import Example
+from distillspec.training.batches import Batch
+from distillspec.training.divergences import TopKLogprobs
+from distillspec.training.losses import kd_loss
+from distillspec.training.rollout import Sampler
+
+#: The keys of a learner's log record: the step, the batch (its source, tokens, the draft version that sampled it
+#: and its lag behind the learner), the loss and learning rate, when (seconds since the start), and the time spent
+#: getting the batch (sampling it, or waiting for it) and updating on it.
+LOG_KEYS = ("step", "source", "loss", "tokens", "lr", "version", "lag", "time", "wait_s", "compute_s")
+
+#: A training objective: the loss of ``model`` on ``batch`` (the target's logits, when given, come with the batch).
+Objective = Callable[[torch.nn.Module, Batch, "Tensor | TopKLogprobs | None"], Tensor]
+
+
+def make_optimizer(
+    model: torch.nn.Module, lr: float, steps: int, warmup_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over the weights that train (``requires_grad``), with linear warm-up and cosine decay to 0 at ``steps``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
+
+
+def freeze_all_but_layers(model: torch.nn.Module, top: int | None = None) -> int:
+    """Only the decoder layers (``...layers.N...``) of ``model`` train (``distill.train=layers``), or only the last
+    ``top`` of them (``distill.train=top:K``): the embeddings, final norm and head stay frozen. Returns the count of
+    weights that train."""
+    pattern = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    numbers = {int(m.group(1)) for name, _ in model.named_parameters() if (m := pattern.search(name))}
+    if not numbers:
+        raise DistillSpecError("distill.train: the draft has no '...layers.N...' weights to train")
+    if top is not None and top > len(numbers):
+        raise DistillSpecError(f"distill.train=top:{top}: the draft has {len(numbers)} decoder layers")
+    lowest = max(numbers) - top + 1 if top is not None else min(numbers)
+    trained = 0
+    for name, p in model.named_parameters():
+        m = pattern.search(name)
+        p.requires_grad_(m is not None and int(m.group(1)) >= lowest)
+        trained += p.numel() if p.requires_grad else 0
+    return trained
+
+
+def freeze_all_but_head(model: PreTrainedModel) -> int:
+    """Only the output layer of ``model`` trains (``distill.train=head``; a head tied to the input embeddings trains
+    them too). Returns the count of weights that train."""
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in head)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+class Learner:
+    """The draft being trained, its optimizer and schedule, and its objective (default: the recipe's divergence
+    to ``target``, Eq. 2).
+
+    ``model`` is what the forward pass runs through when it is not the draft itself (a DDP wrapper of it in Ray
+    Train); ``objective`` replaces the distillation loss (the garden trains its models from data with it);
+    ``bf16`` runs the forward pass under bfloat16 autocast (the weights stay float32); None: ``cfg.bf16``.
+    """
+
+    def __init__(
+        self,
+        draft: PreTrainedModel,
+        target: PreTrainedModel | None,
+        cfg: DistillConfig,
+        *,
+        model: torch.nn.Module | None = None,
+        objective: Objective | None = None,
+        bf16: bool | None = None,
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        self.draft, self.target, self.cfg = draft, target, cfg
+        self.model = draft if model is None else model
+        self.recipe = resolve_recipe(cfg)
+        self.objective = objective or self.kd_objective
+        self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
+        if cfg.train == "head":
+            freeze_all_but_head(draft)
+        elif cfg.train != "all":
+            freeze_all_but_layers(draft, int(cfg.train.removeprefix("top:")) if cfg.train.startswith("top:") else None)
+        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
+        self.step_count = 0
+        if target is not None:
+            target.eval()
+            for p in target.parameters():
+                p.requires_grad_(False)
+
+    def kd_objective(self, model: torch.nn.Module, batch: Batch, target_logits: Tensor | TopKLogprobs | None) -> Tensor:
+        """D(p || q_theta) of the recipe's divergence over the continuation (the target scores the batch here
+        unless its logits came with it)."""
+        if self.target is None and target_logits is None:
+            raise DistillSpecError("a batch came without the target's scores to a learner that holds no target")
+        return kd_loss(
+            model,
+            self.target,
+            batch,
+            self.recipe,
+            temperature=self.cfg.temperature,
+            beta=self.cfg.beta,
+            target_logits=target_logits,
+        )
+
+    def step(
+        self,
+        batch: Batch,
+        *,
+        target_logits: Tensor | TopKLogprobs | None = None,
+        source: str = "fixed",
+        version: int | None = None,
+        current: int | None = None,
+        wait_s: float = 0.0,
+        start: float | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step on ``batch``: loss, backward, clip, optimizer and scheduler step. Returns the record
+        (:data:`LOG_KEYS`); ``version`` is the draft version that sampled the batch and ``current`` the version
+        this step starts from (both default to the step count: the versions of a run that never restarted), their
+        difference the batch's lag; ``start`` is the ``time.perf_counter()`` the record's ``time`` counts from."""
+        t0 = time.perf_counter()
+        device = self.draft.device
+        batch = batch.to(device)
+        target_logits = None if target_logits is None else target_logits.to(device)
+        self.model.train()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.objective(self.model, batch, target_logits)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        current = self.step_count if current is None else current
+        version = current if version is None else version
+        self.step_count += 1
+        now = time.perf_counter()
+        return {
+            "step": self.step_count,
+            "source": source,
+            "loss": loss.item(),
+            "tokens": batch.tokens,
+            "lr": self.scheduler.get_last_lr()[0],
+            "version": version,
+            "lag": current - version,
+            "time": now - (t0 if start is None else start),
+            "wait_s": wait_s,
+            "compute_s": now - t0,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler and step (the draft's weights are saved apart, in ``save_pretrained`` format)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step_count,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = state["step"]
+
+
+LOG_FILE = "train_log.jsonl"  #: a run's training records as they are made, in its output folder
+
+
+def save_checkpoint(
+    folder: str | Path,
+    learner: Learner,
+    tokenizer: PreTrainedTokenizerBase,
+    log: RecordLog,
+    *,
+    seconds: float,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """The checkpoint format: ``draft/`` (``save_pretrained``, with the tokenizer), ``state.pt`` (the learner's
+    state and the seconds trained), ``step.json`` (the step, and how many records of the run's ``log`` it covers),
+    and one JSON file per ``extra`` entry. Written whole or not at all (:func:`~distillspec.files.write_folder`): a
+    crash leaves the previous checkpoint."""
+
+    def fill(tmp: Path) -> None:
+        learner.draft.save_pretrained(tmp / "draft")
+        tokenizer.save_pretrained(tmp / "draft")
+        torch.save({**learner.state_dict(), "seconds": seconds}, tmp / "state.pt")
+        (tmp / "step.json").write_text(json.dumps({"step": learner.step_count, "log_records": len(log)}))
+        for name, value in (extra or {}).items():
+            (tmp / f"{name}.json").write_text(json.dumps(value))
+
+    return write_folder(folder, fill)
+
+
+def checkpoint_log(folder: str | Path, log_path: str | Path) -> RecordLog:
+    """The run's records as of the checkpoint in ``folder`` (those the run appended after it are cut off)."""
+    folder = Path(folder)
+    saved = json.loads((folder / "step.json").read_text())
+    if "log_records" in saved:
+        return RecordLog(log_path, saved["log_records"])
+    log = RecordLog(log_path)  # a checkpoint that holds its records itself (train_log.json)
+    for record in json.loads((folder / "train_log.json").read_text()):
+        log.append(record)
+    return log
+
+
+def load_checkpoint(folder: str | Path, learner: Learner) -> float:
+    """Restore ``learner`` (draft weights, optimizer, scheduler, step) from :func:`save_checkpoint`'s folder;
+    returns the seconds trained (the run's log as of that checkpoint: :func:`checkpoint_log`)."""
+    folder = Path(folder)
+    saved, _ = load_model(str(folder / "draft"), device=str(learner.draft.device))
+    learner.draft.load_state_dict(saved.state_dict())
+    state = torch.load(folder / "state.pt", weights_only=True)
+    learner.load_state_dict(state)
+    return state["seconds"]
+
+
+class Distiller:
+    """Algorithm A.2 in one process: each ``step()`` samples a batch (:class:`~distillspec.training.rollout.Sampler`),
+    then the :class:`Learner` updates the draft on it."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        train: list[Example],
+        cfg: DistillConfig,
+        **kw: Any,
+    ) -> None:
+        """The arguments of :class:`~distillspec.training.rollout.Sampler` (``train``: the prompts)."""
+        self.sampler = Sampler(target, draft, tokenizer, train, cfg, **kw)
+        self.learner = Learner(draft, target, cfg)
+        self.target, self.draft, self.cfg, self.recipe = target, draft, cfg, self.learner.recipe
+        self.start = time.perf_counter()
+
+    @property
+    def step_count(self) -> int:
+        return self.learner.step_count
+
+    def step(self) -> dict[str, Any]:
+        """Sample a batch, update on it; returns the learner's record (``wait_s``: the sampling)."""
+        t0 = time.perf_counter()
+        source, batch = self.sampler()
+        return self.learner.step(batch, source=source, wait_s=time.perf_counter() - t0, start=self.start)
+
+    def run(self, steps: int | None = None, callback: Callable[[dict], None] | None = None) -> list[dict]:
+        records = []
+        for _ in range(self.cfg.steps if steps is None else steps):
+            records.append(self.step())
+            if callback is not None:
+                callback(records[-1])
+        return records

@@ -1,0 +1,167 @@
+"""The data half of DistillSpec's Algorithm A.2: :class:`Sampler` draws each batch's source and prompts and makes
+the batch: the fixed data set, or continuations sampled from the draft (on-policy) or from the target (made with
+speculative decoding, which samples the target's distribution exactly). How a batch travels to the learner is
+:mod:`distillspec.training.batches`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from distillspec.config import Recipe, resolve_recipe
+from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
+from distillspec.errors import DistillSpecError
+from distillspec.models.loading import encode_prompts
+from distillspec.tasks.data import Example
+from distillspec.training.batches import Batch, make_batch
+
+
+def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
+    """Fixed-data batch: prompt + reference + EOS, cut to ``max_len`` tokens (the prompt's start goes first)."""
+    conts = [tokenizer(e.reference, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for e in examples]
+    conts = [c[: max_len - 1] for c in conts]
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, [e.prompt for e in examples], max_len=max_len - max(len(c) for c in conts)
+    )
+    width = max(len(c) for c in conts)
+    continuation = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in conts])
+    return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
+
+
+def generate_batch(
+    source: str,
+    target: PreTrainedModel,
+    draft: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[Example],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    gamma: int = 5,
+    generator: torch.Generator | None = None,
+    max_prompt_tokens: int | None = None,
+) -> Batch:
+    """Continuations of the prompts (their last ``max_prompt_tokens`` tokens) sampled from the draft (on-policy) or
+    the target (via SD)."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_prompt_tokens)
+    prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        attention_mask=prompt_mask,
+        generator=generator,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if source == "draft":
+        out = autoregressive_generate(draft, prompt_ids, **kwargs)
+    else:
+        out = speculative_generate(target, draft, prompt_ids, gamma=gamma, **kwargs)
+    # Inference tensors cannot enter autograd: clone them out.
+    continuation = out.sequences[:, prompt_ids.shape[1] :].clone()
+    return make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
+
+
+def draw_source(rng: random.Random, recipe: Recipe) -> str:
+    """``"fixed"``, ``"draft"`` or ``"target"``, as in Algorithm A.2."""
+    if rng.random() < recipe.lambda1:
+        return "fixed"
+    return "draft" if rng.random() < recipe.lambda2 else "target"
+
+
+def needs_target_samples(recipe: Recipe) -> bool:
+    """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
+    return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
+
+
+#: A sampler backend: the continuations of a batch of ``examples`` from ``source`` ("draft" or "target").
+Generate = Callable[[str, list[Example]], Batch]
+
+
+class HFGenerator:
+    """The transformers/torch backend of :class:`Sampler`: the draft samples on-policy continuations, and
+    speculative decoding with the draft samples the target's (``distillspec.serving.vllm_backend.VLLMGenerator`` is the
+    vLLM one)."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel | None,
+        draft: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        gamma: int = 5,
+        seed: int = 0,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self.target, self.draft, self.tokenizer, self.gamma = target, draft, tokenizer, gamma
+        self.max_new_tokens, self.temperature, self.max_prompt_tokens = max_new_tokens, temperature, max_prompt_tokens
+        self.generator = torch.Generator(device=draft.device).manual_seed(seed)
+
+    def __call__(self, source: str, examples: list[Example]) -> Batch:
+        self.draft.eval()
+        return generate_batch(
+            source,
+            self.target,
+            self.draft,
+            self.tokenizer,
+            examples,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            gamma=self.gamma,
+            generator=self.generator,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
+
+class Sampler:
+    """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
+
+    Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline. Continuations come
+    from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``). ``target`` may be None when
+    the recipe never asks for target-generated data, and both may be None when ``generate`` is given.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel | None,
+        draft: PreTrainedModel | None,
+        tokenizer: PreTrainedTokenizerBase,
+        train: list[Example],
+        cfg,
+        *,
+        seed: int = 0,
+        max_len: int = 256,
+        generate: Generate | None = None,
+    ) -> None:
+        if not train:
+            raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
+        self.recipe = resolve_recipe(cfg)
+        if generate is None:
+            if target is None and needs_target_samples(self.recipe):
+                raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
+            generate = HFGenerator(
+                target,
+                draft,
+                tokenizer,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                gamma=cfg.sample_gamma,
+                seed=seed,
+                max_prompt_tokens=cfg.max_prompt_tokens,
+            )
+        self.generate, self.tokenizer, self.train, self.cfg = generate, tokenizer, train, cfg
+        self.max_len = max_len
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> tuple[str, Batch]:
+        source = draw_source(self.rng, self.recipe)
+        examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
+        if source == "fixed":
+            return source, encode_examples(self.tokenizer, examples, self.max_len)
+        return source, self.generate(source, examples)
