@@ -1,11 +1,14 @@
 """The sample buffer: a named actor between the rollout actors and the learner.
 
 It pulls batches: :meth:`BufferActor.feed` asks a rollout actor for its next
-:class:`~distillspec.training.batches.RolloutBatch` once it holds a slot for it, and keeps the reference to the
-answer. The answer of a call is owned by its caller, so the buffer owns each batch with the one copy the rollout actor
-wrote when it returned it (serialised once, and it outlives a producer that dies); the learner reads that copy. ``put``
-takes a batch from any other producer and keeps its own copy of it. ``take`` waits while the buffer is empty. Its
-bookkeeping (capacity, staleness, ledger) is :class:`distillspec.training.batches.SampleBuffer`.
+:class:`~distillspec.training.batches.RolloutBatch` once it holds a slot for it and, when scoring actors score, chains
+the answer into one of them (``score(sample())``: Ray hands the sampled batch from one actor to the other). The answer
+of a call is owned by its caller, so the buffer owns each batch with the one copy its last maker wrote when it returned
+it (serialised once, and it outlives a producer that dies); the learner reads that copy. Each maker also returns the
+batch's :class:`~distillspec.training.batches.BatchHeader`, checked where the arrays are: the buffer reads that small
+header, never the arrays. ``put`` takes a batch from any other producer, checks it and keeps its own copy of it.
+``take`` waits while the buffer is empty. Its bookkeeping (capacity, staleness, ledger) is
+:class:`distillspec.training.batches.SampleBuffer`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import ray
 
 from actors.common import log, setup_worker
 from actors.dashboard import count, gauge
-from distillspec.training.batches import RolloutBatch, SampleBuffer
+from distillspec.training.batches import BatchHeader, RolloutBatch, SampleBuffer
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
@@ -52,21 +55,31 @@ class BufferActor:
     def _room(self, producer: int) -> int:
         return self.buffer.capacity - len(self.buffer) - len(self.reserved - {producer})
 
-    def feed(self, producer: ray.actor.ActorHandle, rank: int, batches: int = 0) -> list[dict]:
-        """Pull batches from the rollout actor ``producer`` (``producer.sample()``) until the buffer closes, or
-        ``batches`` of them (0 = no limit). A batch is asked for only once there is a slot for it, so what it samples
-        is fresh. Returns the version, source and the buffer's answer of each batch; raises the producer's error.
-        Ray restarts a rollout actor that dies and retries the call it was serving."""
+    def feed(
+        self,
+        producer: ray.actor.ActorHandle,
+        rank: int,
+        batches: int = 0,
+        scorers: list[ray.actor.ActorHandle] | None = None,
+    ) -> list[dict]:
+        """Pull batches from the rollout actor ``producer`` (``producer.sample()``, each scored by one of ``scorers``
+        in turn: ``score(sample())``) until the buffer closes, or ``batches`` of them (0 = no limit). A batch is asked
+        for only once there is a slot for it, so what it samples is fresh. Returns the version, source and the
+        buffer's answer of each batch; raises the producer's (or the scorer's) error. Ray restarts a rollout actor or
+        a scorer that dies and retries the call it was serving."""
         sampled: list[dict] = []
+        limits = (self.max_batch_tokens, self.vocab_size)
         while not batches or len(sampled) < batches:
             with self.changed:
                 self.changed.wait_for(lambda: self.closed or self._room(rank) > 0)
                 if self.closed:
                     break
                 self.reserved.add(rank)
-            ref = producer.sample.remote()
+            header, ref = producer.sample.remote(*limits)
+            if scorers:
+                header, ref = scorers[(rank + len(sampled)) % len(scorers)].score.remote(ref, *limits)
             try:
-                status, version, source = self._offer(ref, rank, owned=True)
+                status, version, source = self._hold(header, ref, rank)
             finally:
                 with self.changed:
                     self.reserved.discard(rank)
@@ -79,22 +92,27 @@ class BufferActor:
     def put(self, refs: list[ray.ObjectRef], producer: int = -1, timeout_s: float = 600.0) -> str:
         """Offer the batch ``refs[0]`` (a :class:`RolloutBatch`) from a producer the buffer does not call, waiting
         while the buffer is full: ``ok``, ``refused: why``, ``closed``, or ``full`` when no room came within
-        ``timeout_s``. The buffer keeps its own copy (the producer owns ``refs[0]``)."""
-        return self._offer(refs[0], producer, owned=False, timeout_s=timeout_s)[0]
-
-    def _offer(
-        self, ref: ray.ObjectRef, producer: int, *, owned: bool, timeout_s: float = 600.0
-    ) -> tuple[str, int, str | None]:
-        """Check the batch at ``ref`` and hold it: its status, version and source."""
-        batch = ray.get(ref)  # read in place (zero-copy from the local object store); a producer's error raises here
+        ``timeout_s``. The buffer checks it and keeps its own copy (the producer owns ``refs[0]``)."""
+        batch = ray.get(refs[0])
         if isinstance(batch, RolloutBatch):
-            version, source = batch.version, batch.source
-            problem = batch.problem(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size)
-            held = ref if owned else ray.put(batch)
-        else:
-            version, source, held = -1, None, None
-            problem = f"a batch must be a RolloutBatch, got {type(batch).__name__}"
-        del batch
+            header = batch.header(max_tokens=self.max_batch_tokens, vocab_size=self.vocab_size)
+            held = ray.put(batch) if header.problem is None else None
+            return self._admit(header, held, producer, timeout_s)[0]
+        refused = BatchHeader(-1, None, f"a batch must be a RolloutBatch, got {type(batch).__name__}")
+        return self._admit(refused, None, producer, timeout_s)[0]
+
+    def _hold(self, header: ray.ObjectRef, ref: ray.ObjectRef, producer: int) -> tuple[str, int, str | None]:
+        """Hold the batch at ``ref`` by its maker's header (the producer's or the scorer's error raises here)."""
+        answer = ray.get(header)
+        if not isinstance(answer, BatchHeader):
+            answer = BatchHeader(-1, None, f"a batch's header must be a BatchHeader, got {type(answer).__name__}")
+        return self._admit(answer, ref, producer)
+
+    def _admit(
+        self, header: BatchHeader, held: ray.ObjectRef | None, producer: int, timeout_s: float = 600.0
+    ) -> tuple[str, int, str | None]:
+        """Hold a checked batch (refused if its header says why): its status, version and source."""
+        version, source, problem = header
         current = ray.get(self.store.status.remote()).latest
         with self.changed:
             self.changed.wait_for(lambda: self.closed or self._room(producer) > 0, timeout=timeout_s)

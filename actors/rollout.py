@@ -1,5 +1,6 @@
 """Rollout actors sample training batches from the current draft (and the target, via SD) for the buffer;
-scoring actors add the target's distribution to a batch when the learner is not to compute it."""
+scoring actors add the target's distribution to a batch when the learner is not to compute it (the buffer chains the
+two: ``score(sample())``). Each returns the batch with its header, checked where the batch is made."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from actors.common import buffer_name, log, prompts_name, scorer_name, setup_worker, weights_name
+from actors.common import buffer_name, log, prompts_name, setup_worker, weights_name
 from actors.dashboard import gauge
 from actors.weights import take
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
 from distillspec.integrity import TransferRefused
 from distillspec.models.loading import load_arrays, load_model, load_tokenizer
 from distillspec.tasks.data import Example
-from distillspec.training.batches import RolloutBatch
+from distillspec.training.batches import BatchHeader, RolloutBatch
 from distillspec.training.losses import forward_logits, train_temperature
 from distillspec.training.rollout import Sampler, needs_target_samples
 
@@ -31,14 +32,12 @@ class RolloutSettings:
     distill: DistillConfig
     rollout: RolloutConfig
     vllm: VLLMConfig
-    run: str  #: the run's name: the actors it finds (buffer, weight store, scorers, prompt log)
-    scorers: int  #: scoring actors to send batches to (0: the learner computes the target's logits)
+    run: str  #: the run's name: the actors it finds (buffer, weight store, prompt log)
     seed: int
 
     @classmethod
     def of(cls, cfg: JobConfig) -> RolloutSettings:
-        scorers = cfg.scorer.workers if cfg.learner.target_logits == "scorer" else 0
-        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, scorers, cfg.seed)
+        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, cfg.seed)
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,6 @@ class RolloutActor:
         s, m = settings, settings.models
         buffer = ray.get_actor(buffer_name(s.run))
         train: list[Example] = ray.get(ray.get(buffer.examples.remote())[0])  # the training examples
-        # Found by name, not passed in: an actor that Ray restarts must not depend on arguments in the object store.
-        self.scorers = [ray.get_actor(scorer_name(s.run, i)) for i in range(s.scorers)]
         self.settings, self.rank = s, rank
         d = s.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -107,22 +104,21 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def sample(self) -> RolloutBatch:
-        """One batch from the latest draft: the buffer calls this (:meth:`actors.buffer.BufferActor.feed`) when it
-        holds a slot for the batch, and owns the answer."""
+    @ray.method(num_returns=2)
+    def sample(self, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
+        """One batch from the latest draft, and its header checked against the buffer's limits: the buffer calls this
+        (:meth:`actors.buffer.BufferActor.feed`) when it holds a slot for the batch, and owns the answer."""
         self.sync()
         if self.prompts is not None:
             self.sampler.train = self.served_prompts()
         start = time.perf_counter()
         source, tokens = self.sampler()
         batch = RolloutBatch.from_batch(tokens, version=self.version, source=source)
-        if self.scorers:
-            batch = ray.get(self.scorers[self.made % len(self.scorers)].score.remote(batch))
         self.made += 1
         seconds, run, name = time.perf_counter() - start, self.settings.run, str(self.rank)
         gauge("distillspec_rollout_samples_per_s", batch.rows / seconds, run=run, actor=name)
         gauge("distillspec_rollout_tokens_per_s", batch.tokens / seconds, run=run, actor=name)
-        return batch
+        return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
 
     def served_prompts(self) -> list[Example]:
         """Online distillation: the latest prompts the endpoint served (waits until there are enough)."""
@@ -171,13 +167,16 @@ class ScorerActor:
         else:
             self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)
 
+    @ray.method(num_returns=2)
     @torch.inference_mode()
-    def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """``batch`` with the target's distribution attached."""
+    def score(self, batch: RolloutBatch, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
+        """``batch`` with the target's distribution attached, and its header checked against the buffer's limits
+        (the buffer chains this to a rollout actor's :meth:`RolloutActor.sample`)."""
         if self.engine is not None:
             from distillspec.serving.vllm_backend import prompt_topk  # loaded by __init__ already
 
             batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))
-            return batch
-        batch.set_target(forward_logits(self.target, batch.batch(self.target.device)), self.topk, self.temperature)
-        return batch
+        else:
+            logits = forward_logits(self.target, batch.batch(self.target.device))
+            batch.set_target(logits, self.topk, self.temperature)
+        return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch

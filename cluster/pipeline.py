@@ -1,8 +1,8 @@
 """The driver of the asynchronous pipeline: it starts the actors, runs the Ray Train learner, and gathers
 what they produced.
 
-    buffer --sample()--> rollout actors (--score()--> scorers, when they score)
-      |   <--batch (ref)--+
+    buffer --sample()--> rollout actors --batch (ref)--> scorers (score(sample()), when they score)
+      |   <--header, batch (ref)--------------------------+
       +--take--> learner (TorchTrainer) --publish--> weight store --latest--> rollout actors, evaluation actor
                                                           ^   |
                         evaluation actor --promote/refuse-+   +--serving (the version the canary passed)--> replicas
@@ -209,7 +209,7 @@ class Pipeline:
     def run(self) -> PipelineResult:
         start = time.perf_counter()
         self.stopping, self.sampled, self.feed_error = threading.Event(), [], None
-        self.runs = [self.buffer.feed.remote(actor, i) for i, actor in enumerate(self.rollouts)]
+        self.runs = [self.buffer.feed.remote(actor, i, 0, self.scorers) for i, actor in enumerate(self.rollouts)]
         watcher = threading.Thread(target=self.watch, name="rollout-watcher", daemon=True)
         watcher.start()
         eval_run = self.evaluator.run.remote() if self.evaluator else None

@@ -87,6 +87,8 @@ def test_a_rollout_batch_names_what_is_wrong(mutate, reason):
     batch = good_batch()
     mutate(batch)
     assert reason in batch.problem(max_tokens=64, vocab_size=32)
+    header = batch.header(max_tokens=64, vocab_size=32)  # what the buffer reads instead of the arrays
+    assert reason in header.problem and (header.version, header.source) == (batch.version, batch.source)
 
 
 def test_a_rollout_batch_carries_tokens_and_the_target_distribution():

@@ -27,7 +27,7 @@ from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
 from distillspec.config import JobConfig, load_config
 from distillspec.models.loading import load_model
-from distillspec.training.batches import RolloutBatch
+from distillspec.training.batches import BatchHeader, RolloutBatch
 
 from .conftest import start_job
 
@@ -151,10 +151,12 @@ class Producer:
     def __init__(self) -> None:
         self.calls = 0
 
-    def sample(self) -> RolloutBatch:
+    @ray.method(num_returns=2)
+    def sample(self, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
         self.calls += 1
         ids = np.ones((64, 512), dtype=np.int64)  # 256 KiB per array
-        return RolloutBatch(ids, ids, ids, version=0, source="draft")
+        batch = RolloutBatch(ids, ids, ids, version=0, source="draft")
+        return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
 
     def count(self) -> int:
         return self.calls
@@ -179,6 +181,35 @@ def test_buffer_pulls_a_batch_only_for_a_free_slot_and_keeps_it_when_its_produce
         ray.get(feed, timeout=60)
     ledger = ray.get(buffer.ledger.remote())
     assert ledger["produced"] == ledger["consumed"] == 1 and ledger["balanced"], ledger
+    ray.kill(buffer)
+
+
+@ray.remote(num_cpus=0)
+class Marker:
+    """A scoring actor that attaches a distribution to each batch it scores, or fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    @ray.method(num_returns=2)
+    def score(self, batch: RolloutBatch, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
+        if self.fail:
+            raise ValueError("the scorer broke")
+        batch.target_logits = np.zeros((batch.rows, 1, 4), np.float32)
+        return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
+
+
+def test_buffer_chains_a_scorer_to_the_rollout_and_holds_what_it_scored(ray_cluster):
+    store = WeightStore.remote("chain")
+    buffer = BufferActor.remote(
+        capacity=2, max_policy_lag=4, max_batch_tokens=10**6, vocab_size=100, run="chain", store=store
+    )
+    (answer,) = ray.get(buffer.feed.remote(Producer.remote(), 0, 1, [Marker.remote()]))
+    assert answer["status"] == "ok"
+    (ref,) = ray.get(buffer.take.remote(1, 0, 5.0))
+    assert ray.get(ref).target_logits.shape == (64, 1, 4)  # the scorer's copy, the one the buffer owns
+    with pytest.raises(ray.exceptions.RayError, match="the scorer broke"):  # a scorer's error ends the feed
+        ray.get(buffer.feed.remote(Producer.remote(), 0, 1, [Marker.remote(fail=True)]), timeout=60)
     ray.kill(buffer)
 
 

@@ -29,7 +29,7 @@ from distillspec.config import JobConfig, load_config
 from distillspec.integrity import check, checksums
 from distillspec.models.garden import make_model, train_tokenizer
 from distillspec.models.loading import load_arrays, state_arrays
-from distillspec.training.batches import RolloutBatch
+from distillspec.training.batches import BatchHeader, RolloutBatch
 
 
 def weight_suite_drafts(overrides: list[str]) -> tuple[JobConfig, dict[str, torch.nn.Module]]:
@@ -158,8 +158,9 @@ class TraceProducer:
     def __init__(self, batch: RolloutBatch) -> None:
         self.batch = batch
 
-    def sample(self) -> RolloutBatch:
-        return self.batch
+    @ray.method(num_returns=2)
+    def sample(self, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
+        return self.batch.header(max_tokens=max_tokens, vocab_size=vocab_size), self.batch
 
 
 def trace_version(model: torch.nn.Module, store_name: str, rounds: int) -> dict:
@@ -199,7 +200,7 @@ def trace_batch(batch: RolloutBatch, vocab: int, store_name: str, rounds: int) -
     for _ in range(rounds):
         (answer,), pulled = clock(call, buffer.feed, producer, 0, 1)
         assert answer["status"] == "ok", answer
-        samples.append({"buffer pulls: the rollout returns it (the one copy), the buffer checks it": pulled})
+        samples.append({"buffer pulls: the rollout returns it (the one copy) and its header": pulled})
         samples[-1].update(ray.get(learner.take.remote(ray.get(buffer.take.remote(1, 0, 10.0)))))
         # the path of a producer the buffer does not call: it puts the batch, the buffer keeps its own copy
         refs, put = clock(lambda b: [ray.put(b)], batch)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -69,6 +69,15 @@ def make_batch(prompt_ids: Tensor, prompt_mask: Tensor, continuation: Tensor, le
     loss_mask = torch.zeros_like(attention_mask)
     loss_mask[:, prompt_ids.shape[1] - 1 : -1] = cont_mask
     return Batch(input_ids, attention_mask, loss_mask)
+
+
+class BatchHeader(NamedTuple):
+    """What the buffer reads of a batch (:meth:`RolloutBatch.header`): made where the batch is made, beside it, so the
+    arrays are checked there and the buffer holds only their reference."""
+
+    version: int
+    source: str | None
+    problem: str | None  #: why the batch is unfit for training (:meth:`RolloutBatch.problem`), None when it is fit
 
 
 @dataclass
@@ -131,6 +140,10 @@ class RolloutBatch:
                 temperature,
             )
         return None
+
+    def header(self, *, max_tokens: int, vocab_size: int | None = None) -> BatchHeader:
+        """The batch's :class:`BatchHeader`, checked against the buffer's limits (:meth:`problem`)."""
+        return BatchHeader(self.version, self.source, self.problem(max_tokens=max_tokens, vocab_size=vocab_size))
 
     def problem(self, *, max_tokens: int, vocab_size: int | None = None) -> str | None:
         """Why the batch is unfit for training, or None when it is fit: integer token arrays of one shape
