@@ -302,13 +302,11 @@ def completion_jobs(
         )
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         logprobs, echo = scoring(body)
-        jobs = [
-            CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, i), logprobs, echo)
-            for p in prompts
-            for i in range(body.n)
-        ]
-        for job in jobs:
+        jobs = []
+        for p in prompts:  # each prompt checked and tokenised once, then sampled n times
+            job = CompletionJob(p, body.max_tokens, args, stop, sample_seed(body.seed, 0), logprobs, echo)
             check(job)
+            jobs += [job, *(dataclasses.replace(job, seed=sample_seed(body.seed, i)) for i in range(1, body.n))]
     except DistillSpecError as exc:
         raise HTTPError(400, str(exc), param_of(str(exc))) from None
     return jobs

@@ -300,3 +300,24 @@ def test_a_failed_batch_answers_each_request_and_a_request_whose_client_left_is_
     assert isinstance(bad, RuntimeError) and x is bad  # each request of the failed batch gets its exception
     assert busy == "busy" and isinstance(own, ValueError)  # a job's own failure is its own
     assert all("gone" not in jobs for jobs in decoded)
+
+
+def test_a_request_is_checked_and_tokenised_once_per_prompt_whatever_n(completer):
+    from cluster.openai_api import CompletionRequest, completion_jobs
+    from distillspec.config import ServeConfig
+
+    checked = []
+
+    def check(job: CompletionJob) -> None:
+        checked.append(job)
+        completer.check(job)
+
+    body = CompletionRequest(prompt=PROMPTS[:2], max_tokens=4, n=3, seed=7)
+    jobs = completion_jobs(body, PROMPTS[:2], ServeConfig(), check)
+    assert len(checked) == 2 and len(jobs) == 6
+    assert [j.prompt for j in jobs] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert [j.seed for j in jobs] == [7, 8, 9] * 2  # sample i of a prompt: seed + i, as vLLM derives it
+    for first, rest in ((jobs[0], jobs[1:3]), (jobs[3], jobs[4:])):
+        assert all(j.prompt_ids is first.prompt_ids for j in rest)  # the one tokenisation, shared
+    done = completer.complete(jobs[:1])[0]
+    assert done.prompt_tokens == len(jobs[0].prompt_ids) and done.completion_tokens > 0

@@ -315,17 +315,26 @@ def load_decoding_pair(
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_len: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and attention mask (the layout the decoders take). Each prompt starts with the BOS
-    token, unless its text already does (a chat template that writes it)."""
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    bos = tokenizer.bos_token_id
-    if bos is not None:
-        ids = [x if x[:1] == [bos] else [bos, *x] for x in ids]
+    """Left-padded prompt ids and attention mask (the layout the decoders take) of :func:`prompt_ids` of each prompt
+    (its last ``max_len`` tokens, if given)."""
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
     if max_len is not None:
         ids = [x[-max_len:] for x in ids]
+    return pad_prompts(ids, tokenizer.pad_token_id)
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """The token ids of ``prompt`` as the decoders read it: starting with the BOS token, unless its text already
+    does (a chat template that writes it)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+
+
+def pad_prompts(ids: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Prompts' token ids left-padded with ``pad`` into one tensor, and their attention mask."""
     width = max(len(x) for x in ids)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    input_ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in ids])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     return input_ids, mask
 

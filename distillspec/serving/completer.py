@@ -39,7 +39,7 @@ from distillspec.decoding.speculative import (
 )
 from distillspec.errors import DistillSpecError
 from distillspec.models.draft_vocab import vocab_size
-from distillspec.models.loading import encode_prompts, load_arrays
+from distillspec.models.loading import load_arrays, pad_prompts, prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,13 @@ class CompletionJob:
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    prompt_ids: list[int] | None = field(default=None, repr=False)  #: the prompt tokenised (once: :meth:`ids`)
+
+    def ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The prompt's token ids (:func:`~distillspec.models.loading.prompt_ids`), tokenised on the first call."""
+        if self.prompt_ids is None:
+            self.prompt_ids = prompt_ids(tokenizer, self.prompt)
+        return self.prompt_ids
 
 
 @dataclass
@@ -223,14 +230,14 @@ def merge_stats(stats: list[dict]) -> dict:
     return {"gamma": stats[0]["gamma"], **total, "alpha": _measured(counts.alpha), "tau": tau}
 
 
-def check_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_tokens: int) -> int:
-    """The number of tokens ``prompt`` encodes to; :class:`DistillSpecError` (a 400 at the endpoint) for a prompt a
-    server refuses: empty, not encodable (e.g. a lone surrogate, which no UTF-8 tokenizer takes), encoding to no
-    tokens, or longer than ``max_prompt_tokens``."""
-    if not prompt:
+def check_prompt(tokenizer: PreTrainedTokenizerBase, job: CompletionJob, max_prompt_tokens: int) -> int:
+    """The number of tokens the job's prompt encodes to (tokenised here, once: :meth:`CompletionJob.ids`);
+    :class:`DistillSpecError` (a 400 at the endpoint) for a prompt a server refuses: empty, not encodable (e.g. a lone
+    surrogate, which no UTF-8 tokenizer takes), encoding to no tokens, or longer than ``max_prompt_tokens``."""
+    if not job.prompt:
         raise DistillSpecError("prompt: must not be empty")
     try:
-        n = len(encode_prompts(tokenizer, [prompt])[0][0])
+        n = len(job.ids(tokenizer))
     except Exception as exc:
         raise DistillSpecError(f"prompt: cannot be tokenized ({type(exc).__name__})") from None
     if n == 0:
@@ -289,7 +296,7 @@ class Completer:
 
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
-        check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
+        check_prompt(self.tokenizer, job, self.max_prompt_tokens)
         job.args.check()
         job.args.controls.check(vocab_size(self.target))
 
@@ -415,7 +422,7 @@ class Completer:
     ) -> list[Completion]:
         start = time.perf_counter()
         draft, version = self.draft, self.version  # fixed for this call, whatever a swap does meanwhile
-        ids, mask = encode_prompts(self.tokenizer, [j.prompt for j in jobs])
+        ids, mask = pad_prompts([j.ids(self.tokenizer) for j in jobs], self.tokenizer.pad_token_id)
         ids, mask = ids.to(self.target.device), mask.to(self.target.device)
         generator, seeds, gamma = self.generator, None, args.gamma
         if seeded and args.lenience is None:  # keyed random numbers: any gamma, any batch

@@ -378,7 +378,7 @@ class VLLMCompleter:
 
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` (a 400 at the endpoint) for a job this engine cannot honour."""
-        check_prompt(self.tokenizer, job.prompt, self.max_prompt_tokens)
+        check_prompt(self.tokenizer, job, self.max_prompt_tokens)
         args = job.args
         args.controls.check(len(self.tokenizer))
         for name, value in (("min_p", args.controls.min_p), ("logit_bias", args.controls.logit_bias)):
@@ -425,8 +425,7 @@ class VLLMCompleter:
 
     async def _generate(self, job: CompletionJob, sink: Any) -> Completion:
         """On the engine loop: run ``job``, pass each step's token ids to ``sink``, return the completion."""
-        ids, mask = encode_prompts(self.tokenizer, [job.prompt])
-        prompt = _token_prompts(ids, mask)[0]
+        prompt = {"prompt_token_ids": job.ids(self.tokenizer)}
         start = time.perf_counter()
         await self.admitting.wait()
         version, final = self.version, None
