@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -146,11 +145,11 @@ def test_bad_input_is_one_line(args, message, tmp_path):
     ],
 )
 def test_hub_names_fail_at_once_without_the_hub(args, message, tmp_path):
-    start = time.monotonic()
     proc = run_job("--output-dir", str(tmp_path), *args, env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    # The project's own hub check answered (its message names the setting) before any library tried the hub: no
+    # retries (they took 29-52 s), and one line.
     assert proc.returncode == 2 and message in proc.stderr and "HF_HUB_OFFLINE is set" in proc.stderr, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
-    assert time.monotonic() - start < 30  # no retries (they took 29-52 s)
 
 
 def test_sigterm_interrupts_a_job_as_ctrl_c_does():
