@@ -33,6 +33,9 @@ def test_a_lenient_setting_accepts_more_and_costs_less(tiny_garden, tmp_path):
     assert json.loads((tmp_path / "lossy.json").read_text())["config"]["metric"] == "accuracy"
     assert "| raw | lin | 0.02 |" in (tmp_path / "lossy.md").read_text()
     assert (tmp_path / "lossy.png").stat().st_size > 0
+    length = sum(p["new_tokens"] / p["prompts"] for p in result["points"]) / len(result["points"])
+    assert ("warning" in result) == (length > 0.9 * 8)  # answers cut at the limit: the table says what it measures
+    assert ("raise --max-new-tokens" in (tmp_path / "lossy.md").read_text()) == ("warning" in result)
 
 
 @pytest.mark.parametrize("text", ["lin", "lin:0", "lin:2", "cube:0.1", "sq:x"])

@@ -5,7 +5,7 @@ setting (epsilon 1) samples exactly the target's distribution; the more lenient 
 tokens it keeps, and the nearer the score comes to the draft's own (printed too).
 
     python -m benchmarks.suites.lossy --run outputs/qwen-async --settings lin:0.1 lin:0.02 sq:0.3 exp:0.4 \\
-        --prompts 16 --max-new-tokens 256 --out outputs/lossy-qwen
+        --prompts 16 --max-new-tokens 512 --out outputs/lossy-qwen
     python -m benchmarks.suites.lossy target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k draft_vocab=32768 draft_int8=true --distilled DRAFT_FOLDER
 
@@ -122,6 +122,12 @@ def suite_lossy(
         "draft_alone": own,
         "points": points,
     }
+    length = sum(p["new_tokens"] / p["prompts"] for p in points) / len(points)
+    if length > 0.9 * max_new_tokens:
+        result["warning"] = (
+            f"the answers averaged {length:.0f} of the {max_new_tokens} tokens allowed: most were cut, and the "
+            f"{task.metric} measures the cut; raise --max-new-tokens"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / "lossy.json").write_text(json.dumps(result, indent=1))
     (out / "lossy.md").write_text(format_table(result) + "\n")
@@ -149,6 +155,8 @@ def format_table(result: dict) -> str:
         )
     for label, own in result["draft_alone"].items():
         lines.append(f"| {label}, alone (greedy) | | | {own[metric]:.3f} | | | | |")
+    if "warning" in result:
+        lines += ["", f"Warning: {result['warning']}."]
     return "\n".join(lines)
 
 
@@ -167,7 +175,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, default=None, help="a jobs/distill.py output folder: its pair and draft")
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=16, help="test prompts (the score's sample)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="enough for an answer to end")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="enough for an answer to end")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("outputs/lossy"))
     args = parser.parse_args()
