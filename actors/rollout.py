@@ -167,8 +167,8 @@ class ScorerActor:
         else:
             self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)
 
+    @torch.inference_mode()  # outermost: its wrapper copies the method's Ray options (num_returns) from the inner one
     @ray.method(num_returns=2)
-    @torch.inference_mode()
     def score(self, batch: RolloutBatch, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
         """``batch`` with the target's distribution attached, and its header checked against the buffer's limits
         (the buffer chains this to a rollout actor's :meth:`RolloutActor.sample`)."""
