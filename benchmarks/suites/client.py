@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 
 PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
 CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
@@ -61,7 +61,10 @@ def requests_by_field() -> dict[str, tuple[str, dict[str, Any]]]:
 def send(client: OpenAI, route: str, args: dict) -> Any:
     """One request; a streamed one's chunks gathered (text, log-probs, usage)."""
     create = client.completions.create if route == "completions" else client.chat.completions.create
-    answer = create(model="distillspec", **args)
+    try:
+        answer = create(model="distillspec", **args)
+    except APIStatusError as exc:  # the endpoint's answer is what this tour reports, a refusal or a failure alike
+        return {"status": exc.status_code, "error": str(exc)[:300]}
     if not args.get("stream"):
         return answer.model_dump()
     text, logprobs, usage = "", [], None
@@ -75,6 +78,8 @@ def send(client: OpenAI, route: str, args: dict) -> Any:
 
 def summary(answer: dict) -> str:
     """What came back, in a line."""
+    if "error" in answer:
+        return f"HTTP {answer['status']}: {answer['error']}"
     if "streamed_text" in answer:
         return f"streamed {answer['streamed_text']!r}, log-probs {answer['token_logprobs']}, usage {answer['usage']}"
     parts = []
@@ -98,7 +103,7 @@ def main() -> None:
     for field, (route, kwargs) in requests_by_field().items():
         answers[field] = send(client, route, kwargs)
         print(f"{field}: {summary(answers[field])}")
-        if field.startswith("seed"):
+        if field.startswith("seed") and "choices" in answers[field]:
             again = send(client, route, kwargs)
             same = [c.get("text") for c in again["choices"]] == [c.get("text") for c in answers[field]["choices"]]
             print(f"  sent again: {summary(again)} ({'the same text' if same else 'ANOTHER TEXT'})")

@@ -384,6 +384,8 @@ class VLLMCompleter:
         for name, value in (("min_p", args.controls.min_p), ("logit_bias", args.controls.logit_bias)):
             if value:  # vLLM 0.32 refuses them with speculative decoding, when the engine already has the request
                 raise DistillSpecError(f"{name}: vLLM's speculative decoding does not take it; serve.backend=hf does")
+        if args.controls.top_k > 0 and not on_gpu():  # vLLM 0.32's CPU rejection sampler fails on it: the engine dies
+            raise DistillSpecError("top_k: vLLM's speculative decoding on CPU fails on it; serve.backend=hf takes it")
         if job.echo and job.max_new_tokens == 0:
             raise DistillSpecError("max_tokens: vLLM generates at least one token; serve.backend=hf scores a text")
         if args.gamma == 0:
