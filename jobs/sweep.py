@@ -20,11 +20,15 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from distillspec.cli import parse_job_args, run_main, sigterm_held
 from distillspec.config import JobConfig
 from distillspec.errors import DistillSpecError
 from distillspec.files import exclusive, write_json
+
+if TYPE_CHECKING:
+    from distillspec.tasks.data import Task
 
 
 def _key(t: float) -> str:
@@ -119,10 +123,6 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     from ray import tune
 
     from cluster.connect import connect
-    from distillspec.evaluation.study import measure_pair
-    from distillspec.models.loading import load_pair
-    from distillspec.models.pretrained import prepare_pair
-    from distillspec.tasks.data import load_task
 
     if cfg.sweep.rank_temperature not in cfg.eval.temperatures:
         raise DistillSpecError(
@@ -130,27 +130,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
             f"{cfg.eval.temperatures}: add it there, or rank at one of those"
         )
     start = time.perf_counter()
-    task = load_task(cfg.dataset, seed=cfg.seed)
-    # Trials run in their own working directories: they get the task itself and absolute model paths.
-    cfg, task = prepare_pair(cfg, task, log=log)
-    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
-    records = measure_pair(
-        target,
-        draft,
-        tokenizer,
-        task,
-        gammas=[cfg.eval.speedup_gamma],
-        temperatures=cfg.eval.temperatures,
-        num_prompts=cfg.eval.num_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        seed=cfg.seed,
-    )
-    before = {_key(r["temperature"]): r for r in records}
-    log(
-        f"{task.name}: undistilled draft at gamma={cfg.eval.speedup_gamma}: "
-        + ", ".join(f"{k} alpha {r['alpha']:.3f} tau {r['tau']:.3f}" for k, r in before.items())
-    )
-    del target, draft
+    cfg, task, before = _baseline(cfg, log)
     with sigterm_held():  # Ray's own handler would abort the process
         started = connect(cfg.ray).startswith("started")
     rank = f"tau_gain_{_key(cfg.sweep.rank_temperature)}"
@@ -181,15 +161,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     finally:
         if started:
             ray.shutdown()
-    trials, failed = [], []
-    for result in results:
-        params = {k: result.config[k] for k in ("source", "divergence", "seed")}
-        if result.error is not None:
-            error = getattr(result.error, "cause", None) or result.error  # Ray wraps the trial's own exception
-            failed.append({**params, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"})
-            continue
-        metrics = {k: v for k, v in result.metrics.items() if _reported(k)}
-        trials.append({**params, "metrics": metrics})
+    trials, failed = _collect(results)
     if not trials:
         raise DistillSpecError(f"every sweep trial failed; the first: {failed[0]['error'] if failed else '?'}")
     cells = summarise(trials, rank)
@@ -209,6 +181,49 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         "best": {"source": best["source"], "divergence": best["divergence"], rank: best[rank]},
         "seconds": time.perf_counter() - start,
     }
+
+
+def _baseline(cfg: JobConfig, log=print) -> tuple[JobConfig, Task, dict]:
+    """The pair made local (trials run in their own working directories: they get the task itself and absolute model
+    paths), the task as the target is prompted, and the undistilled draft's alpha and tau at each temperature."""
+    from distillspec.evaluation.study import measure_pair
+    from distillspec.models.loading import load_pair
+    from distillspec.models.pretrained import prepare_pair
+    from distillspec.tasks.data import load_task
+
+    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed), log=log)
+    target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype)
+    records = measure_pair(
+        target,
+        draft,
+        tokenizer,
+        task,
+        gammas=[cfg.eval.speedup_gamma],
+        temperatures=cfg.eval.temperatures,
+        num_prompts=cfg.eval.num_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        seed=cfg.seed,
+    )
+    before = {_key(r["temperature"]): r for r in records}
+    log(
+        f"{task.name}: undistilled draft at gamma={cfg.eval.speedup_gamma}: "
+        + ", ".join(f"{k} alpha {r['alpha']:.3f} tau {r['tau']:.3f}" for k, r in before.items())
+    )
+    return cfg, task, before
+
+
+def _collect(results) -> tuple[list[dict], list[dict]]:
+    """The Tune trials' recipes with their reported metrics, and the failed ones with their errors."""
+    trials, failed = [], []
+    for result in results:
+        params = {k: result.config[k] for k in ("source", "divergence", "seed")}
+        if result.error is not None:
+            error = getattr(result.error, "cause", None) or result.error  # Ray wraps the trial's own exception
+            failed.append({**params, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"})
+            continue
+        metrics = {k: v for k, v in result.metrics.items() if _reported(k)}
+        trials.append({**params, "metrics": metrics})
+    return trials, failed
 
 
 def _reported(key: str) -> bool:
