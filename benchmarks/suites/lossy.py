@@ -47,6 +47,49 @@ def parse_setting(text: str) -> tuple[str, float]:
     return name, epsilon
 
 
+def lenience_points(
+    target,
+    draft,
+    tokenizer,
+    task,
+    *,
+    label: str,
+    settings: list[tuple[str | None, float]],
+    gamma: int,
+    cost,
+    num_prompts: int,
+    max_new_tokens: int,
+    seed: int,
+    batch_size: int = 32,
+) -> list[dict]:
+    """Lossy SD with ``draft`` at T = 1 for each (lenience, epsilon) of ``settings``: the task's score, alpha, tau
+    and the latency relative to the target alone, ``(c gamma + v) / tau`` from ``cost`` (a
+    :class:`~distillspec.decoding.metrics.CostRatio`), each record marked with the draft's ``label``."""
+    points = []
+    for lenience, epsilon in settings:
+        (r,) = measure_pair(
+            target,
+            draft,
+            tokenizer,
+            task,
+            gammas=[gamma],
+            temperatures=[1.0],
+            num_prompts=num_prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+            lenience=lenience,
+            epsilon=epsilon,
+        )
+        r |= {"draft": label, "c": cost.c, "v": cost.v, "relative_latency": (cost.c * gamma + cost.v) / r["tau"]}
+        points.append(r)
+        print(
+            f"  {lenience or 'lossless'} {epsilon:g}: {task.metric} {r[task.metric]:.3f}, alpha {r['alpha']:.3f}, "
+            f"tau {r['tau']:.2f}, latency {r['relative_latency']:.3f} of the target's"
+        )
+    return points
+
+
 def suite_lossy(
     overrides: list[str],
     *,
@@ -86,27 +129,20 @@ def suite_lossy(
             f"== lossy: {label} draft, c {cost.c:.3f}, v {cost.v:.2f}; alone (greedy) {task.metric} "
             f"{own[label][task.metric]:.3f}"
         )
-        for lenience, epsilon in [(None, 1.0), *settings]:
-            (r,) = measure_pair(
-                target,
-                model,
-                tokenizer,
-                task,
-                gammas=[gamma],
-                temperatures=[1.0],
-                num_prompts=prompts,
-                max_new_tokens=max_new_tokens,
-                batch_size=batch_size,
-                seed=cfg.seed,
-                lenience=lenience,
-                epsilon=epsilon,
-            )
-            r |= {"draft": label, "c": cost.c, "v": cost.v, "relative_latency": (cost.c * gamma + cost.v) / r["tau"]}
-            points.append(r)
-            print(
-                f"  {lenience or 'lossless'} {epsilon:g}: {task.metric} {r[task.metric]:.3f}, "
-                f"alpha {r['alpha']:.3f}, tau {r['tau']:.2f}, latency {r['relative_latency']:.3f} of the target's"
-            )
+        points += lenience_points(
+            target,
+            model,
+            tokenizer,
+            task,
+            label=label,
+            settings=[(None, 1.0), *settings],
+            gamma=gamma,
+            cost=cost,
+            num_prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            seed=cfg.seed,
+            batch_size=batch_size,
+        )
     result = {
         "config": {
             "target": cfg.target,

@@ -29,7 +29,9 @@ from benchmarks.suites.common import (
     task_config,
     with_garden,
 )
+from benchmarks.suites.lossy import lenience_points
 from benchmarks.suites.page import pearson
+from benchmarks.suites.transfer_run import before_after
 from distillspec.config import ModelSize, cell_config
 from distillspec.decoding.metrics import measure_cost_ratio
 from distillspec.errors import DistillSpecError
@@ -168,23 +170,19 @@ def suite_lenience(scale: Scale, overrides: list[str], out: Path) -> dict:
         points = []
         for label, model in (("raw", draft), ("distilled", load_model(distilled, device=cfg.device)[0])):
             print(f"== lenience: {name}, {label} draft, {len(settings)} settings")
-            for lenience, epsilon in settings:
-                (r,) = measure_pair(
-                    target,
-                    model,
-                    tokenizer,
-                    task,
-                    gammas=[gamma],
-                    temperatures=[1.0],
-                    num_prompts=cfg.eval.num_prompts,
-                    max_new_tokens=cfg.eval.max_new_tokens,
-                    seed=cfg.seed,
-                    lenience=lenience,
-                    epsilon=epsilon,
-                )
-                r["draft"] = label
-                r["relative_latency"] = (cost.c * gamma + cost.v) / r["tau"]
-                points.append(r)
+            points += lenience_points(
+                target,
+                model,
+                tokenizer,
+                task,
+                label=label,
+                settings=settings,
+                gamma=gamma,
+                cost=cost,
+                num_prompts=cfg.eval.num_prompts,
+                max_new_tokens=cfg.eval.max_new_tokens,
+                seed=cfg.seed,
+            )
         (out / name).mkdir(parents=True, exist_ok=True)
         plot_lenience(points, task.metric, out / name / "lenience.png", title=f"{name}: lossy SD, gamma={gamma}, T=1")
         results[name] = {
@@ -280,19 +278,9 @@ def transfer_pretrained(scale: Scale, overrides: list[str], out: Path, key: str)
     rows = {}
     for name, t in tasks.items():
         print(f"== transfer: {source} data + {divergence.upper()} on {key}, measured on {name}")
-        before, after = (
-            measure_pair(target, draft, tokenizer, t, **kw),
-            measure_pair(target, student, tokenizer, t, **kw),
-        )
         rows[name] = {
-            f"T{b['temperature']:g}": {
-                "alpha_before": b["alpha"],
-                "alpha_after": a["alpha"],
-                "tau_before": b["tau"],
-                "tau_after": a["tau"],
-                "tau_gain": a["tau"] / b["tau"] - 1.0,
-            }
-            for b, a in zip(before, after, strict=True)
+            f"T{r.pop('temperature'):g}": {k: v for k, v in r.items() if k != "gamma"}
+            for r in before_after(target, draft, student, tokenizer, t, **kw)
         }
     print(f"\ntau gain at gamma {cfg.eval.speedup_gamma} of the draft distilled on {key}:")
     for name, r in rows.items():

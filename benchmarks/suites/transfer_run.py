@@ -21,6 +21,25 @@ from distillspec.models.loading import load_decoding_draft, load_decoding_pair
 from distillspec.tasks.data import chat_prompts, load_task
 
 
+def before_after(target, draft, student, tokenizer, task, *, desc: str | None = None, **measure) -> list[dict]:
+    """alpha and tau of ``draft`` (undistilled) and ``student`` (distilled) on ``task``'s test prompts at each gamma
+    and temperature of ``measure`` (:func:`~distillspec.evaluation.study.measure_pair`'s keywords), and tau's gain."""
+    before = measure_pair(target, draft, tokenizer, task, **measure, desc=desc and f"{desc}, undistilled")
+    after = measure_pair(target, student, tokenizer, task, **measure, desc=desc and f"{desc}, distilled")
+    return [
+        {
+            "gamma": b["gamma"],
+            "temperature": b["temperature"],
+            "alpha_before": b["alpha"],
+            "alpha_after": a["alpha"],
+            "tau_before": b["tau"],
+            "tau_after": a["tau"],
+            "tau_gain": a["tau"] / b["tau"] - 1.0,
+        }
+        for b, a in zip(before, after, strict=True)
+    ]
+
+
 def suite_transfer_run(
     run: Path,
     overrides: list[str],
@@ -44,22 +63,8 @@ def suite_transfer_run(
           "batch_size": batch_size, "seed": cfg.seed}  # fmt: skip
     rows = []
     for name, t in tasks.items():
-        before = measure_pair(target, draft, tokenizer, t, **kw, desc=f"{name}, undistilled")
-        after = measure_pair(target, student, tokenizer, t, **kw, desc=f"{name}, distilled")
-        for b, a in zip(before, after, strict=True):
-            rows.append(
-                {
-                    "task": name,
-                    "trained_on": t is task,
-                    "gamma": b["gamma"],
-                    "temperature": b["temperature"],
-                    "alpha_before": b["alpha"],
-                    "alpha_after": a["alpha"],
-                    "tau_before": b["tau"],
-                    "tau_after": a["tau"],
-                    "tau_gain": a["tau"] / b["tau"] - 1.0,
-                }
-            )
+        for row in before_after(target, draft, student, tokenizer, t, desc=name, **kw):
+            rows.append({"task": name, "trained_on": t is task, **row})
     result = {
         "config": {
             "run": str(run),
