@@ -13,6 +13,7 @@ import ray
 
 from actors.common import NAMESPACE, weights_name
 from actors.weights import Follow, take
+from distillspec.config import FollowConfig
 from distillspec.integrity import TransferRefused
 from distillspec.serving.completer import Completion, DraftServer, LiveAcceptance
 
@@ -20,28 +21,26 @@ log = logging.getLogger("distillspec.serve")
 
 
 class DraftFollower:
-    """The draft of ``server`` following the weight store of ``run``: call :meth:`start` once, :meth:`judge` with each
-    batch of finished completions. ``version_gauge`` shows the draft version held; ``rollbacks`` counts rollbacks
+    """The draft of ``server`` following the weight store of ``run`` as ``follow`` (``serve.follow``) says: call
+    :meth:`start` once, :meth:`judge` with each batch of finished completions. ``version_gauge`` shows the draft
+    version held; ``rollbacks`` counts rollbacks
     (Ray Serve metrics, or any objects with ``set`` and ``inc``)."""
 
     def __init__(
         self,
         server: DraftServer,
         run: str,
+        follow: FollowConfig,
         *,
-        follow_version: str,
-        sync_every_s: float,
-        rollback_window: int,
-        rollback_margin: float,
         version_gauge: Any,
         rollbacks: Any,
     ) -> None:
-        self.server, self.run, self.follow_version, self.sync_every_s = server, run, follow_version, sync_every_s
+        self.server, self.run, self.follow_version, self.sync_every_s = server, run, follow.version, follow.sync_every_s
         self.version_gauge, self.rollback_count = version_gauge, rollbacks
         self.version_gauge.set(server.version)
         self.store, self.warned = None, False
         self.lock = threading.Lock()  #: one change of the draft at a time (the sync thread, a rollback)
-        self.live = LiveAcceptance(rollback_window, rollback_margin)
+        self.live = LiveAcceptance(follow.rollback_window, follow.rollback_margin)
         self.swaps: list[dict] = []
         self.rolled_back: set[int] = set()  #: versions the deployment rolled back: never served again
         self.refused: dict[int, str] = {}  #: versions this replica refused to load, with the reason

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.openai_api import HTTPError, error_body
 
 app = FastAPI(title="DistillSpec speculative decoding", version="1")
-#: this replica's ``serve.api_key`` and ``serve.max_body_bytes`` (one replica per process)
+#: this replica's ``serve.api_key`` and ``serve.limits.max_body_bytes`` (one replica per process)
 _guard: dict[str, Any] = {"key": None, "max_body_bytes": None}
 
 
@@ -25,9 +25,9 @@ def guard(key: str | None, max_body_bytes: int | None = None) -> None:
 
 
 class _BodyLimit:
-    """A body over ``serve.max_body_bytes`` gets a 413: by its Content-Length before a byte of it is read, or, sent
-    without one (chunked), as soon as what arrived passes the limit (what arrives before is buffered, then replayed
-    to the route). Runs after the key check."""
+    """A body over ``serve.limits.max_body_bytes`` gets a 413: by its Content-Length before a byte of it is read,
+    or, sent without one (chunked), as soon as what arrived passes the limit (what arrives before is buffered, then
+    replayed to the route). Runs after the key check."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -63,7 +63,7 @@ class _BodyLimit:
 
 
 def _too_large(limit: int) -> JSONResponse:
-    message = f"the request body is larger than this server's limit of {limit} bytes (serve.max_body_bytes)"
+    message = f"the request body is larger than this server's limit of {limit} bytes (serve.limits.max_body_bytes)"
     return JSONResponse(status_code=413, content=error_body(message, None))
 
 

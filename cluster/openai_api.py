@@ -279,17 +279,19 @@ def completion_jobs(
 ) -> list[CompletionJob]:
     """The jobs of a request (each prompt ``n`` times), within the server's limits (``s``) and checked by the backend
     (``check``); a 4xx names what is wrong."""
-    if len(prompts) > s.max_prompts:
+    if len(prompts) > s.limits.max_prompts:
         raise HTTPError(
             413,
-            f"prompt: {len(prompts)} prompts, more than this server's limit of {s.max_prompts} per request "
-            "(serve.max_prompts)",
+            f"prompt: {len(prompts)} prompts, more than this server's limit of {s.limits.max_prompts} per request "
+            "(serve.limits.max_prompts)",
             "prompt",
         )
     if body.model not in (None, s.model_name):
         raise HTTPError(404, f"model: {body.model!r} is not served here (this serves {s.model_name!r})", "model")
-    if body.max_tokens > s.max_tokens:
-        raise HTTPError(400, f"max_tokens: {body.max_tokens} is above this server's limit {s.max_tokens}", "max_tokens")
+    if body.max_tokens > s.limits.max_tokens:
+        raise HTTPError(
+            400, f"max_tokens: {body.max_tokens} is above this server's limit {s.limits.max_tokens}", "max_tokens"
+        )
     gamma = (body.gamma or s.gamma) if body.speculative else 0
     try:
         controls = SamplingControls.of(**body.model_dump(include=CONTROL_FIELDS))

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,8 @@ class Completions:
 
     def __init__(self, cfg: JobConfig) -> None:
         s = cfg.serve
-        guard(s.api_key, s.max_body_bytes)
-        torch.set_num_threads(s.threads or max(1, round(s.replica_cpus)))
+        guard(s.api_key, s.limits.max_body_bytes)
+        torch.set_num_threads(s.replica.threads or max(1, round(s.replica.cpus)))
         logging.basicConfig(level=logging.INFO)
         self.cfg, self.s, seed = cfg, s, int(time.time_ns() % 2**31)
         self.stopping = False  #: the endpoint is shutting down (:meth:`stop`): no new request is taken
@@ -89,32 +89,29 @@ class Completions:
                 load_tokenizer(cfg.target),
                 gamma=s.gamma,
                 max_gamma=s.max_gamma,
-                max_prompt_tokens=s.max_prompt_tokens,
+                max_prompt_tokens=s.limits.max_prompt_tokens,
                 seed=seed,
             )
         else:
             target, draft, tokenizer = load_decoding_pair(cfg.models)
             completer = Completer(
-                target, draft, tokenizer, max_prompt_tokens=s.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
+                target, draft, tokenizer, max_prompt_tokens=s.limits.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
             )
-            log.info("replica warmed up in %.1f s", completer.warm_up(s.max_batch_size))
+            log.info("replica warmed up in %.1f s", completer.warm_up(s.batching.max_batch_size))
             self.completer = completer
         self.tokenizer = self.completer.tokenizer  # its chat template formats chat requests
         self.vllm = s.backend == "vllm"
         #: the weights' dtype that serves (a bfloat16 target is another model than its float32 original)
         self.dtype = cfg.vllm.dtype if self.vllm else str(target.dtype).removeprefix("torch.")
-        self.batcher = RequestBatcher(self._decode, s.max_batch_size, s.batch_wait_timeout_s)
-        self.run = s.follow_run or cfg.ray.run_name
-        self.metrics = ServeMetrics(s.max_gamma, s.max_batch_size)
-        self.held = 0  #: prompts of requests in progress on this replica (``serve.max_queued_prompts``)
+        self.batcher = RequestBatcher(self._decode, s.batching.max_batch_size, s.batching.batch_wait_timeout_s)
+        self.run = s.follow.run or cfg.ray.run_name
+        self.metrics = ServeMetrics(s.max_gamma, s.batching.max_batch_size)
+        self.held = 0  #: prompts of requests in progress on this replica (``serve.limits.max_queued_prompts``)
         self.replica = serve.get_replica_context().replica_id.unique_id  #: named in each response
         self.follower = DraftFollower(
             self.completer,
             self.run,
-            follow_version=s.follow_version,
-            sync_every_s=s.sync_every_s,
-            rollback_window=s.rollback_window,
-            rollback_margin=s.rollback_margin,
+            s.follow,
             version_gauge=self.metrics["distillspec_serve_draft_version"],
             rollbacks=self.metrics["distillspec_serve_rollbacks"],
         )
@@ -230,12 +227,12 @@ class Completions:
 
     def _hold(self, prompts: int) -> int:
         """Count ``prompts`` as held by this replica (queued or decoding), or answer 429 when they would pass
-        ``serve.max_queued_prompts``; returns the count to let go of when the request ends."""
-        if self.held + prompts > self.s.max_queued_prompts:
+        ``serve.limits.max_queued_prompts``; returns the count to let go of when the request ends."""
+        if self.held + prompts > self.s.limits.max_queued_prompts:
             raise HTTPError(
                 429,
-                f"this replica holds {self.held} prompts, its limit is {self.s.max_queued_prompts} "
-                "(serve.max_queued_prompts): retry shortly",
+                f"this replica holds {self.held} prompts, its limit is {self.s.limits.max_queued_prompts} "
+                "(serve.limits.max_queued_prompts): retry shortly",
                 None,
                 "rate_limit_error",
                 {"Retry-After": "1"},
@@ -337,16 +334,9 @@ def bind(cfg: JobConfig) -> serve.Application:
     """The deployment for ``cfg`` (its key taken from the environment where the config sets none)."""
     cfg = with_api_key(cfg)
     s = cfg.serve
-    autoscaling = {
-        "min_replicas": s.min_replicas,
-        "max_replicas": s.max_replicas,
-        "target_ongoing_requests": s.target_ongoing_requests,
-        "upscale_delay_s": s.upscale_delay_s,
-        "downscale_delay_s": s.downscale_delay_s,
-    }
     return Completions.options(
-        autoscaling_config=autoscaling,
-        max_ongoing_requests=s.max_queued_prompts,  # requests reach the replica, which answers 429 past its limit
-        ray_actor_options={"num_cpus": s.replica_cpus, "num_gpus": s.replica_gpus},
+        autoscaling_config=asdict(s.autoscaling),  # its keys are Ray Serve's
+        max_ongoing_requests=s.limits.max_queued_prompts,  # requests reach the replica: it answers 429 past its limit
+        ray_actor_options={"num_cpus": s.replica.cpus, "num_gpus": s.replica.gpus},
         graceful_shutdown_timeout_s=STOP_GRACE_S,
     ).bind(cfg)

@@ -199,7 +199,7 @@ class RayConfig:
     run_name: str = knob("distill", "names the run's buffer and weight-store actors (namespace distillspec)")
     gpu_dry_run: bool = knob(
         False,
-        "ask Ray for the GPU shares set in learner.use_gpu, rollout.gpus, evaluator.gpus and serve.replica_gpus, but "
+        "ask Ray for the GPU shares set in learner.use_gpu, rollout.gpus, evaluator.gpus and serve.replica.gpus, but "
         "compute on CPU (device=cpu, gloo): placement and autoscaling on GPU nodes, exercised without GPUs",
     )
 
@@ -328,8 +328,82 @@ class VLLMConfig:
 
 
 @dataclass(config=SCHEMA)
+class LimitsConfig:
+    """``serve.limits``: what one request and one replica may hold; past them a request gets a 400, 413 or 429."""
+
+    max_prompt_tokens: PosInt = knob(512, "longer prompts get a 400")
+    max_tokens: PosInt = knob(512, "the largest max_tokens a request may ask for")
+    max_prompts: PosInt = knob(64, "prompts one /v1/completions request may carry (more: 413)")
+    max_body_bytes: PosInt = knob(1 << 20, "larger request bodies get a 413 before they are read")
+    max_queued_prompts: PosInt = knob(
+        256, "prompts a replica holds at once, queued or decoding; past it a request gets a 429 with Retry-After"
+    )
+
+
+@dataclass(config=SCHEMA)
+class BatchingConfig:
+    """``serve.batching``: how a replica batches concurrent requests into one decoding call (backend hf)."""
+
+    max_batch_size: PosInt = knob(8, "concurrent requests batched into one decoding call")
+    batch_wait_timeout_s: NonNegFloat = knob(
+        0.05,
+        "the longest a batch waits, once the decoder is free, for as many requests as the replica held at once "
+        "lately (a lone client never waits)",
+    )
+
+
+@dataclass(config=SCHEMA)
+class AutoscalingConfig:
+    """``serve.autoscaling``: Ray Serve's autoscaling of the replicas (its ``autoscaling_config``)."""
+
+    min_replicas: PosInt = knob(1, "fewest replicas")
+    max_replicas: PosInt = knob(1, "most replicas")
+    target_ongoing_requests: PosFloat = knob(8.0, "target of ongoing requests per replica")
+    upscale_delay_s: NonNegFloat = knob(30.0, "how long the load stays above target before a replica is added")
+    downscale_delay_s: NonNegFloat = knob(600.0, "how long the load stays below target before a replica is removed")
+
+    def validate(self) -> None:
+        if self.min_replicas > self.max_replicas:
+            raise DistillSpecError(
+                f"serve.autoscaling.min_replicas={self.min_replicas} > "
+                f"serve.autoscaling.max_replicas={self.max_replicas}"
+            )
+
+
+@dataclass(config=SCHEMA)
+class ReplicaConfig:
+    """``serve.replica``: what one replica is given."""
+
+    cpus: NonNegFloat = knob(1.0, "CPUs per replica")
+    gpus: NonNegFloat = knob(0.0, "GPUs per replica")
+    threads: NonNegInt = knob(0, "torch threads per replica (0 = cpus, at least 1)")
+
+
+@dataclass(config=SCHEMA)
+class FollowConfig:
+    """``serve.follow``: how replicas take new draft versions from a running distillation, and give them back."""
+
+    run: str | None = knob(None, "take new draft versions from this run's weight store (unset = ray.run_name)")
+    version: Literal["serving", "latest"] = knob(
+        "serving", "which of the run's versions replicas take: serving (passed the gate) | latest (every one published)"
+    )
+    sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
+    rollback_window: NonNegInt = knob(
+        16,
+        "rollback: a new draft version is judged once it has made this many speculative completions with decoding "
+        "settings the previous version also served, against the previous version's on the same settings (0 = off)",
+    )
+    rollback_margin: NonNegFloat = knob(
+        0.15,
+        "rollback: return to the previous version when the new one's live alpha is more than this below it, beyond "
+        "two standard errors of sampling noise",
+    )
+
+
+@dataclass(config=SCHEMA)
 class ServeConfig:
-    """The speculative-decoding endpoint (``jobs/serve.py``, ``cluster/serve_config.yaml``)."""
+    """The speculative-decoding endpoint (``jobs/serve.py``, ``cluster/serve_config.yaml``): HTTP and the decoding
+    defaults here, the rest in a section per concern."""
 
     backend: Backend = knob(
         "hf", "hf (this project's decoder: per-request gamma and lenience) | vllm (vLLM, gamma fixed, lossless)"
@@ -349,50 +423,15 @@ class ServeConfig:
     temperature: Annotated[float, Field(ge=0, le=2)] = knob(
         1.0, "sampling temperature when a request gives none (1, as in OpenAI's API; 0 = greedy)"
     )
-    max_prompt_tokens: PosInt = knob(512, "longer prompts get a 400")
-    max_tokens: PosInt = knob(512, "the largest max_tokens a request may ask for")
-    max_batch_size: PosInt = knob(8, "concurrent requests batched into one decoding call")
-    max_prompts: PosInt = knob(64, "prompts one /v1/completions request may carry (more: 413)")
-    max_body_bytes: PosInt = knob(1 << 20, "larger request bodies get a 413 before they are read")
-    max_queued_prompts: PosInt = knob(
-        256, "prompts a replica holds at once, queued or decoding; past it a request gets a 429 with Retry-After"
-    )
-    batch_wait_timeout_s: NonNegFloat = knob(
-        0.05,
-        "the longest a batch waits, once the decoder is free, for as many requests as the replica held at once "
-        "lately (a lone client never waits)",
-    )
-    min_replicas: PosInt = knob(1, "autoscaling: fewest replicas")
-    max_replicas: PosInt = knob(1, "autoscaling: most replicas")
-    target_ongoing_requests: PosFloat = knob(8.0, "autoscaling target of ongoing requests per replica")
-    upscale_delay_s: NonNegFloat = knob(
-        30.0, "autoscaling: how long the load stays above target before a replica is added"
-    )
-    downscale_delay_s: NonNegFloat = knob(
-        600.0, "autoscaling: how long the load stays below target before a replica is removed"
-    )
-    replica_cpus: NonNegFloat = knob(1.0, "CPUs per replica")
-    replica_gpus: NonNegFloat = knob(0.0, "GPUs per replica")
-    threads: NonNegInt = knob(0, "torch threads per replica (0 = replica_cpus, at least 1)")
     run: str | None = knob(
         None, "serve what this jobs/distill.py output folder distilled: its draft/ with the target it was distilled for"
     )
-    follow_run: str | None = knob(None, "take new draft versions from this run's weight store (unset = ray.run_name)")
-    follow_version: Literal["serving", "latest"] = knob(
-        "serving", "which of the run's versions replicas take: serving (passed the gate) | latest (every one published)"
-    )
-    sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
-    rollback_window: NonNegInt = knob(
-        16,
-        "rollback: a new draft version is judged once it has made this many speculative completions with decoding "
-        "settings the previous version also served, against the previous version's on the same settings (0 = off)",
-    )
-    rollback_margin: NonNegFloat = knob(
-        0.15,
-        "rollback: return to the previous version when the new one's live alpha is more than this below it, beyond "
-        "two standard errors of sampling noise",
-    )
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
+    limits: LimitsConfig = knob(help="request and replica limits", factory=LimitsConfig)
+    batching: BatchingConfig = knob(help="batching concurrent requests", factory=BatchingConfig)
+    autoscaling: AutoscalingConfig = knob(help="the replicas' autoscaling", factory=AutoscalingConfig)
+    replica: ReplicaConfig = knob(help="one replica's resources", factory=ReplicaConfig)
+    follow: FollowConfig = knob(help="following a distillation's draft versions", factory=FollowConfig)
 
     @property
     def fixed_gamma(self) -> int:
@@ -401,8 +440,7 @@ class ServeConfig:
         return min(START_GAMMA, self.max_gamma) if self.gamma == "auto" else self.gamma
 
     def validate(self) -> None:
-        if self.min_replicas > self.max_replicas:
-            raise DistillSpecError(f"serve.min_replicas={self.min_replicas} > serve.max_replicas={self.max_replicas}")
+        self.autoscaling.validate()
 
 
 @dataclass(config=SCHEMA)
@@ -425,6 +463,11 @@ class SweepConfig:
     steps: PosInt = knob(40, "distillation steps per trial (a short budget: the paper's ranking shows early)")
     trial_cpus: PosFloat = knob(1.0, "CPUs (and torch threads) per trial; trials run in parallel on what is left")
     trial_gpus: NonNegFloat = knob(0.0, "GPUs per trial")
+    trial_memory_gb: NonNegFloat = knob(
+        0.0,
+        "host memory a trial asks Ray for, so no more trials run at once than fit; 0 = estimated from the pair "
+        "(the target's weights, the draft's float32 weights, gradients and AdamW moments, a batch's logits)",
+    )
     rank_temperature: NonNegFloat = knob(1.0, "temperature at which tau gain ranks the recipes")
     save_drafts: bool = knob(True, "keep each trial's distilled draft (save_pretrained) for later suites")
 
@@ -547,7 +590,7 @@ class JobConfig:
     def check_gpu_shares(self) -> None:
         """GPU shares on a CPU device only in the dry run; the dry run only on a CPU device and with GPU shares."""
         r = self.ray
-        asked = self.learner.use_gpu or self.rollout.gpus > 0 or self.evaluator.gpus > 0 or self.serve.replica_gpus > 0
+        asked = self.learner.use_gpu or self.rollout.gpus > 0 or self.evaluator.gpus > 0 or self.serve.replica.gpus > 0
         if r.gpu_dry_run and self.device != "cpu":
             raise DistillSpecError(
                 f"ray.gpu_dry_run=true computes on CPU but device={self.device!r}: set device=cpu for a dry run, or "
@@ -556,7 +599,7 @@ class JobConfig:
         if r.gpu_dry_run and not asked:
             raise DistillSpecError(
                 "ray.gpu_dry_run=true but no GPU share is asked for: set learner.use_gpu=true, rollout.gpus, "
-                "evaluator.gpus or serve.replica_gpus (the shares a GPU cluster job asks for)"
+                "evaluator.gpus or serve.replica.gpus (the shares a GPU cluster job asks for)"
             )
         if self.learner.use_gpu and self.device == "cpu" and not r.gpu_dry_run:
             raise DistillSpecError(

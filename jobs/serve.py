@@ -10,7 +10,7 @@ Then, e.g. with the ``openai`` client: ``OpenAI(base_url="http://127.0.0.1:8000/
 .chat.completions.create(model="distillspec", messages=[{"role": "user", "content": "..."}], max_tokens=32)``, or
 ``.completions.create(model="distillspec", prompt="...", max_tokens=32, extra_body={"gamma": 5})``.
 
-The replicas follow the weight store of the distillation run ``serve.follow_run`` (default ``ray.run_name``):
+The replicas follow the weight store of the distillation run ``serve.follow.run`` (default ``ray.run_name``):
 start ``jobs/distill.py`` on the same Ray cluster and the endpoint serves each new draft version as it is
 published. Stop with Ctrl-C.
 """
@@ -83,7 +83,7 @@ def main(cfg: JobConfig) -> None:
         print(f"target {cfg.target}\ndraft  {cfg.draft}")
         routes = "chat/completions, completions, models"
         print(f"serving {cfg.serve.model_name!r} at {url} ({routes}; API key: {key}); Ctrl-C stops")
-        print(f"the draft follows the weight store of run {cfg.serve.follow_run or cfg.ray.run_name!r}")
+        print(f"the draft follows the weight store of run {cfg.serve.follow.run or cfg.ray.run_name!r}")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -104,7 +104,7 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["dtype=half"], "dtype='half'"),
         (["target_dtype=bfloat16"], "config key 'target_dtype' is now 'dtype'"),
         (["nonsense"], "section.key=value"),
-        (["serve.sync_every_s=.inf"], r"serve\.sync_every_s=inf: input should be a finite number"),
+        (["serve.follow.sync_every_s=.inf"], r"serve\.follow\.sync_every_s=inf: input should be a finite number"),
         (["distill.lr=nan"], "distill.lr='nan': input should be a finite number"),
         (["buffer.max_batch_tokens=1000"], r"distill.batch_size=32 x \(max_prompt_tokens 256 \+ max_new_tokens 64\)"),
         (["rollout.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),

@@ -23,12 +23,16 @@ from .conftest import free_port, greedy_text
 from .test_serve import PROMPTS
 
 RUN = "gate-test"
-WINDOW = 16  #: serve.rollback_window of the endpoints under test
+WINDOW = 16  #: serve.follow.rollback_window of the endpoints under test
 CONCURRENCY = 8
 #: requests per phase: (1) the canary promotes version 1, (2) a corrupted transfer of version 2, (3) the canary
 #: refuses a worse version 3, (4) version 4 passes the gate (injected) and collapses live: 400 in all
 PHASES = (40, 80, 40, 240)
-GATE_SETTINGS = [f"serve.rollback_window={WINDOW}", "serve.rollback_margin=0.15", "serve.sync_every_s=0.2"]
+GATE_SETTINGS = [
+    f"serve.follow.rollback_window={WINDOW}",
+    "serve.follow.rollback_margin=0.15",
+    "serve.follow.sync_every_s=0.2",
+]
 
 
 def random_copy(model: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -99,7 +103,7 @@ class Load:
 def check_safe_rollout(
     url: str, cfg: JobConfig, draft: torch.nn.Module, expected: dict[str, str], n: int, slack: int = CONCURRENCY
 ) -> dict:
-    """Drive the endpoint at ``url`` (following run ``cfg.ray.run_name``, with ``serve.rollback_window=WINDOW``)
+    """Drive the endpoint at ``url`` (following run ``cfg.ray.run_name``, with ``serve.follow.rollback_window=WINDOW``)
     through the four phases of ``PHASES`` at concurrency 8, every request greedy with ``n`` tokens, and check the
     rollback's bound: at most ``WINDOW + slack`` requests start on the collapsing version. Returns the figures
     (answers per version, requests that started on or touched the collapsing version)."""
@@ -220,8 +224,8 @@ def endpoint(ray_cluster, tiny_garden):
         f"target={tiny_garden.target}",
         f"draft={tiny_garden.draft}",
         f"ray.run_name={RUN}",
-        "serve.max_batch_size=4",
-        "serve.replica_cpus=0.25",
+        "serve.batching.max_batch_size=4",
+        "serve.replica.cpus=0.25",
         "serve.gamma=3",
         *GATE_SETTINGS,
     ]
@@ -261,11 +265,11 @@ def two_replicas(endpoint, tiny_garden):
         f"target={tiny_garden.target}",
         f"draft={tiny_garden.draft}",
         "ray.run_name=gate-two",
-        "serve.max_batch_size=4",
-        "serve.replica_cpus=0.25",
+        "serve.batching.max_batch_size=4",
+        "serve.replica.cpus=0.25",
         "serve.gamma=3",
-        "serve.min_replicas=2",
-        "serve.max_replicas=2",
+        "serve.autoscaling.min_replicas=2",
+        "serve.autoscaling.max_replicas=2",
         *GATE_SETTINGS,
     ]
     serve.run(bind(load_config(None, overrides)), name="gate-two", route_prefix="/two")

@@ -32,16 +32,16 @@ def endpoint(ray_cluster, tiny_garden, tmp_path_factory):
         f"target={tiny_garden.target}",
         f"draft={tiny_garden.draft}",
         f"ray.run_name={RUN}",
-        "serve.max_prompt_tokens=64",
-        "serve.max_tokens=48",
-        "serve.max_batch_size=4",
-        "serve.replica_cpus=0.25",
-        "serve.sync_every_s=0.2",
+        "serve.limits.max_prompt_tokens=64",
+        "serve.limits.max_tokens=48",
+        "serve.batching.max_batch_size=4",
+        "serve.replica.cpus=0.25",
+        "serve.follow.sync_every_s=0.2",
         "serve.record_prompts=true",
         "serve.gamma=3",
-        "serve.max_body_bytes=65536",
-        "serve.max_prompts=16",
-        "serve.max_queued_prompts=40",
+        "serve.limits.max_body_bytes=65536",
+        "serve.limits.max_prompts=16",
+        "serve.limits.max_queued_prompts=40",
     ]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(bind(load_config(None, common)), name="sd", route_prefix="/")
@@ -52,7 +52,7 @@ def endpoint(ray_cluster, tiny_garden, tmp_path_factory):
         (plain / role / "chat_template.jinja").unlink(missing_ok=True)
         config = plain / role / "tokenizer_config.json"
         config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
-    no_chat = [*common, f"target={plain / 'target'}", f"draft={plain / 'draft'}", "serve.sync_every_s=0"]
+    no_chat = [*common, f"target={plain / 'target'}", f"draft={plain / 'draft'}", "serve.follow.sync_every_s=0"]
     serve.run(bind(load_config(None, no_chat)), name="plain", route_prefix="/plain")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -279,7 +279,7 @@ def test_a_stopping_endpoint_ends_its_streams_with_an_error_event(endpoint, tiny
     from cluster.serve import bind
     from cluster.stopping import stop_signal
 
-    cfg = load_config(None, [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "serve.replica_cpus=0.25"])
+    cfg = load_config(None, [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "serve.replica.cpus=0.25"])
     serve.run(bind(cfg), name="stoppable", route_prefix="/stoppable")
     eos = load_pair(str(tiny_garden.target), str(tiny_garden.draft))[2].eos_token_id
     body = {"prompt": PROMPTS[0], "max_tokens": 400, "stream": True, "logit_bias": {str(eos): -100}}
@@ -319,7 +319,7 @@ def test_a_seed_gives_one_text_under_concurrent_load(client):
     [
         ('{"prompt": "1+1=", "max_tokens": ', None),  # malformed JSON
         ({"prompt": ""}, "prompt"),
-        ({"prompt": "1+1=" * 60}, "prompt"),  # longer than serve.max_prompt_tokens
+        ({"prompt": "1+1=" * 60}, "prompt"),  # longer than serve.limits.max_prompt_tokens
         ({"prompt": "1+1=", "gamma": 0}, "gamma"),
         ({"prompt": "1+1=", "gamma": "some"}, "gamma"),
         ({"prompt": "1+1=", "epsilon": 0}, "epsilon"),
@@ -490,8 +490,9 @@ def test_the_key_can_come_from_the_environment(monkeypatch):
 
 
 def test_limits_answer_413_and_429_in_openais_shape(endpoint):
-    """A body over serve.max_body_bytes (with a Content-Length or chunked), more prompts than serve.max_prompts,
-    and prompts past what the replica holds (serve.max_queued_prompts): each gets its 4xx, the others their answers."""
+    """A body over serve.limits.max_body_bytes (with a Content-Length or chunked), more prompts than
+    serve.limits.max_prompts, and prompts past what the replica holds (serve.limits.max_queued_prompts): each gets its
+    4xx, the others their answers."""
     from concurrent.futures import ThreadPoolExecutor
 
     url = f"{endpoint}/v1/completions"
@@ -544,9 +545,9 @@ def test_a_replica_killed_mid_stream(endpoint, tiny_garden):
         f"target={tiny_garden.target}",
         f"draft={tiny_garden.draft}",
         "ray.run_name=killed",
-        "serve.max_tokens=900",
-        "serve.replica_cpus=0.25",
-        "serve.sync_every_s=0",
+        "serve.limits.max_tokens=900",
+        "serve.replica.cpus=0.25",
+        "serve.follow.sync_every_s=0",
     ]
     serve.run(bind(load_config(None, overrides)), name="killed", route_prefix="/killed")
     url = f"{endpoint}/killed/v1/completions"

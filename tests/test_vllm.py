@@ -376,13 +376,13 @@ def vllm_endpoint(ray_cluster, garden):
         "serve.backend=vllm",
         "serve.gamma=auto",
         "serve.max_gamma=4",
-        "serve.max_prompt_tokens=128",
-        "serve.max_tokens=48",
-        "serve.replica_cpus=0.25",
+        "serve.limits.max_prompt_tokens=128",
+        "serve.limits.max_tokens=48",
+        "serve.replica.cpus=0.25",
         *GATE_SETTINGS,
         # This garden's draft reaches a live alpha of 0.16 to 0.37 (it moves with the gammas chosen), so the default
         # margin of 0.15 can leave a collapse to 0 within margin plus noise of it.
-        "serve.rollback_margin=0.1",
+        "serve.follow.rollback_margin=0.1",
         *VCFG,
     ]
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -50,7 +50,7 @@ from jobs.serve import start
 def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
     """The endpoint under load: SD vs speculation off, before and after distillation, and a swap under load."""
     del budget
-    cfg = resolve_models(load_config(None, ["ray.run_name=serve-bench", "serve.sync_every_s=0.5", *overrides]))
+    cfg = resolve_models(load_config(None, ["ray.run_name=serve-bench", "serve.follow.sync_every_s=0.5", *overrides]))
     if distilled is None or not Path(distilled).is_dir():
         raise DistillSpecError(f"--distilled {distilled!r}: give the draft a distill run made (its out/draft folder)")
     connect(cfg.ray)
@@ -150,7 +150,7 @@ def suite_soak(overrides: list[str], budget: float, out: Path) -> dict:
     """Mixed traffic (:class:`SoakTraffic`) for ``--budget`` seconds at concurrency 8 on one replica, and a new draft
     version published every minute (the draft plus a little noise). Reports errors and the replica's resident memory
     over time."""
-    cfg = resolve_models(load_config(None, ["ray.run_name=soak", "serve.sync_every_s=0.5", *overrides]))
+    cfg = resolve_models(load_config(None, ["ray.run_name=soak", "serve.follow.sync_every_s=0.5", *overrides]))
     connect(cfg.ray)
     url = start(cfg)
     store = WeightStore.options(name=weights_name("soak"), namespace=NAMESPACE).remote("soak")
@@ -217,7 +217,9 @@ def suite_fuzz(overrides: list[str], budget: float, out: Path) -> dict:
     st = shutil.which("st") or str(Path(sys.executable).parent / "st")
     if not Path(st).exists():
         raise DistillSpecError('suite fuzz needs Schemathesis: pip install -e ".[fuzz]"')
-    cfg = load_config(None, ["ray.run_name=fuzz", "serve.sync_every_s=0", "serve.max_tokens=16", *overrides])
+    cfg = load_config(
+        None, ["ray.run_name=fuzz", "serve.follow.sync_every_s=0", "serve.limits.max_tokens=16", *overrides]
+    )
     cfg = resolve_models(cfg)
     connect(cfg.ray)
     base = start(cfg).removesuffix("/v1")

@@ -138,9 +138,9 @@ def suite_gamma(
     draft and follows every version a distill job publishes (``budget`` seconds of training, on the same cluster),
     and the rounds go on until the job ends; tokens/s are also reported over each third of the run, and the gamma
     chosen live over time."""
-    run = ["ray.run_name=gamma-bench", "serve.sync_every_s=0", "serve.max_batch_size=16"]
+    run = ["ray.run_name=gamma-bench", "serve.follow.sync_every_s=0", "serve.batching.max_batch_size=16"]
     if distilling:  # the replica takes every version the learner publishes; the job's actors get the other CPUs
-        run += ["serve.sync_every_s=1", "serve.follow_version=latest", "serve.replica_cpus=0.5"]
+        run += ["serve.follow.sync_every_s=1", "serve.follow.version=latest", "serve.replica.cpus=0.5"]
     bench = GammaRun(load_config(None, [*run, *overrides]), run, overrides, out, budget, distilling)
     if distilling and (bench.vllm or rounds):
         what = (

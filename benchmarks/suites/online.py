@@ -30,7 +30,7 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     job (``rollout.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
     del distilled
     # The replica follows every version the learner publishes (no evaluator runs, so none passes a gate).
-    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica_cpus=0.5", "serve.follow_version=latest"]
+    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica.cpus=0.5", "serve.follow.version=latest"]
     run += overrides
     cfg = resolve_models(load_config(None, run))
     connect(cfg.ray)

@@ -69,7 +69,7 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
     endpoint, (c) vLLM's own OpenAI server with the same draft; speculation on and off; concurrency 1 and 8. Then
     400 requests at concurrency 8 on (b) while a new draft version (``--distilled``, else the draft) is published."""
     del budget
-    cfg = resolve_models(load_config(None, ["ray.run_name=vllm-bench", "serve.sync_every_s=0", *overrides]))
+    cfg = resolve_models(load_config(None, ["ray.run_name=vllm-bench", "serve.follow.sync_every_s=0", *overrides]))
     prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
     body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 0.0}
     loads = {1: 32, 8: 128}  # requests per concurrency
@@ -85,7 +85,13 @@ def suite_vllm(overrides: list[str], budget: float, out: Path, distilled: str | 
         rows["a_hf_sd"] = measure(url, {})
         rows["a_hf_off"] = measure(url, {"speculative": False})
         serve.delete("hf")
-        url = start(replace(cfg, serve=replace(cfg.serve, backend="vllm", port=8101, sync_every_s=0.5)), name="vllm")
+        url = start(
+            replace(
+                cfg,
+                serve=replace(cfg.serve, backend="vllm", port=8101, follow=replace(cfg.serve.follow, sync_every_s=0.5)),
+            ),
+            name="vllm",
+        )
         rows["b_vllm_serve_sd"] = measure(url, {})
         # 400 requests at concurrency 8 while the weight store publishes a new draft after the first 100.
         store = WeightStore.options(name=weights_name("vllm-bench"), namespace=NAMESPACE).remote("vllm-bench")

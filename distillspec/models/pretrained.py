@@ -343,7 +343,7 @@ def run_models(run: Path) -> dict[str, str]:
     if not (draft / "config.json").exists():
         raise DistillSpecError(
             f"--run {run}: no distilled draft yet ({draft}): the run has not finished. While it runs, serve its "
-            "latest version with serve.follow_run=<its ray.run_name>"
+            "latest version with serve.follow.run=<its ray.run_name>"
         )
     recorded = yaml.safe_load(config.read_text()) or {}
     target = recorded.get("target")
