@@ -130,7 +130,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
             f"{cfg.eval.temperatures}: add it there, or rank at one of those"
         )
     start = time.perf_counter()
-    cfg, task, before = _baseline(cfg, log)
+    cfg, task, before, memory = _baseline(cfg, log)
     with sigterm_held():  # Ray's own handler would abort the process
         started = connect(cfg.ray).startswith("started")
     rank = f"tau_gain_{_key(cfg.sweep.rank_temperature)}"
@@ -139,7 +139,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         "divergence": tune.grid_search(cfg.sweep.divergences),
         "seed": tune.grid_search(cfg.sweep.seeds),
     }
-    resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus}
+    resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus, "memory": _fitting(memory, log)}
     trainable = tune.with_resources(
         tune.with_parameters(
             trial,
@@ -158,6 +158,13 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
             run_config=tune.RunConfig(name=f"sweep-{task.name}", storage_path=str(out / "tune"), verbose=1),
         )
         results = tuner.fit()
+    except RuntimeError as e:  # Tune's controller stops when Ray kills a trial's actor for memory
+        if "low on memory" not in str(e):
+            raise
+        raise DistillSpecError(
+            f"the node ran out of memory with {cfg.sweep.trial_memory_gb or memory / 2**30:.1f} GiB asked per trial: "
+            "ask for more (sweep.trial_memory_gb) so that fewer trials run at once"
+        ) from e
     finally:
         if started:
             ray.shutdown()
@@ -183,9 +190,10 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
     }
 
 
-def _baseline(cfg: JobConfig, log=print) -> tuple[JobConfig, Task, dict]:
+def _baseline(cfg: JobConfig, log=print) -> tuple[JobConfig, Task, dict, int]:
     """The pair made local (trials run in their own working directories: they get the task itself and absolute model
-    paths), the task as the target is prompted, and the undistilled draft's alpha and tau at each temperature."""
+    paths), the task as the target is prompted, the undistilled draft's alpha and tau at each temperature, and the
+    bytes of host memory a trial asks for."""
     from distillspec.evaluation.study import measure_pair
     from distillspec.models.loading import load_pair
     from distillspec.models.pretrained import prepare_pair
@@ -209,7 +217,29 @@ def _baseline(cfg: JobConfig, log=print) -> tuple[JobConfig, Task, dict]:
         f"{task.name}: undistilled draft at gamma={cfg.eval.speedup_gamma}: "
         + ", ".join(f"{k} alpha {r['alpha']:.3f} tau {r['tau']:.3f}" for k, r in before.items())
     )
-    return cfg, task, before
+    memory = int(cfg.sweep.trial_memory_gb * 2**30) or trial_memory(target, draft, cfg)
+    return cfg, task, before, 0 if cfg.sweep.trial_gpus else memory
+
+
+def trial_memory(target, draft, cfg: JobConfig) -> int:
+    """Bytes of host memory one trial holds, over-estimated: the target's weights as loaded, the draft's float32
+    weights with gradients and AdamW's two moments (as if all of it trained), and a batch's logits from both models
+    in float32, twice (the logits and their softmax or gradient)."""
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    student = 16 * sum(p.numel() for p in draft.parameters())
+    d = cfg.distill
+    logits = 2 * 4 * d.batch_size * (d.max_prompt_tokens + d.max_new_tokens)
+    return weights + student + logits * (target.config.vocab_size + draft.config.vocab_size)
+
+
+def _fitting(memory: int, log=print) -> int:
+    """``memory``, capped at the largest node's (a trial asking for more than any node has would never start)."""
+    import ray
+
+    largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    if memory:
+        log(f"each trial asks for {memory / 2**30:.1f} GiB of memory (the largest node has {largest / 2**30:.1f})")
+    return int(min(memory, largest)) if largest else memory
 
 
 def _collect(results) -> tuple[list[dict], list[dict]]:

@@ -15,7 +15,8 @@ from tests.conftest import run_job
 def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
     ray_cluster, tiny_garden, task, tmp_path, monkeypatch
 ):
-    """Relative paths, as a user types them: Tune runs each trial in its own working directory."""
+    """Relative paths, as a user types them: Tune runs each trial in its own working directory. Each trial asks for
+    more memory than the node has: the ask is capped at the node's, and the trials run one at a time."""
     from jobs.sweep import format_sweep, run_sweep
 
     monkeypatch.chdir(tmp_path)
@@ -40,6 +41,7 @@ def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
             "eval.temperatures=[0,1]",
             "distill.batch_size=4",
             "distill.max_new_tokens=8",
+            "sweep.trial_memory_gb=100000",
             f"output_dir={tmp_path}",
         ],
     )
@@ -70,3 +72,17 @@ def test_sweep_bad_input_is_one_line(args, message, tmp_path):
     proc = run_job("--output-dir", str(tmp_path), *args, job="sweep.py")
     assert proc.returncode == 2, proc.stderr[-500:]
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
+
+
+def test_a_trial_asks_for_the_memory_its_pair_and_batch_hold(tiny_garden):
+    from jobs.sweep import trial_memory
+
+    target, _ = load_model(str(tiny_garden.target))
+    draft, _ = load_model(str(tiny_garden.draft))
+    small, large = (
+        trial_memory(target, draft, load_config(None, [f"distill.batch_size={b}", "distill.max_new_tokens=8"]))
+        for b in (1, 64)
+    )
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    assert small > weights + 16 * sum(p.numel() for p in draft.parameters())
+    assert large > small  # a larger batch's logits
