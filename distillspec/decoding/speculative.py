@@ -383,6 +383,27 @@ def _prefill(lm: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None) -> tu
     return logits[:, -1], prompt_scores(logits, input_ids, k)
 
 
+def _start(
+    tgt: CachedLM, drf: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None
+) -> tuple[Tensor, Logprobs | None]:
+    """The target reads the whole prompt now: its last logits [B, 1, V] score the first block's first position (a
+    block that drafts nothing emits from them without a target call, as plain decoding does); with ``k``, the prompt's
+    scores too (:func:`_prefill`). The draft reads it lazily, with its first drafts: a call whose blocks all draft
+    nothing never runs the draft."""
+    first_logits, prompt = _prefill(tgt, input_ids, mask, k)
+    drf.mask, drf.next_pos = input_ids.new_zeros(len(input_ids), 0), input_ids.new_zeros(len(input_ids))
+    tgt.calls = drf.calls = 0
+    return first_logits[:, None], prompt
+
+
+def _score(tgt: CachedLM, first_logits: Tensor | None, target_in: Tensor, drafts: Tensor) -> Tensor:
+    """The target's logits [b, g + 1, V] for a block's drafts and the position after them: one call on the tokens it
+    has not read and the drafts; the first block's first position comes from the prompt's last logits."""
+    if first_logits is None:
+        return tgt.step(torch.cat([target_in, drafts], 1))
+    return torch.cat([first_logits, tgt.step(drafts)], 1) if drafts.shape[1] else first_logits
+
+
 def _history(controls: SamplingControls | None, input_ids: Tensor, mask: Tensor, model) -> History | None:
     """The :class:`~distillspec.decoding.sampling.History` of a call with sampling controls that change a
     distribution."""
@@ -545,6 +566,50 @@ class _Tally:
         )
 
 
+class _Blocks:
+    """Each block's gamma: the call's, or what ``schedule`` chooses; the schedule is then told what the block cost
+    (drafting, then verifying and its bookkeeping) and yielded."""
+
+    def __init__(self, gamma: int, schedule: GammaSchedule | None, device: torch.device) -> None:
+        self.gamma, self.schedule, self.device = gamma, schedule, device
+        self.start = self.drafted_at = 0.0
+        self.typical = False
+
+    def choose(self, rows: Tensor, emitter: _Emitter, *, first_block: bool, draft_calls: int) -> int:
+        if self.schedule is None:
+            return self.gamma
+        # the tokens each row may still emit: a row near its budget gains nothing from more drafts
+        left = (emitter.limit[rows] - emitter.count[rows]).tolist()
+        g = self.schedule.choose(len(rows), explore=draft_calls > 0, left=left)
+        # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
+        # one whose draft reads the prompt.
+        self.typical = not first_block and (g == 0 or draft_calls > 0)
+        self.start = step_clock(self.device)
+        return g
+
+    def drafted(self) -> None:
+        if self.schedule is not None:
+            self.drafted_at = step_clock(self.device)
+
+    def observe(self, batch: int, g: int, n: Tensor) -> None:
+        if self.schedule is None:
+            return
+        took = n.tolist()
+        seconds = (
+            (self.drafted_at - self.start, step_clock(self.device) - self.drafted_at) if self.typical else (None,) * 2
+        )
+        self.schedule.observe(batch, g, *seconds, *acceptance_by_position([g] * batch, took), sum(took) + batch)
+
+
+def _retire(done: Tensor, caches: tuple[CachedLM, ...], *rows_first: Tensor) -> tuple[Tensor, ...]:
+    """Rows whose ``done`` is set leave the batch: the caches and each of ``rows_first`` (tensors with a row per
+    batch row) keep the others."""
+    keep = (~done).nonzero().squeeze(1)
+    for cache in caches:
+        cache.select_rows(keep)
+    return tuple(t[keep] for t in rows_first)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: PreTrainedModel,
@@ -593,33 +658,19 @@ def speculative_generate(
     history = _history(controls, input_ids, mask, target)
 
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
+    first_logits, prompt = _start(tgt, drf, input_ids, mask, logprobs if prompt_logprobs else None)
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
     emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev, logprobs), _Tally(batch, gamma, dev)
-    rows = torch.arange(batch, device=dev)
-
-    # The target reads the whole prompt now: its last logits score the first block's first position (a block that
-    # drafts nothing emits from them without a target call, as plain decoding does). The draft reads it lazily, with
-    # its first drafts: a call whose blocks all draft nothing never runs the draft.
-    first_logits, prompt = _prefill(tgt, input_ids, mask, logprobs if prompt_logprobs else None)
-    first_logits = first_logits[:, None]  # [b, 1, V]
-    drf.mask, drf.next_pos = input_ids.new_zeros(batch, 0), input_ids.new_zeros(batch)
+    blocks, rows = _Blocks(gamma, schedule, dev), torch.arange(batch, device=dev)
     target_in = input_ids[:, :0]  # the emitted tokens the target has not read: none yet
     # The draft's input: the tokens it has not read yet (the prompt at first; later the last emitted one, before it,
     # after a fully accepted block, d_gamma, and after blocks without drafts, their tokens). Holes have valid 0.
     draft_in, draft_valid = input_ids, mask.long()
-    tgt.calls = drf.calls = 0
 
     while True:
         b = len(rows)
-        if schedule is None:
-            g = gamma
-        else:  # the tokens each row may still emit: a row near its budget gains nothing from more drafts
-            g = schedule.choose(b, explore=drf.calls > 0, left=(emitter.limit[rows] - emitter.count[rows]).tolist())
+        g = blocks.choose(rows, emitter, first_block=first_logits is not None, draft_calls=drf.calls)
         tally.gammas.append(g)
-        start = step_clock(dev) if schedule is not None else 0.0
-        # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
-        # one whose draft reads the prompt.
-        typical = first_logits is None and (g == 0 or drf.calls > 0)
 
         # 1. Draft g tokens autoregressively (seeded rows: with the draws of the block's g + 1 positions).
         race = None
@@ -628,15 +679,11 @@ def speculative_generate(
         if history is not None:
             history.observe(emitter.out, emitter.count)
         drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race, history, rows)
-        drafted_at = step_clock(dev) if schedule is not None else 0.0
+        blocks.drafted()
 
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
-        if first_logits is None:
-            target_logits = tgt.step(torch.cat([target_in, drafts], 1))  # [b, g+1, V]
-        else:  # the first block: the prompt's last logits, then the drafts'
-            target_logits = torch.cat([first_logits, tgt.step(drafts)], 1) if g else first_logits
-            first_logits = None
-        raw = target_logits
+        raw = target_logits = _score(tgt, first_logits, target_in, drafts)  # [b, g+1, V]
+        first_logits = None
         if history is not None:
             target_logits = history.process(target_logits, rows, temperature, drafts)
         n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
@@ -649,17 +696,10 @@ def speculative_generate(
         if on_block is not None and on_block(emitter.out, emitter.count, emitter.scores):
             done = torch.ones_like(done)
         target_in, draft_in, draft_valid = _rewind(tgt, drf, drafts, n, new, draft_in, draft_valid)
-
         finished = bool(done.all())
         if not finished and bool(done.any()):
-            keep = (~done).nonzero().squeeze(1)
-            rows, target_in, draft_in, draft_valid = rows[keep], target_in[keep], draft_in[keep], draft_valid[keep]
-            tgt.select_rows(keep)
-            drf.select_rows(keep)
-        if schedule is not None:  # the whole block: drafting, then verifying and its bookkeeping
-            took = n.tolist()
-            seconds = (drafted_at - start, step_clock(dev) - drafted_at) if typical else (None, None)
-            schedule.observe(b, g, *seconds, *acceptance_by_position([g] * b, took), sum(took) + b)
+            rows, target_in, draft_in, draft_valid = _retire(done, (tgt, drf), rows, target_in, draft_in, draft_valid)
+        blocks.observe(b, g, n)  # the whole block: drafting, then verifying and its bookkeeping
         if finished:
             break
 
