@@ -5,7 +5,8 @@ in one run, every decoder side by side on the same prompts (:func:`distillspec.e
 Draft kinds: the draft as named; with ``--draft-vocab V`` the same draft with its head restricted to the V most
 frequent tokens of the task's training data (:mod:`distillspec.models.draft_vocab`); with ``--pruned SPEC`` a draft
 made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
-those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads).
+those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
+``--int8 only``: instead of its own).
 Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
@@ -92,7 +93,7 @@ def suite_speed(
     others: tuple[str, ...] = (),
     seeded: bool = False,
     compile: bool = False,
-    int8: bool = False,
+    int8: str | None = None,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +106,7 @@ def suite_speed(
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
     for kind in list(drafts) if int8 else []:  # each draft again with int8 weights (weight-only, per row)
-        drafts[f"{kind} int8"] = copy.deepcopy(drafts[kind])
+        drafts[f"{kind} int8"] = drafts.pop(kind) if int8 == "only" else copy.deepcopy(drafts[kind])
         quantize_int8(drafts[f"{kind} int8"])
     ks = sorted({1, *(g + 1 for g in gammas)})
     target_ms = step_ms(target, ks, compile=compile)
@@ -265,7 +266,13 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
     parser.add_argument("--compile", action="store_true", help="decoding steps through torch.compile (eval.compile)")
-    parser.add_argument("--int8", action="store_true", help="also each draft with int8 weights (weight-only)")
+    parser.add_argument(
+        "--int8",
+        nargs="?",
+        const="also",
+        choices=["also", "only"],
+        help="each draft with int8 weights (weight-only) too (also), or instead of its own (only)",
+    )
     parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
     )
