@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
-from distillspec.config import ServeConfig
+from distillspec.config import Lenience, ServeConfig
 from distillspec.decoding.sampling import SamplingControls
 from distillspec.errors import DistillSpecError
 from distillspec.serving.completer import Completion, CompletionJob, DecodingArgs, TokenLogprobs, merge_stats
@@ -53,7 +53,7 @@ class DecodingRequest(BaseModel):
     gamma: Annotated[int, Field(ge=1, le=32, strict=True)] | Literal["auto"] | None = Field(
         None, description="draft tokens per target call; auto: chosen per block (unset: serve.gamma)"
     )
-    lenience: Literal["lin", "sq", "exp"] | None = None
+    lenience: Lenience | None = None
     epsilon: float = Field(1.0, gt=0.0, le=1.0, description="lossy SD lenience parameter; 1 is lossless")
     speculative: bool = Field(True, strict=True, description="false: the target alone (for comparison)")
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
@@ -115,7 +116,6 @@ def import_gguf(path: str | Path, *, log: Callable[[str], None] = print) -> Path
                     f"loading {path.name} needs the package {module!r}: bash scripts/setup.sh dev,real "
                     "(or: pip install gguf accelerate)"
                 )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         log(f"importing {path.name}: dequantizing it to float32 into {folder} (once)")
         try:
@@ -172,8 +172,6 @@ def layer_draft(target: str, spec: str, *, log: Callable[[str], None] = print) -
     """A draft made of ``target``'s (a ``save_pretrained`` folder) embeddings, the decoder layers ``spec`` names
     (:func:`draft_layers`), final norm and head: a normal model folder of the target's architecture that
     transformers and vLLM (as its ``draft_model``) load. Made once, cached under :func:`cache_root` ``/drafts``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     config = AutoConfig.from_pretrained(target)
     n = getattr(config, "num_hidden_layers", None)
     if n is None:
@@ -267,8 +265,6 @@ def vocab_draft(draft: str, ids: torch.Tensor, *, log: Callable[[str], None] = p
     """The draft ``draft`` (a local folder) with a draft vocabulary: its head restricted to the token ids ``ids``
     (:mod:`distillspec.models.draft_vocab`), saved with its map. Made once, cached under :func:`cache_root`
     ``/drafts``."""
-    from transformers import AutoTokenizer
-
     key = _key(draft=str(Path(draft).resolve()), ids=hashlib.sha256(ids.numpy().tobytes()).hexdigest())
     folder = cache_root() / "drafts" / f"{Path(draft).name}-vocab{len(ids)}-{key}"
 

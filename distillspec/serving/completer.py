@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec.config import Lenience
 from distillspec.decoding.auto_gamma import AutoGamma
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.sampling import SamplingControls
@@ -46,24 +47,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodingArgs:
-    """What a batch must share. ``gamma=0`` turns speculation off (plain decoding with the target); ``"auto"``
-    chooses it per block (:class:`distillspec.decoding.auto_gamma.AutoGamma`); ``controls``: top-p, penalties and the
-    rest (:mod:`distillspec.decoding.sampling`)."""
+    """What a batch must share, checked where it is made (a bad value raises :class:`DistillSpecError` naming it):
+    ``gamma=0`` turns speculation off (plain decoding with the target); ``"auto"`` chooses it per block
+    (:class:`distillspec.decoding.auto_gamma.AutoGamma`); ``controls``: top-p, penalties and the rest
+    (:mod:`distillspec.decoding.sampling`), checked against the vocabulary where it is known
+    (:meth:`SamplingControls.check`)."""
 
     gamma: int | Literal["auto"] = 5
     temperature: float = 1.0
-    lenience: str | None = None
+    lenience: Lenience | None = None
     epsilon: float = 1.0
     controls: SamplingControls = field(default_factory=SamplingControls)
 
-    def check(self) -> None:
-        """The settings but ``controls``, which need the vocabulary (:meth:`SamplingControls.check`)."""
-        if self.gamma == "auto":
-            return check_decoding_args(
-                max_new_tokens=1, temperature=self.temperature, lenience=self.lenience, epsilon=self.epsilon
-            )
+    def __post_init__(self) -> None:
+        gamma = 1 if self.gamma == "auto" else self.gamma
+        if not isinstance(gamma, int) or gamma < 0:
+            raise DistillSpecError(f"gamma={self.gamma!r}: an integer >= 0 (0: no speculation) or auto")
         check_decoding_args(
-            gamma=max(1, self.gamma),
+            gamma=max(1, gamma),
             max_new_tokens=1,
             temperature=self.temperature,
             lenience=self.lenience,
@@ -297,7 +298,6 @@ class Completer:
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
         check_prompt(self.tokenizer, job, self.max_prompt_tokens)
-        job.args.check()
         job.args.controls.check(vocab_size(self.target))
 
     def warm_up(self, rows: int, max_new_tokens: int = 4, prompt: str = "Hello") -> float:

@@ -403,7 +403,6 @@ class VLLMCompleter:
                 "lenience: the vLLM engine verifies losslessly only; lossy SD (lenience, epsilon) needs "
                 "serve.backend=hf"
             )
-        args.check()
 
     def _params(self, job: CompletionJob) -> SamplingParams:
         c = job.args.controls  # the same names: vLLM's sampler defines them
