@@ -32,3 +32,21 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
         assert row["c"] > 0 and row["v"] > 0 and row["tokens_per_s"] > 0 and 0 <= row["alpha"] <= 1
     assert json.loads((tmp_path / "speed.json").read_text())["config"]["prepack"] is False
     assert "1 seeded" in (tmp_path / "speed.md").read_text()
+
+
+def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_garden, tmp_path):
+    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
+    result = suite_speed(
+        overrides,
+        draft_vocab=64,
+        pruned=[],
+        gammas=[2],
+        temperatures=[0.0],
+        prompts=1,
+        max_new_tokens=6,
+        repeats=1,
+        out=tmp_path,
+        int8="only",
+    )
+    assert {row["draft"] for row in result["rows"]} == {"draft int8", "draft V=64 int8"}
+    assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD with int8 drafts is still exact
