@@ -90,6 +90,17 @@ def lenience_points(
     return points
 
 
+def cut_warning(points: list[dict], max_new_tokens: int, metric: str) -> str | None:
+    """What to say when the answers mostly ran to ``max_new_tokens``: the score then measures where they were cut."""
+    length = sum(p["new_tokens"] / p["prompts"] for p in points) / len(points)
+    if length <= 0.9 * max_new_tokens:
+        return None
+    return (
+        f"the answers averaged {length:.0f} of the {max_new_tokens} tokens allowed: most were cut, and the {metric} "
+        "measures the cut; raise --max-new-tokens"
+    )
+
+
 def suite_lossy(
     overrides: list[str],
     *,
@@ -158,12 +169,8 @@ def suite_lossy(
         "draft_alone": own,
         "points": points,
     }
-    length = sum(p["new_tokens"] / p["prompts"] for p in points) / len(points)
-    if length > 0.9 * max_new_tokens:
-        result["warning"] = (
-            f"the answers averaged {length:.0f} of the {max_new_tokens} tokens allowed: most were cut, and the "
-            f"{task.metric} measures the cut; raise --max-new-tokens"
-        )
+    if warning := cut_warning(points, max_new_tokens, task.metric):
+        result["warning"] = warning
     out.mkdir(parents=True, exist_ok=True)
     (out / "lossy.json").write_text(json.dumps(result, indent=1))
     (out / "lossy.md").write_text(format_table(result) + "\n")

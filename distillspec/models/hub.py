@@ -9,6 +9,8 @@ from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlparse
 
+from huggingface_hub import try_to_load_from_cache
+
 from distillspec.errors import DistillSpecError
 
 TRUE = ("1", "true", "yes", "on")
@@ -33,8 +35,6 @@ def reachable(timeout_s: float = 3.0) -> bool:
 
 def cached_model(repo_id: str) -> bool:
     """Whether the local Hugging Face cache holds ``repo_id``'s config (then it loads without the hub)."""
-    from huggingface_hub import try_to_load_from_cache
-
     try:
         return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
     except Exception:  # not a valid repo id
