@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -727,6 +728,42 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     data[parts[-1]] = value
 
 
+#: keys that moved, old -> new: a config file written before the move (a run's config.yaml) still loads, and an
+#: override by the old name is taken with a warning
+MOVED = {
+    f"serve.{old}": f"serve.{new}"
+    for section, keys in {
+        "limits": ["max_prompt_tokens", "max_tokens", "max_prompts", "max_body_bytes", "max_queued_prompts"],
+        "batching": ["max_batch_size", "batch_wait_timeout_s"],
+        "autoscaling": [
+            "min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"
+        ],
+        "follow": ["sync_every_s", "rollback_window", "rollback_margin"],
+        "replica": ["threads"],
+    }.items()
+    for old, new in ((k, f"{section}.{k}") for k in keys)
+} | {
+    "serve.replica_cpus": "serve.replica.cpus",
+    "serve.replica_gpus": "serve.replica.gpus",
+    "serve.follow_run": "serve.follow.run",
+    "serve.follow_version": "serve.follow.version",
+}  # fmt: skip
+
+
+def _move_keys(data: dict[str, Any]) -> None:
+    """The keys of ``data`` (a loaded config file) that :data:`MOVED` names, under their new names (a new name set
+    too wins)."""
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            value = data[section].pop(key)
+            head, _, last = new.rpartition(".")
+            target = data
+            for part in head.split("."):
+                target = target.setdefault(part, {})
+            target.setdefault(last, value)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = JobConfig) -> Any:
     """Defaults <- YAML file <- ``key=value`` overrides (values parsed as YAML), then validated."""
     data: dict[str, Any] = {}
@@ -738,10 +775,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise DistillSpecError(f"config file {str(path)!r} must hold a mapping of keys to values")
         data = loaded
+        _move_keys(data)
     for item in overrides or []:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise DistillSpecError(f"override {item!r}: write it as section.key=value, e.g. distill.steps=100")
+        if key.strip() in MOVED:
+            warnings.warn(f"{key.strip()} is now {MOVED[key.strip()]}", FutureWarning, stacklevel=2)
+            key = MOVED[key.strip()]
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:

@@ -157,3 +157,16 @@ def test_an_empty_or_partial_model_folder_says_what_is_missing(tmp_path):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(DistillSpecError, match=r"lacks tokenizer_config.json, weights \(\*.safetensors\)"):
         check_pair_sources(str(tmp_path / "empty"), str(tmp_path / "empty"))
+
+
+def test_a_config_file_written_before_the_serve_sections_still_loads(tmp_path):
+    """A run's config.yaml from before serve.* was split into sections loads into the sections; an override by an
+    old name is taken with a warning naming the new one."""
+    old = tmp_path / "config.yaml"
+    old.write_text("serve:\n  max_batch_size: 3\n  replica_cpus: 0.5\n  follow_version: latest\n  max_tokens: 99\n")
+    cfg = load_config(old, ["serve.limits.max_tokens=77"])
+    assert cfg.serve.batching.max_batch_size == 3 and cfg.serve.replica.cpus == 0.5
+    assert cfg.serve.follow.version == "latest"
+    assert cfg.serve.limits.max_tokens == 77  # the new name, set too, wins
+    with pytest.warns(FutureWarning, match=r"serve\.sync_every_s is now serve\.follow\.sync_every_s"):
+        assert load_config(None, ["serve.sync_every_s=3"]).serve.follow.sync_every_s == 3
