@@ -23,8 +23,7 @@ log = logging.getLogger("distillspec.serve")
 class DraftFollower:
     """The draft of ``server`` following the weight store of ``run`` as ``follow`` (``serve.follow``) says: call
     :meth:`start` once, :meth:`judge` with each batch of finished completions. ``version_gauge`` shows the draft
-    version held; ``rollbacks`` counts rollbacks
-    (Ray Serve metrics, or any objects with ``set`` and ``inc``)."""
+    version held; ``rollbacks`` counts rollbacks (Ray Serve metrics, or any objects with ``set`` and ``inc``)."""
 
     def __init__(
         self,

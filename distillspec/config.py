@@ -755,13 +755,10 @@ def _move_keys(data: dict[str, Any]) -> None:
     too wins)."""
     for old, new in MOVED.items():
         section, key = old.split(".")
-        if isinstance(data.get(section), dict) and key in data[section]:
-            value = data[section].pop(key)
-            head, _, last = new.rpartition(".")
-            target = data
-            for part in head.split("."):
-                target = target.setdefault(part, {})
-            target.setdefault(last, value)
+        _, group, name = new.split(".")
+        held = data.get(section)
+        if isinstance(held, dict) and key in held:
+            held.setdefault(group, {}).setdefault(name, held.pop(key))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = JobConfig) -> Any:
@@ -778,11 +775,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _move_keys(data)
     for item in overrides or []:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise DistillSpecError(f"override {item!r}: write it as section.key=value, e.g. distill.steps=100")
-        if key.strip() in MOVED:
-            warnings.warn(f"{key.strip()} is now {MOVED[key.strip()]}", FutureWarning, stacklevel=2)
-            key = MOVED[key.strip()]
+        if key in MOVED:
+            warnings.warn(f"{key} is now {MOVED[key]}", FutureWarning, stacklevel=2)
+            key = MOVED[key]
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:

@@ -139,7 +139,8 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         "divergence": tune.grid_search(cfg.sweep.divergences),
         "seed": tune.grid_search(cfg.sweep.seeds),
     }
-    resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus, "memory": _fitting(memory, log)}
+    memory = _fitting(memory, log)
+    resources = {"cpu": cfg.sweep.trial_cpus, "gpu": cfg.sweep.trial_gpus, "memory": memory}
     trainable = tune.with_resources(
         tune.with_parameters(
             trial,
@@ -162,7 +163,7 @@ def run_sweep(cfg: JobConfig, out: Path, *, log=print) -> dict:
         if "low on memory" not in str(e):
             raise
         raise DistillSpecError(
-            f"the node ran out of memory with {cfg.sweep.trial_memory_gb or memory / 2**30:.1f} GiB asked per trial: "
+            f"the node ran out of memory with {memory / 2**30:.1f} GiB asked per trial: "
             "ask for more (sweep.trial_memory_gb) so that fewer trials run at once"
         ) from e
     finally:

@@ -60,11 +60,8 @@ class DecodingArgs:
     controls: SamplingControls = field(default_factory=SamplingControls)
 
     def __post_init__(self) -> None:
-        gamma = 1 if self.gamma == "auto" else self.gamma
-        if not isinstance(gamma, int) or gamma < 0:
-            raise DistillSpecError(f"gamma={self.gamma!r}: an integer >= 0 (0: no speculation) or auto")
         check_decoding_args(
-            gamma=max(1, gamma),
+            gamma=1 if self.gamma in ("auto", 0) else self.gamma,  # both valid here: chosen per block, or no drafts
             max_new_tokens=1,
             temperature=self.temperature,
             lenience=self.lenience,
