@@ -18,8 +18,9 @@ import time
 
 import ray
 
-from actors.common import log, setup_worker
+from actors.common import log
 from actors.dashboard import count, gauge
+from actors.worker import setup_worker
 from distillspec.training.batches import BatchHeader, RolloutBatch, SampleBuffer
 
 

@@ -1,4 +1,4 @@
-"""What every actor does on start, and the names actors find each other by."""
+"""The names actors find each other by, and their logger."""
 
 from __future__ import annotations
 
@@ -19,14 +19,6 @@ def weights_name(run: str) -> str:
 
 def scorer_name(run: str, index: int) -> str:
     return f"{run}-scorer-{index}"
-
-
-def setup_worker(threads: int = 1) -> None:
-    """One torch thread per actor (fractional CPUs on small machines), and INFO logs into the actor's log."""
-    import torch  # here, not at the top: the weight store and the prompt log never need it
-
-    torch.set_num_threads(max(1, threads))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def prompts_name(run: str) -> str:

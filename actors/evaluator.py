@@ -12,18 +12,19 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.common import log, setup_worker, weights_name
+from actors.common import log, weights_name
 from actors.dashboard import count, gauge
 from actors.weights import take
+from actors.worker import setup_worker
 from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, VLLMConfig
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.measure import evaluate_sd
 from distillspec.evaluation.study import measure_phase
 from distillspec.integrity import TransferRefused
-from distillspec.models.loading import load_arrays, load_decoding_draft, load_decoding_pair, state_arrays
+from distillspec.models.loading import load_arrays, load_decoding_draft, load_decoding_pair
 from distillspec.serving.completer import canary_refusal
 from distillspec.tasks.data import Example, Task
-from distillspec.versions import DraftVersion
+from distillspec.versions import DraftVersion, state_arrays
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
 

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from actors.common import buffer_name, log, setup_worker, weights_name
+from actors.common import buffer_name, log, weights_name
 from actors.dashboard import gauge
 from actors.weights import publish
+from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, LearnerConfig, Models
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog

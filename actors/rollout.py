@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from actors.common import buffer_name, log, prompts_name, setup_worker, weights_name
+from actors.common import buffer_name, log, prompts_name, weights_name
 from actors.dashboard import gauge
 from actors.weights import take
+from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
 from distillspec.integrity import TransferRefused
 from distillspec.models.loading import load_arrays, load_model, load_tokenizer

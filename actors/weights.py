@@ -14,7 +14,7 @@ two reads, :meth:`WeightStore.follow` (the version to hold, with its weights) an
 numbers, for the driver, the buffer and the gate).
 
 The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
-that do); :func:`publish` imports them where it runs.
+that do).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import ray
 from actors.common import log
 from actors.dashboard import count, gauge
 from distillspec.integrity import TransferRefused, check, checksums
-from distillspec.versions import DraftVersion, VersionNumbers
+from distillspec.versions import DraftVersion, VersionNumbers, state_arrays
 
 if TYPE_CHECKING:
     import torch
@@ -182,8 +182,6 @@ def publish(
     consumer started after the learner died (a restarted rollout actor, a new replica) still loads it. Promotion and
     rollback move the store's reference, never the bytes.
     """
-    from distillspec.models.loading import state_arrays
-
     arrays = state_arrays(model)
     return ray.get(store.publish.remote(step, [ray.put(arrays)], record, checksums(arrays), serving=serving))
 

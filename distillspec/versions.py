@@ -1,9 +1,14 @@
-"""A draft version as the weight store holds it, and how versions are numbered. Free of Ray: the store keeps a
-reference to the weights in ``weights``, a test or a single process may keep the arrays themselves."""
+"""A draft version as the weight store holds it, the form its weights travel in, and how versions are numbered.
+Free of Ray and of torch (the weight store's process imports neither): the store keeps a reference to the weights in
+``weights``, a test or a single process may keep the arrays themselves."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class DraftVersion(NamedTuple):
@@ -30,3 +35,10 @@ class VersionNumbers:
             self.shift = self.last + 1 - step
         self.last = step + self.shift
         return self.last
+
+
+def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's weights as float32 numpy arrays: the form a draft version travels in (read zero-copy by every
+    puller on a node) and is checksummed in (:func:`distillspec.models.loading.load_arrays` reads them back)."""
+    model = getattr(model, "module", model)  # DDP
+    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}

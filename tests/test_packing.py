@@ -113,8 +113,9 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact():
 def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer):
     """The endpoint's swap: a new draft version travels as float arrays (state_arrays) and an int8 draft quantizes
     them in place; load_pair makes the decode-only draft int8 and refuses it for a draft that trains."""
-    from distillspec.models.loading import load_arrays, state_arrays
+    from distillspec.models.loading import load_arrays
     from distillspec.models.packing import Int8Linear
+    from distillspec.versions import state_arrays
 
     folders = []
     for name, model in zip(("target", "draft"), text_pair):

@@ -372,7 +372,8 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
     from actors.weights import take
     from distillspec.integrity import TransferRefused, checksums
-    from distillspec.models.loading import load_arrays, state_arrays
+    from distillspec.models.loading import load_arrays
+    from distillspec.versions import state_arrays
 
     store = WeightStore.remote("integrity")
     draft, consumer = load_model(str(tiny_garden.draft))[0], load_model(str(tiny_garden.draft))[0]

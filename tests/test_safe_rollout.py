@@ -111,7 +111,7 @@ def check_safe_rollout(
     from actors.evaluator import EvalActor, EvalSettings
     from actors.weights import WeightStore, publish
     from distillspec.integrity import checksums
-    from distillspec.models.loading import state_arrays
+    from distillspec.versions import state_arrays
 
     run = cfg.ray.run_name
     store = WeightStore.options(name=weights_name(run), namespace=NAMESPACE).remote(run)

@@ -28,8 +28,9 @@ from cluster.connect import connect
 from distillspec.config import JobConfig, load_config
 from distillspec.integrity import check, checksums
 from distillspec.models.garden import make_model, train_tokenizer
-from distillspec.models.loading import load_arrays, state_arrays
+from distillspec.models.loading import load_arrays
 from distillspec.training.batches import BatchHeader, RolloutBatch
+from distillspec.versions import state_arrays
 
 
 def weight_suite_drafts(overrides: list[str]) -> tuple[JobConfig, dict[str, torch.nn.Module]]:

@@ -396,12 +396,54 @@ def _start(
     return first_logits[:, None], prompt
 
 
-def _score(tgt: CachedLM, first_logits: Tensor | None, target_in: Tensor, drafts: Tensor) -> Tensor:
-    """The target's logits [b, g + 1, V] for a block's drafts and the position after them: one call on the tokens it
+def _score(
+    tgt: CachedLM,
+    first_logits: Tensor | None,
+    target_in: Tensor,
+    drafts: Tensor,
+    history: History | None,
+    rows: Tensor,
+    temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """The target's logits [b, g + 1, V] for a block's drafts and the position after them, as the model gave them
+    and as the sampling controls process them (the same tensor without a ``history``): one call on the tokens it
     has not read and the drafts; the first block's first position comes from the prompt's last logits."""
     if first_logits is None:
-        return tgt.step(torch.cat([target_in, drafts], 1))
-    return torch.cat([first_logits, tgt.step(drafts)], 1) if drafts.shape[1] else first_logits
+        raw = tgt.step(torch.cat([target_in, drafts], 1))
+    else:
+        raw = torch.cat([first_logits, tgt.step(drafts)], 1) if drafts.shape[1] else first_logits
+    return raw, (raw if history is None else history.process(raw, rows, temperature, drafts))
+
+
+def _draft(
+    drf: CachedLM,
+    draft_in: Tensor,
+    draft_valid: Tensor,
+    g: int,
+    emitter: _Emitter,
+    rows: Tensor,
+    noise: SeededNoise | None,
+    history: History | None,
+    temperature: float,
+    generator: torch.Generator | None,
+    compile: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Step 1 of a block on rows ``rows``: :func:`draft_tokens` after the sampling controls saw what was emitted;
+    seeded rows draw the random numbers of the block's g + 1 positions first. Returns the drafts, their q and the
+    draws (None without seeds)."""
+    race = None
+    if noise is not None:
+        race = noise.draws(rows, emitter.count[rows][:, None] + torch.arange(g + 1, device=rows.device))
+    if history is not None:
+        history.observe(emitter.out, emitter.count)
+    drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race, history, rows)
+    return drafts, q, race
+
+
+def _emitted(drafts: Tensor, n: Tensor, new: Tensor) -> Tensor:
+    """A block's tokens [b, g + 1]: the accepted drafts d_1..d_n, then the new token (after it: ignored)."""
+    emitted = torch.cat([drafts, new[:, None]], 1)
+    return emitted.scatter_(1, n[:, None], new[:, None])
 
 
 def _history(controls: SamplingControls | None, input_ids: Tensor, mask: Tensor, model) -> History | None:
@@ -656,51 +698,36 @@ def speculative_generate(
     dev, batch = input_ids.device, len(input_ids)
     noise = _seeded(seeds, batch, temperature, lenience, target, dev)
     history = _history(controls, input_ids, mask, target)
-
     tgt, drf = (cached_lm(m, input_ids, max_new_tokens, gamma, compile) for m in (target, draft))
     first_logits, prompt = _start(tgt, drf, input_ids, mask, logprobs if prompt_logprobs else None)
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
     emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev, logprobs), _Tally(batch, gamma, dev)
     blocks, rows = _Blocks(gamma, schedule, dev), torch.arange(batch, device=dev)
     target_in = input_ids[:, :0]  # the emitted tokens the target has not read: none yet
-    # The draft's input: the tokens it has not read yet (the prompt at first; later the last emitted one, before it,
-    # after a fully accepted block, d_gamma, and after blocks without drafts, their tokens). Holes have valid 0.
-    draft_in, draft_valid = input_ids, mask.long()
+    # The draft's input: the tokens it has not read (the prompt; later the last emitted one: see _rewind). Holes: 0.
+    draft_in, draft_valid, finished = input_ids, mask.long(), False
 
-    while True:
-        b = len(rows)
+    while not finished:
         g = blocks.choose(rows, emitter, first_block=first_logits is not None, draft_calls=drf.calls)
         tally.gammas.append(g)
-
         # 1. Draft g tokens autoregressively (seeded rows: with the draws of the block's g + 1 positions).
-        race = None
-        if noise is not None:
-            race = noise.draws(rows, emitter.count[rows][:, None] + torch.arange(g + 1, device=dev))
-        if history is not None:
-            history.observe(emitter.out, emitter.count)
-        drafts, q = draft_tokens(drf, draft_in, draft_valid, g, temperature, generator, compile, race, history, rows)
+        drafts, q, race = _draft(
+            drf, draft_in, draft_valid, g, emitter, rows, noise, history, temperature, generator, compile
+        )
         blocks.drafted()
-
         # 2. One target call scores the g drafts and the position after them; 3-4. accept, then the next token.
-        raw = target_logits = _score(tgt, first_logits, target_in, drafts)  # [b, g+1, V]
+        raw, target_logits = _score(tgt, first_logits, target_in, drafts, history, rows, temperature)  # [b, g+1, V]
         first_logits = None
-        if history is not None:
-            target_logits = history.process(target_logits, rows, temperature, drafts)
         n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
-
         # 5. Emit d_1..d_n and the new token, count the block; both caches forget the drafts not accepted.
         tally.add(rows, g, n)
-        emitted = torch.cat([drafts, new[:, None]], 1)
-        emitted.scatter_(1, n[:, None], new[:, None])  # tokens d_1..d_n, then the new one
-        done = emitter.emit(rows, emitted, n + 1, raw)
+        done = emitter.emit(rows, _emitted(drafts, n, new), n + 1, raw)
         if on_block is not None and on_block(emitter.out, emitter.count, emitter.scores):
             done = torch.ones_like(done)
         target_in, draft_in, draft_valid = _rewind(tgt, drf, drafts, n, new, draft_in, draft_valid)
         finished = bool(done.all())
         if not finished and bool(done.any()):
             rows, target_in, draft_in, draft_valid = _retire(done, (tgt, drf), rows, target_in, draft_in, draft_valid)
-        blocks.observe(b, g, n)  # the whole block: drafting, then verifying and its bookkeeping
-        if finished:
-            break
+        blocks.observe(len(drafts), g, n)  # the whole block: drafting, then verifying and its bookkeeping
 
     return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt)

@@ -135,17 +135,10 @@ def _load_restricted(name: str, config, dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
-def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy arrays: the form a draft version travels in (read zero-copy by every
-    puller on a node) and is checksummed in."""
-    model = getattr(model, "module", model)  # DDP
-    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-
-
 def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    """Copy ``arrays`` (:func:`state_arrays` of a model of the same architecture) into ``model``'s weights: one copy,
-    read straight from the arrays, which may be read-only views of Ray's object store (only ``copy_`` reads them, so
-    torch's warning about tensors over read-only memory does not apply)."""
+    """Copy ``arrays`` (:func:`~distillspec.versions.state_arrays` of a model of the same architecture) into
+    ``model``'s weights: one copy, read straight from the arrays, which may be read-only views of Ray's object store
+    (only ``copy_`` reads them, so torch's warning about tensors over read-only memory does not apply)."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         quantized = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}

@@ -40,7 +40,7 @@ from distillspec.config import VLLMConfig
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused, checksums
-from distillspec.models.loading import encode_prompts, load_model, state_arrays
+from distillspec.models.loading import encode_prompts, load_model
 from distillspec.serving.completer import (
     Completion,
     CompletionJob,
@@ -56,6 +56,7 @@ from distillspec.serving.vllm_scheduler import MAILBOX, GammaMailbox
 from distillspec.tasks.data import Example
 from distillspec.training.batches import Batch, make_batch
 from distillspec.training.divergences import TopKLogprobs
+from distillspec.versions import state_arrays
 
 #: head sizes vLLM's CPU attention kernels support (``CPUAttentionBackend.get_supported_head_sizes``)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
