@@ -50,3 +50,18 @@ def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_ga
     )
     assert {row["draft"] for row in result["rows"]} == {"draft int8", "draft V=64 int8"}
     assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD with int8 drafts is still exact
+
+
+def test_the_vllm_rows_name_their_draft_and_compare_with_vllms_target_alone():
+    from benchmarks.suites.speed import format_table
+
+    config = {"target": "t", "draft": "d", "dtype": "bfloat16", "threads": 2, "prompts": 1, "max_new_tokens": 8}
+    result = {"config": config | {"repeats": 1}, "rows": [], "target_alone": {}}
+    result["vllm"] = [
+        {"draft": None, "gamma": 0, "temperature": 0.0, "tokens_per_s": 4.0},
+        {"draft": "draft", "gamma": 5, "temperature": 0.0, "tokens_per_s": 6.0, "alpha": 0.8, "tau": 4.0},
+        {"draft": "outputs/run/draft", "gamma": 5, "temperature": 0.0, "tokens_per_s": 8.0, "alpha": 0.9, "tau": 5.0},
+    ]
+    table = format_table(result)
+    assert "| 0 | target alone | - | - | - | 4.00 | 1.00x |" in table
+    assert "| 0 | outputs/run/draft | 5 | 0.900 | 5.00 | 8.00 | 2.00x |" in table

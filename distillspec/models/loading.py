@@ -180,7 +180,8 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: 
         if vllm and getattr(config, draft_vocab.CONFIG_KEY, None):
             raise DistillSpecError(
                 f"{name} has a draft vocabulary ({getattr(config, draft_vocab.CONFIG_KEY)} tokens): vLLM's draft_model "
-                "drafts take none; set rollout.backend=hf and serve.backend=hf"
+                "drafts take none; set rollout.backend=hf and serve.backend=hf, or give vLLM its whole-vocabulary copy "
+                "(distillspec.models.pretrained.whole_vocab_draft)"
             )
         if compile and (config.model_type not in LEAN_MODEL_TYPES or getattr(config, "sliding_window", None)):
             raise DistillSpecError(

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
 from distillspec.models import split_gguf
-from distillspec.models.draft_vocab import frequent_tokens, restrict_head
+from distillspec.models.draft_vocab import CONFIG_KEY, frequent_tokens, restrict_head, whole_head
 from distillspec.models.garden import build_garden
 from distillspec.models.loading import (
     check_pair_sources,
@@ -276,6 +276,26 @@ def vocab_draft(draft: str, ids: torch.Tensor, *, log: Callable[[str], None] = p
         count = sum(p.numel() for p in model.parameters())
         log(f"draft vocabulary: {len(ids)} tokens kept in the head of {draft} ({count / 1e6:.1f}M parameters)")
         return {"draft": str(draft), "draft_vocab": len(ids), "parameters": count}
+
+    return cached(folder, make, log)
+
+
+def whole_vocab_draft(draft: str, *, log: Callable[[str], None] = print) -> Path:
+    """The draft ``draft`` (a local folder) with its whole vocabulary: a draft with a draft vocabulary gets its tied
+    head back (:func:`~distillspec.models.draft_vocab.whole_head`), for vLLM's ``draft_model``, which takes no draft
+    vocabulary; any other draft is ``draft`` itself. Made once per version of the draft's weights, cached under
+    :func:`cache_root` ``/drafts``."""
+    if not getattr(AutoConfig.from_pretrained(draft), CONFIG_KEY, None):
+        return Path(draft)
+    weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(draft).glob("*.safetensors"))]
+    folder = cache_root() / "drafts" / f"{Path(draft).name}-whole-{_key(draft=str(Path(draft).resolve()), w=weights)}"
+
+    def make(tmp: Path) -> dict:
+        model, _ = load_model(draft)
+        whole_head(model).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(draft).save_pretrained(tmp)
+        log(f"whole vocabulary: {draft}'s head is its input embeddings again (for vLLM's draft_model)")
+        return {"draft": str(draft), "weights": weights}
 
     return cached(folder, make, log)
 
