@@ -13,6 +13,10 @@ natively, for a target bound by reading its weights): the target alone too, so e
     python -m benchmarks.suites.speed target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --draft-vocab 32768 --pruned spread:12 --out outputs/speed
 
+With ``--vllm``, vLLM's engine then runs the same target, prompts and dtype: its target alone, and its ``draft_model``
+speculative decoding with the draft and each of ``--drafts``, a draft with a draft vocabulary as its whole-vocabulary
+copy (:func:`distillspec.models.pretrained.whole_vocab_draft`).
+
 Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with ``E[tau]`` from the alpha measured
 (``(1 - alpha^(gamma+1)) / (1 - alpha)``, which assumes acceptance independent of the position in the block).
 """
