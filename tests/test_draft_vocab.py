@@ -158,29 +158,35 @@ def test_a_draft_vocabulary_and_a_pruned_draft_made_from_a_draft_folder(tmp_path
         check_pair_sources(str(tmp_path / "target"), str(folder), vllm=True)
 
 
-def test_a_draft_vocabulary_cut_from_tied_embeddings_gets_its_whole_head_back_for_vllm(tmp_path, tokenizer):
-    """vLLM's draft_model takes no draft vocabulary: a draft whose head was cut from tied embeddings (and not trained
-    since) is saved again with the whole tied head, and decodes as the model it was cut from; any other head is
-    refused, and a draft without a draft vocabulary is its own folder."""
+def test_a_draft_vocabulary_gets_a_whole_head_back_for_vllm(tmp_path, tokenizer):
+    """vLLM's draft_model takes no draft vocabulary: a draft with one is saved again with a whole head, its own rows
+    and the others of the head it was cut from. A frozen head decodes as the model it was cut from; a trained one
+    keeps its rows; a base head of the wrong shape is refused; a draft without a draft vocabulary is its own folder."""
     from distillspec.models.pretrained import whole_vocab_draft
 
     model = tiny_llama(len(tokenizer), d=32, seed=0)
-    model.config.tie_word_embeddings = True
-    model.lm_head.weight = model.model.embed_tokens.weight
-    x = torch.tensor([[1, 2, 3, 4]])
+    x, keep = torch.tensor([[1, 2, 3, 4]]), torch.arange(0, len(tokenizer), 3)
     full = model(x).logits
-    for name, m in (("whole", model), ("cut", restrict_head(copy.deepcopy(model), torch.arange(0, len(tokenizer), 3)))):
+    trained = restrict_head(copy.deepcopy(model), keep)
+    with torch.no_grad():
+        trained.lm_head.weight.mul_(2.0)
+    for name, m in (("whole", model), ("cut", restrict_head(copy.deepcopy(model), keep)), ("trained", trained)):
         m.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    folder = whole_vocab_draft(str(tmp_path / "cut"), log=lambda _: None)
-    assert whole_vocab_draft(str(tmp_path / "cut"), log=lambda _: None) == folder  # cached
+    base = str(tmp_path / "whole")
+    folder = whole_vocab_draft(str(tmp_path / "cut"), base, log=lambda _: None)
+    assert whole_vocab_draft(str(tmp_path / "cut"), base, log=lambda _: None) == folder  # cached
     restored, _ = load_model(str(folder))
-    assert d2t(restored) is None and restored.config.tie_word_embeddings
-    assert torch.equal(restored(x).logits, full)
-    check_pair_sources(str(tmp_path / "whole"), str(folder), vllm=True)
-    assert whole_vocab_draft(str(tmp_path / "whole"), log=lambda _: None) == tmp_path / "whole"
-    with pytest.raises(DistillSpecError, match="rows outside the draft vocabulary are unknown"):
-        whole_head(restrict_head(tiny_llama(len(tokenizer), d=32, seed=1), torch.arange(8)))  # an untied head
+    assert d2t(restored) is None and torch.equal(restored(x).logits, full)
+    check_pair_sources(base, str(folder), vllm=True)
+    other, _ = load_model(str(whole_vocab_draft(str(tmp_path / "trained"), base, log=lambda _: None)))
+    assert torch.equal(other.lm_head.weight[keep], 2.0 * model.lm_head.weight[keep])
+    rest = torch.ones(len(tokenizer), dtype=torch.bool)
+    rest[keep] = False
+    assert torch.equal(other.lm_head.weight[rest], model.lm_head.weight[rest])
+    assert whole_vocab_draft(base, base, log=lambda _: None) == tmp_path / "whole"
+    with pytest.raises(DistillSpecError, match="the base head must be the whole head"):
+        whole_head(restrict_head(copy.deepcopy(model), keep), model.lm_head.weight[keep])
 
 
 def test_a_draft_vocabulary_with_a_vllm_backend_is_refused_before_any_work():

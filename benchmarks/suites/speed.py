@@ -15,7 +15,7 @@ natively, for a target bound by reading its weights): the target alone too, so e
 
 With ``--vllm``, vLLM's engine then runs the same target, prompts and dtype: its target alone, and its ``draft_model``
 speculative decoding with the draft and each of ``--drafts``, a draft with a draft vocabulary as its whole-vocabulary
-copy (:func:`distillspec.models.pretrained.whole_vocab_draft`).
+copy, the rest of its head the draft's (:func:`distillspec.models.pretrained.whole_vocab_draft`).
 
 Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with ``E[tau]`` from the alpha measured
 (``(1 - alpha^(gamma+1)) / (1 - alpha)``, which assumes acceptance independent of the position in the block).
@@ -158,7 +158,7 @@ def suite_speed(
     if vllm:
         del target, drafts  # vLLM's engines hold their own copies
         vllm_cfg = replace(cfg.vllm, dtype=cfg.dtype)
-        folders = {"draft": cfg.draft} | {other: str(whole_vocab_draft(kinds[other])) for other in others}
+        folders = {"draft": cfg.draft} | {other: str(whole_vocab_draft(kinds[other], cfg.draft)) for other in others}
         result["vllm"] = vllm_speeds(
             vllm_cfg, cfg, folders, tokenizer, texts, gammas, temperatures, max_new_tokens, repeats
         )

@@ -110,28 +110,27 @@ def restrict_head(model: nn.Module, ids: Tensor) -> nn.Module:
     return model
 
 
-def whole_head(model: nn.Module) -> nn.Module:
-    """Give a draft with a :class:`DraftHead` its head over the whole vocabulary back (in place), for an engine that
-    takes no draft vocabulary (vLLM's ``draft_model``): the head becomes the input embeddings again, tied, as in the
-    model it was cut from. That is exact where the head was cut from tied embeddings and not trained since (the
-    learner freezes the head: ``distill.train=layers`` or ``top:K``); any other head is refused, since its rows
-    outside the draft vocabulary are not known. A draft without a draft vocabulary comes back as it is."""
+def whole_head(model: nn.Module, base: Tensor) -> nn.Module:
+    """Give a draft with a :class:`DraftHead` a head over the whole vocabulary again (in place), for an engine that
+    takes no draft vocabulary (vLLM's ``draft_model``): the rows of its draft vocabulary as they are (distilled or
+    not), every other row ``base``'s [vocabulary, hidden], the head of the model it was cut from. A head the learner
+    froze (``distill.train=layers`` or ``top:K``) comes back as that model's. A draft without a draft vocabulary
+    comes back as it is."""
     head = model.get_output_embeddings()
     if not isinstance(head, DraftHead):
         return model
-    embeddings = model.get_input_embeddings()
-    rows = embeddings.weight[head.d2t.to(embeddings.weight.device)]
-    if head.bias is not None or not torch.equal(head.weight.to(rows.dtype), rows):
+    hidden, vocab = head.weight.shape[1], model.get_input_embeddings().weight.shape[0]
+    if tuple(base.shape) != (vocab, hidden) or head.bias is not None:
         raise DistillSpecError(
-            "this draft's head is not the rows of its input embeddings (it was trained, or cut from an untied head): "
-            "its rows outside the draft vocabulary are unknown. Distil with draft_vocab=0 for an engine that takes "
-            "the whole vocabulary"
+            f"whole vocabulary: the base head must be the whole head of the model the draft was cut from, "
+            f"[{vocab}, {hidden}] without a bias; got {list(base.shape)}"
         )
-    whole = nn.Linear(embeddings.weight.shape[1], embeddings.weight.shape[0], bias=False, device=rows.device)
-    whole.weight = embeddings.weight
+    whole = nn.Linear(hidden, vocab, bias=False, device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        whole.weight.copy_(base)
+        whole.weight[head.d2t] = head.weight
     model.set_output_embeddings(whole)
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        config.tie_word_embeddings = True
         if hasattr(config, CONFIG_KEY):
             delattr(config, CONFIG_KEY)
     return model

@@ -280,22 +280,23 @@ def vocab_draft(draft: str, ids: torch.Tensor, *, log: Callable[[str], None] = p
     return cached(folder, make, log)
 
 
-def whole_vocab_draft(draft: str, *, log: Callable[[str], None] = print) -> Path:
-    """The draft ``draft`` (a local folder) with its whole vocabulary: a draft with a draft vocabulary gets its tied
-    head back (:func:`~distillspec.models.draft_vocab.whole_head`), for vLLM's ``draft_model``, which takes no draft
-    vocabulary; any other draft is ``draft`` itself. Made once per version of the draft's weights, cached under
-    :func:`cache_root` ``/drafts``."""
+def whole_vocab_draft(draft: str, base: str, *, log: Callable[[str], None] = print) -> Path:
+    """The draft ``draft`` (a local folder) with its whole vocabulary, for vLLM's ``draft_model``, which takes no
+    draft vocabulary: a draft with one gets a whole head, its own rows and the others of ``base``'s head (the folder
+    of the model it was cut from; :func:`~distillspec.models.draft_vocab.whole_head`); any other draft is ``draft``
+    itself. Made once per version of the draft's weights, cached under :func:`cache_root` ``/drafts``."""
     if not getattr(AutoConfig.from_pretrained(draft), CONFIG_KEY, None):
         return Path(draft)
     weights = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(draft).glob("*.safetensors"))]
-    folder = cache_root() / "drafts" / f"{Path(draft).name}-whole-{_key(draft=str(Path(draft).resolve()), w=weights)}"
+    key = _key(draft=str(Path(draft).resolve()), base=str(Path(base).resolve()), weights=weights)
+    folder = cache_root() / "drafts" / f"{Path(draft).name}-whole-{key}"
 
     def make(tmp: Path) -> dict:
         model, _ = load_model(draft)
-        whole_head(model).save_pretrained(tmp)
+        whole_head(model, load_model(base)[0].get_output_embeddings().weight).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(draft).save_pretrained(tmp)
-        log(f"whole vocabulary: {draft}'s head is its input embeddings again (for vLLM's draft_model)")
-        return {"draft": str(draft), "weights": weights}
+        log(f"whole vocabulary: {draft} with the rest of {base}'s head (for vLLM's draft_model)")
+        return {"draft": str(draft), "base": str(base), "weights": weights}
 
     return cached(folder, make, log)
 
