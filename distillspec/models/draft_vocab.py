@@ -130,9 +130,8 @@ def whole_head(model: nn.Module, base: Tensor) -> nn.Module:
         whole.weight.copy_(base)
         whole.weight[head.d2t] = head.weight
     model.set_output_embeddings(whole)
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        if hasattr(config, CONFIG_KEY):
-            delattr(config, CONFIG_KEY)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
     return model
 
 
