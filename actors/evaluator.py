@@ -14,6 +14,7 @@ import ray
 
 from actors.common import log, weights_name
 from actors.dashboard import count, gauge
+from actors.target import shared_target
 from actors.weights import take
 from actors.worker import setup_worker
 from distillspec.config import EvalConfig, EvaluatorConfig, JobConfig, Models, VLLMConfig
@@ -64,7 +65,7 @@ class EvalActor:
         setup_worker()
         s, m = settings, settings.models
         self.settings, self.prompts = s, prompts
-        self.target, self.draft, self.tokenizer = load_decoding_pair(m)
+        self.target, self.draft, self.tokenizer = load_decoding_pair(m, shared_target=shared_target(s.run))
         self.store = ray.get_actor(weights_name(s.run))
         self.version = -1
         self.held: DraftVersion | None = None  #: the store's entry of ``version``: what the gate promotes

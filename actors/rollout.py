@@ -14,6 +14,7 @@ import torch
 
 from actors.common import buffer_name, log, prompts_name, weights_name
 from actors.dashboard import gauge
+from actors.target import shared_target
 from actors.weights import take
 from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
@@ -50,12 +51,13 @@ class ScorerSettings:
     temperature: float  #: the divergence's temperature (distill.temperature)
     backend: str  #: hf | vllm (rollout.backend)
     vllm: VLLMConfig
+    run: str  #: the run's name: the target's weights it shares
     seed: int
 
     @classmethod
     def of(cls, cfg: JobConfig) -> ScorerSettings:
         temperature = train_temperature(cfg.distill.temperature)
-        return cls(cfg.models, cfg.scorer.topk, temperature, cfg.rollout.backend, cfg.vllm, cfg.seed)
+        return cls(cfg.models, cfg.scorer.topk, temperature, cfg.rollout.backend, cfg.vllm, cfg.ray.run_name, cfg.seed)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
@@ -94,7 +96,8 @@ class RolloutActor:
             self.draft, self.tokenizer = load_model(m.draft, device=m.device)
             target = None
             if needs_target_samples(resolve_recipe(d)):
-                target = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)[0]
+                shared = shared_target(s.run)
+                target = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack, shared=shared)[0]
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
@@ -166,7 +169,8 @@ class ScorerActor:
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
-            self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack)
+            shared = shared_target(s.run)
+            self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack, shared=shared)
 
     @torch.inference_mode()  # outermost: its wrapper copies the method's Ray options (num_returns) from the inner one
     @ray.method(num_returns=2)

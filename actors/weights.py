@@ -10,8 +10,9 @@ deployment returns to the serving version before it. The store numbers the versi
 step again, so a number never names two drafts.
 
 A consumer (a rollout actor, the evaluator, a Serve replica) takes a version one way, :func:`take`; the store answers
-two reads, :meth:`WeightStore.follow` (the version to hold, with its weights) and :meth:`WeightStore.status` (the
-numbers, for the driver, the buffer and the gate).
+two reads of the versions, :meth:`WeightStore.follow` (the version to hold, with its weights) and
+:meth:`WeightStore.status` (the numbers, for the driver, the buffer and the gate). It also hands out the target's
+weights the run shares (:meth:`WeightStore.shared_target`, :mod:`actors.target`).
 
 The store's process imports neither torch nor transformers (it starts in a fraction of a second beside the actors
 that do).
@@ -66,8 +67,9 @@ class WeightStore:
     """Holds the latest version, the serving one and the serving ones before it (replacing one releases what
     nothing holds any more); it owns their bytes (:meth:`publish`)."""
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, target: list[ray.ObjectRef] | None = None) -> None:
         self.run = run
+        self.target = target  #: [a reference] to the target's weights the run shares (:mod:`actors.target`)
         self.current: DraftVersion | None = None
         self.serving: DraftVersion | None = None
         self.earlier: list[DraftVersion] = []  #: earlier serving versions, newest last: where a rollback returns
@@ -159,6 +161,11 @@ class WeightStore:
             self._number(self.current), self._number(self.serving), step, self.record, self.refused,
             sorted(self.rolled_back), self.run,
         )  # fmt: skip
+
+    def shared_target(self) -> list[ray.ObjectRef] | None:
+        """The read of an actor that holds the target: ``[a reference]`` to the weights the run shares (never
+        resolved here), or None."""
+        return self.target
 
     @staticmethod
     def _number(held: DraftVersion | None) -> int:

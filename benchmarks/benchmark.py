@@ -91,6 +91,7 @@ SUITES = {
     "topk": Suite("topk", "main", "command"),
     "lossy": Suite("lossy", "main", "command"),
     "transfer-run": Suite("transfer_run", "main", "command"),
+    "following": Suite("following", "main", "command"),
     "client": Suite("client", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).

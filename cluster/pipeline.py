@@ -32,6 +32,7 @@ from actors.evaluator import EvalActor, EvalSettings
 from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
 from actors.prompts import PromptLog
 from actors.rollout import RolloutActor, RolloutSettings, ScorerActor, ScorerSettings
+from actors.target import share_target
 from actors.weights import WeightStore, publish
 from distillspec.config import JobConfig
 from distillspec.errors import DistillSpecError
@@ -145,7 +146,10 @@ class Pipeline:
         vocab = AutoConfig.from_pretrained(cfg.draft).vocab_size  # the config alone, not the weights
         # The stores live beside the driver (on a cluster: the head), not on a worker node that may go away.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.store = WeightStore.options(name=weights_name(r.run_name), scheduling_strategy=here).remote(r.run_name)
+        target = share_target(cfg.models) if r.share_target else None  # loads beside the actors' start
+        self.store = WeightStore.options(name=weights_name(r.run_name), scheduling_strategy=here).remote(
+            r.run_name, target
+        )
         # A thread per rollout actor pulls its batches (BufferActor.feed), beside the learner's and the console's calls.
         self.buffer = BufferActor.options(
             name=buffer_name(r.run_name), scheduling_strategy=here, max_concurrency=16 + cfg.rollout.workers

@@ -27,6 +27,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 
 from actors.common import NAMESPACE, prompts_name
+from actors.target import shared_target
 from cluster.follower import DraftFollower
 from cluster.http_app import app, guard
 from cluster.openai_api import (
@@ -93,7 +94,9 @@ class Completions:
                 seed=seed,
             )
         else:
-            target, draft, tokenizer = load_decoding_pair(cfg.models)
+            # the target's weights the followed run shares on this node, if it runs (:mod:`actors.target`)
+            shared = shared_target(s.follow.run or cfg.ray.run_name) if cfg.ray.share_target else None
+            target, draft, tokenizer = load_decoding_pair(cfg.models, shared_target=shared)
             completer = Completer(
                 target, draft, tokenizer, max_prompt_tokens=s.limits.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
             )

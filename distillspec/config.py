@@ -198,6 +198,12 @@ class RayConfig:
         False, "stream the actors' and workers' logs to this console (they are always on disk, in the session's logs)"
     )
     run_name: str = knob("distill", "names the run's buffer and weight-store actors (namespace distillspec)")
+    share_target: bool = knob(
+        True,
+        "load the target's weights once and share them through the object store: every actor that holds the target "
+        "(scorers, rollouts sampling it, a scoring learner, the evaluator, the run's Serve replicas) reads one copy "
+        "per node (on a CPU, unless prepacked)",
+    )
     gpu_dry_run: bool = knob(
         False,
         "ask Ray for the GPU shares set in learner.use_gpu, rollout.gpus, evaluator.gpus and serve.replica.gpus, but "

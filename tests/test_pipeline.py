@@ -60,8 +60,11 @@ def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_gard
     try:
         result = pipeline.run()
         store_version = ray.get(pipeline.store.status.remote()).latest
+        # one copy of the target for the scorer and the evaluator (ray.share_target), read from the object store
+        shared = ray.get(ray.get(pipeline.store.shared_target.remote())[0])
     finally:
         pipeline.shutdown()
+    assert shared.name == cfg.target and shared.dtype == "float32" and shared.arrays
     assert [r["step"] for r in result.train_log] == list(range(1, 9))
     assert all(np.isfinite(r["loss"]) and 0 <= r["lag"] <= cfg.buffer.max_policy_lag for r in result.train_log)
     ledger = result.ledger

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -92,26 +93,93 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class SharedWeights:
+    """A frozen model's weights as numpy arrays (:func:`share_weights`), to be put once into Ray's object store: every
+    process on a node that builds the model from them (:func:`load_model`'s ``shared``) reads the same memory."""
+
+    name: str  #: the model they are the weights of (as :func:`load_model` was given it)
+    dtype: str  #: its weights' dtype ("bfloat16")
+    arrays: dict[str, np.ndarray]  #: every parameter and buffer, by name (16-bit floats as their raw 16-bit words)
+    dtypes: dict[str, str]  #: each tensor's torch dtype, by name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def share_weights(model: PreTrainedModel, name: str) -> SharedWeights:
+    """``model``'s parameters and buffers (rotary tables included) as numpy arrays over its own memory (no copy), each
+    tied tensor once."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
+    dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
+    return SharedWeights(name, str(model.dtype).removeprefix("torch."), arrays, dtypes)
+
+
+_WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  #: what numpy holds a 16-bit float as
+
+
+def _from_shared(shared: SharedWeights, config) -> PreTrainedModel:
+    """The model of ``config`` over ``shared``'s arrays: built on the meta device (no memory), then each parameter
+    and buffer set to a tensor over its array, read-only memory of the object store on this node."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shared.dtype))
+    with warnings.catch_warnings():  # frozen weights: nothing writes to them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for key, array in shared.arrays.items():
+            module_name, _, leaf = key.rpartition(".")
+            module = model.get_submodule(module_name)
+            tensor = torch.from_numpy(array).view(getattr(torch, shared.dtypes[key]))
+            if leaf in module._parameters:
+                module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+            else:
+                module._buffers[leaf] = tensor
+    model.tie_weights()  # a tied head is the embeddings' parameter, shared once
+    left = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise DistillSpecError(f"the shared weights of {shared.name} lack {left[:3]}")
+    return model.eval()
+
+
 def load_model(
-    name: str, *, device: str = "cpu", dtype: torch.dtype | str = torch.float32, prepack: bool = False
+    name: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    prepack: bool | str = False,
+    shared: SharedWeights | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
     dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
     freezes it with its float32 linear weights prepacked (:func:`~distillspec.models.packing.prepack_linears`): for a
-    target, which only scores and verifies."""
+    target, which only scores and verifies (``auto``: :func:`resolve_prepack`). ``shared``: the weights of this model
+    in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
+    frozen, instead of read from files."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
     try:
         config = AutoConfig.from_pretrained(name)
-        if getattr(config, draft_vocab.CONFIG_KEY, None):
+        if shared is not None and torch.device(device).type != "cpu":
+            shared = None  # an accelerator holds its own copy
+        if shared is not None and (shared.name, shared.dtype) != (name, str(dtype).removeprefix("torch.")):
+            log.warning(
+                "shared weights of %s in %s, asked for %s in %s: loading it", shared.name, shared.dtype, name, dtype
+            )
+            shared = None
+        if shared is not None:
+            model = _from_shared(shared, config)
+        elif getattr(config, draft_vocab.CONFIG_KEY, None):
             model = _load_restricted(name, config, dtype)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
     model = model.to(device).eval()
+    if prepack == "auto":
+        prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
         prepack_linears(model)
     return model, tokenizer
@@ -252,11 +320,12 @@ def load_pair(
     decode_only: bool = False,
     prepack: bool | str = "auto",
     draft_int8: bool = False,
+    shared_target: SharedWeights | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`), its weights prepacked as ``prepack``
     says (:func:`resolve_prepack`), and the draft in float32, to be trained, or in ``dtype`` too where it only decodes
     (``decode_only``), then with int8 weights if ``draft_int8`` (:func:`~distillspec.models.packing.quantize_int8`);
-    checked to share a tokenizer."""
+    checked to share a tokenizer. ``shared_target``: the target's weights shared on this node (:func:`load_model`)."""
     if dtype == "auto":
         dtype = resolve_dtype(dtype, target, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -269,7 +338,7 @@ def load_pair(
         )
     if draft_int8 and not decode_only:
         raise DistillSpecError("draft_int8=true quantizes a draft that only decodes; the draft that trains stays float")
-    target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack)
+    target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack, shared=shared_target)
     if decode_only:
         draft_model, draft_tok = load_decoding_draft(draft, device=device, dtype=dtype, int8=draft_int8)
     else:
@@ -291,10 +360,11 @@ def load_decoding_draft(
 
 
 def load_decoding_pair(
-    models: Models, draft: str | None = None
+    models: Models, draft: str | None = None, shared_target: SharedWeights | None = None
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The pair as the evaluator, the job's measurements and the endpoint decode it: :func:`load_pair` of ``models``
-    (``draft`` instead of its draft, if given) with the draft in the pair's dtype, int8 if ``models.draft_int8``."""
+    (``draft`` instead of its draft, if given) with the draft in the pair's dtype, int8 if ``models.draft_int8``;
+    ``shared_target`` as :func:`load_pair` takes it."""
     return load_pair(
         models.target,
         draft or models.draft,
@@ -303,6 +373,7 @@ def load_decoding_pair(
         decode_only=True,
         prepack=models.prepack,
         draft_int8=models.draft_int8,
+        shared_target=shared_target,
     )
 
 

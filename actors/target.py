@@ -1,0 +1,49 @@
+"""The target's weights, shared on each node: a run loads them once (:func:`share_target`, before its actors start)
+and every actor that holds the target (the scoring actors, rollout actors that sample the target, a learner that
+scores, the evaluator, the Serve replicas that follow the run) builds it over that one copy in Ray's object store
+(:func:`shared_target`), instead of reading its own from disk: one target's memory per node, not one per actor.
+
+An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from actors.common import NAMESPACE, log, weights_name
+from actors.worker import setup_worker
+from distillspec.config import Models
+from distillspec.models.loading import SharedWeights, load_model, resolve_dtype, resolve_prepack, share_weights
+
+
+@ray.remote(num_cpus=0, max_calls=1)  # its process goes when it returns, and the memory it loaded with
+def _load_shared(models: Models) -> SharedWeights:
+    setup_worker()
+    model, _ = load_model(models.target, device=models.device, dtype=models.dtype)
+    return share_weights(model, models.target)
+
+
+def share_target(models: Models) -> list[ray.ObjectRef] | None:
+    """``[a reference]`` to the target's weights, being put into the object store by a task (owned by the caller:
+    they live as long as it does), for the run's weight store to hand out; None where each actor holds its own: on
+    an accelerator, or with prepacked weights (each process packs its own copy)."""
+    dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
+    if models.device != "cpu" or resolve_prepack(models.prepack, dtype, models.target, models.device)[0]:
+        return None
+    return [_load_shared.remote(models)]
+
+
+def shared_target(run: str) -> SharedWeights | None:
+    """The target's weights that run ``run`` shares (:func:`share_target`), read in place; None when the run shares
+    none, is not up, or its driver (their owner) is gone."""
+    try:
+        store = ray.get_actor(weights_name(run), namespace=NAMESPACE)
+        refs = ray.get(store.shared_target.remote())
+        return ray.get(refs[0]) if refs else None
+    except ValueError:  # no such run
+        return None
+    except ray.exceptions.ObjectLostError:  # the run's driver died: load the target from disk
+        log.warning("the target shared by run %s is gone with its driver: loading it from disk", run)
+    except ray.exceptions.RayTaskError as exc:  # loading it failed there: loading it here says why
+        log.warning("the run %s could not share its target (%s): loading it from disk", run, exc.cause)
+    return None
