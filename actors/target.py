@@ -27,8 +27,10 @@ def share_target(models: Models) -> list[ray.ObjectRef] | None:
     """``[a reference]`` to the target's weights, being put into the object store by a task (owned by the caller:
     they live as long as it does), for the run's weight store to hand out; None where each actor holds its own: on
     an accelerator, or with prepacked weights (each process packs its own copy)."""
+    if models.device != "cpu":
+        return None
     dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
-    if models.device != "cpu" or resolve_prepack(models.prepack, dtype, models.target, models.device)[0]:
+    if resolve_prepack(models.prepack, dtype, models.target, models.device)[0]:
         return None
     return [_load_shared.remote(models)]
 
@@ -40,7 +42,7 @@ def shared_target(run: str) -> SharedWeights | None:
         store = ray.get_actor(weights_name(run), namespace=NAMESPACE)
         refs = ray.get(store.shared_target.remote())
         return ray.get(refs[0]) if refs else None
-    except ValueError:  # no such run
+    except (ValueError, ray.exceptions.RayActorError):  # no such run, or it is ending
         return None
     except ray.exceptions.ObjectLostError:  # the run's driver died: load the target from disk
         log.warning("the target shared by run %s is gone with its driver: loading it from disk", run)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +95,18 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") else None
+
+
+def release_memory() -> None:
+    """Hand the memory a load freed back to the OS. glibc keeps freed heap blocks in the process, and a load frees
+    many (weights read in one dtype and cast, quantized or replaced): 2.3 GB stayed in a process after loading the
+    0.5B Qwen draft as int8, whose weights take 0.8 GB. ``malloc_trim`` returns them; elsewhere this only collects."""
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 @dataclass(frozen=True)
@@ -182,6 +198,7 @@ def load_model(
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
         prepack_linears(model)
+    release_memory()
     return model, tokenizer
 
 
@@ -216,6 +233,7 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
                 tensor.copy_(torch.as_tensor(arrays[name]))
             elif leaf == "weight":  # an int8 layer quantizes the float weight (its scales and bias come with it)
                 quantized[layer].load_dense(torch.as_tensor(arrays[name]), arrays.get(f"{layer}.bias"))
+    release_memory()
 
 
 def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
@@ -356,6 +374,7 @@ def load_decoding_draft(
     model, tokenizer = load_model(draft, device=device, dtype=dtype)
     if int8:
         quantize_int8(model)
+        release_memory()
     return model, tokenizer
 
 
