@@ -36,10 +36,12 @@ class RolloutSettings:
     vllm: VLLMConfig
     run: str  #: the run's name: the actors it finds (buffer, weight store, prompt log)
     seed: int
+    topk: int  #: target samples come with the target's top-k (scorer.topk where scorers score; 0: none)
 
     @classmethod
     def of(cls, cfg: JobConfig) -> RolloutSettings:
-        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, cfg.seed)
+        topk = cfg.scorer.topk if cfg.learner.target_logits == "scorer" else 0
+        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, cfg.seed, topk)
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class RolloutActor:
             if needs_target_samples(resolve_recipe(d)):
                 shared = shared_target(s.run)
                 target = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack, shared=shared)[0]
-            self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed)
+            self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed, topk=s.topk)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
         self.version = -1  #: the draft version this actor samples with
@@ -176,8 +178,11 @@ class ScorerActor:
     @ray.method(num_returns=2)
     def score(self, batch: RolloutBatch, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
         """``batch`` with the target's distribution attached, and its header checked against the buffer's limits
-        (the buffer chains this to a rollout actor's :meth:`RolloutActor.sample`)."""
-        if self.engine is not None:
+        (the buffer chains this to a rollout actor's :meth:`RolloutActor.sample`). A batch of the target's samples
+        comes scored already (speculative decoding computed the target's top-k of each token): it passes as it is."""
+        if batch.scored:
+            pass
+        elif self.engine is not None:
             from distillspec.serving.vllm_backend import prompt_topk  # loaded by __init__ already
 
             batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))

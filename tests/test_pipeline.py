@@ -83,12 +83,15 @@ def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_gard
 
 
 def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_garden, task, tmp_path):
-    # Top-k target log-probs from a scoring actor (the large-vocabulary path) on the way.
+    # Top-k target log-probs on the way (the large-vocabulary path): from a scoring actor for the draft's samples,
+    # from the rollout actor itself for the target's (speculative decoding scored them).
     cfg = job_config(
         tiny_garden,
         tmp_path,
         "distill.steps=14",
         "distill.checkpoint_every=0",
+        "distill.lambda1=0",
+        "distill.lambda2=0.5",
         "evaluator.every=0",
         "learner.target_logits=scorer",
         "scorer.topk=16",
@@ -109,6 +112,7 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
     result = box["result"]
     assert new_pid != old_pid
     assert len(result.train_log) == 14 and all(np.isfinite(r["loss"]) for r in result.train_log)
+    assert {r["source"] for r in result.train_log} == {"draft", "target"}
     assert result.ledger["balanced"] and result.ledger["consumed"] == 14, result.ledger
 
 

@@ -38,10 +38,14 @@ class Batch:
     input_ids: Tensor
     attention_mask: Tensor
     loss_mask: Tensor
+    #: the target's top-k log-probs over :attr:`window`, where the sampler had them (target samples: speculative
+    #: decoding scored each token it emitted); None: a scorer or the learner computes the target's distribution
+    target: TopKLogprobs | None = None
 
     def to(self, device: str | torch.device) -> Batch:
         """The batch on ``device`` (itself where it is there already)."""
-        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+        tensors = (self.input_ids, self.attention_mask, self.loss_mask)
+        return Batch(*(t.to(device) for t in tensors), None if self.target is None else self.target.to(device))
 
     @property
     def position_ids(self) -> Tensor:
@@ -103,7 +107,15 @@ class RolloutBatch:
     @classmethod
     def from_batch(cls, batch: Batch, *, version: int, source: str) -> RolloutBatch:
         arrays = {k: getattr(batch, k).cpu().numpy() for k in ("input_ids", "attention_mask", "loss_mask")}
-        return cls(**arrays, version=version, source=source)
+        made = cls(**arrays, version=version, source=source)
+        if batch.target is not None:
+            made.set_target_topk(batch.target)
+        return made
+
+    @property
+    def scored(self) -> bool:
+        """Whether the target's distribution comes with the batch already."""
+        return self.target_logits is not None or self.target_topk_logprobs is not None
 
     @property
     def rows(self) -> int:

@@ -6,18 +6,21 @@ speculative decoding, which samples the target's distribution exactly). How a ba
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import Recipe, resolve_recipe
-from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
+from distillspec.decoding.speculative import Logprobs, autoregressive_generate, speculative_generate
 from distillspec.errors import DistillSpecError
 from distillspec.models.loading import encode_prompts
 from distillspec.tasks.data import Example
 from distillspec.training.batches import Batch, make_batch
+from distillspec.training.divergences import TopKLogprobs
 
 
 def encode_examples(tokenizer: PreTrainedTokenizerBase, examples: list[Example], max_len: int) -> Batch:
@@ -44,9 +47,12 @@ def generate_batch(
     gamma: int = 5,
     generator: torch.Generator | None = None,
     max_prompt_tokens: int | None = None,
+    topk: int = 0,
 ) -> Batch:
     """Continuations of the prompts (their last ``max_prompt_tokens`` tokens) sampled from the draft (on-policy) or
-    the target (via SD)."""
+    the target (via SD). ``topk``: target samples at temperature 1 come with the target's top-k log-probs of each
+    position (:attr:`Batch.target`), which speculative decoding computed to verify them: a scorer then has nothing
+    left to do."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_prompt_tokens)
     prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
     kwargs = dict(
@@ -59,11 +65,28 @@ def generate_batch(
     )
     if source == "draft":
         out = autoregressive_generate(draft, prompt_ids, **kwargs)
-    else:
-        out = speculative_generate(target, draft, prompt_ids, gamma=gamma, **kwargs)
+    else:  # the emitted tokens' scores are the target's raw distribution: the divergence's at temperature 1
+        scored = topk if topk and temperature == 1.0 else None
+        out = speculative_generate(target, draft, prompt_ids, gamma=gamma, logprobs=scored, **kwargs)
     # Inference tensors cannot enter autograd: clone them out.
     continuation = out.sequences[:, prompt_ids.shape[1] :].clone()
-    return make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
+    batch = make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
+    if out.logprobs is not None:
+        batch.target = window_topk(out.logprobs, out.num_new_tokens)
+    return batch
+
+
+def window_topk(scores: Logprobs, lengths: Tensor) -> TopKLogprobs:
+    """The top-k of the target's distribution that sampled each continuation token (``scores`` [B, C]), laid out as
+    a scorer lays out its top-k over :attr:`Batch.window` ([B, C + 1, k]: column j predicts continuation token j).
+    Past a row's end, and in the last column (which predicts nothing), a uniform stand-in that the loss masks out."""
+    rows, width, k = scores.top.shape
+    valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    logprobs = torch.full((rows, width + 1, k), -math.log(k), device=lengths.device)
+    indices = torch.arange(k, device=lengths.device).expand(rows, width + 1, k).clone()
+    logprobs[:, :width][valid] = scores.top[valid].float()
+    indices[:, :width][valid] = scores.top_ids[valid]
+    return TopKLogprobs(logprobs, indices, 1.0)
 
 
 def draw_source(rng: random.Random, recipe: Recipe) -> str:
@@ -98,9 +121,11 @@ class HFGenerator:
         gamma: int = 5,
         seed: int = 0,
         max_prompt_tokens: int | None = None,
+        topk: int = 0,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.gamma = target, draft, tokenizer, gamma
         self.max_new_tokens, self.temperature, self.max_prompt_tokens = max_new_tokens, temperature, max_prompt_tokens
+        self.topk = topk
         self.generator = torch.Generator(device=draft.device).manual_seed(seed)
 
     def __call__(self, source: str, examples: list[Example]) -> Batch:
@@ -116,6 +141,7 @@ class HFGenerator:
             gamma=self.gamma,
             generator=self.generator,
             max_prompt_tokens=self.max_prompt_tokens,
+            topk=self.topk,
         )
 
 
@@ -123,8 +149,9 @@ class Sampler:
     """The data half of Algorithm A.2: draw the source, draw prompts, produce the batch.
 
     Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline. Continuations come
-    from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``). ``target`` may be None when
-    the recipe never asks for target-generated data, and both may be None when ``generate`` is given.
+    from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``, target samples with the target's
+    top ``topk`` log-probs where it is not 0). ``target`` may be None when the recipe never asks for target-generated
+    data, and both may be None when ``generate`` is given.
     """
 
     def __init__(
@@ -138,6 +165,7 @@ class Sampler:
         seed: int = 0,
         max_len: int = 256,
         generate: Generate | None = None,
+        topk: int = 0,
     ) -> None:
         if not train:
             raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
@@ -154,6 +182,7 @@ class Sampler:
                 gamma=cfg.sample_gamma,
                 seed=seed,
                 max_prompt_tokens=cfg.max_prompt_tokens,
+                topk=topk,
             )
         self.generate, self.tokenizer, self.train, self.cfg = generate, tokenizer, train, cfg
         self.max_len = max_len
