@@ -95,7 +95,11 @@ class RolloutActor:
             )
             self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
         else:
-            self.draft, self.tokenizer = load_model(m.draft, device=m.device)
+            # In bfloat16 where the learner trains under bfloat16 autocast (distill.bf16), which casts each weight
+            # as it is used: its samples are the learner's draft's, for half the memory of float32 weights.
+            autocast = d.bf16 if d.bf16 is not None else m.dtype == "bfloat16"
+            dtype = torch.bfloat16 if autocast else torch.float32
+            self.draft, self.tokenizer = load_model(m.draft, device=m.device, dtype=dtype)
             target = None
             if needs_target_samples(resolve_recipe(d)):
                 shared = shared_target(s.run)
