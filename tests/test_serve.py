@@ -6,6 +6,7 @@ import json
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -477,6 +478,20 @@ def test_serve_finds_a_runs_draft_and_its_target(tmp_path, tiny_garden):
         resolve_models(load_config(None, [f"serve.run={tmp_path}"]))
     with pytest.raises(DistillSpecError, match="give its --target too"):
         resolve_models(load_config(None, [f"draft={tiny_garden.draft}"]))
+
+
+def test_serve_cuts_the_draft_vocabulary_as_the_job_does(tiny_garden):
+    """A replica that follows a run with a draft vocabulary must hold the same cut draft, or it cannot take the run's
+    versions."""
+    from distillspec.models.draft_vocab import CONFIG_KEY
+    from distillspec.models.pretrained import prepare_pair, resolve_models
+    from distillspec.tasks.data import load_task
+
+    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith", "draft_vocab=64"]
+    served = resolve_models(load_config(None, overrides))
+    job = prepare_pair(load_config(None, overrides), load_task("arith"))[0]
+    assert served.draft == job.draft != str(tiny_garden.draft)
+    assert json.loads((Path(served.draft) / "config.json").read_text())[CONFIG_KEY] == 64
 
 
 def test_the_key_can_come_from_the_environment(monkeypatch):

@@ -375,7 +375,9 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
     - ``serve.run`` (``--run``): that jobs/distill.py output folder's ``draft/`` with the target it was distilled for
       (its ``config.yaml``);
     - ``--draft`` alone, when it is such a run's ``draft/`` folder: the same;
-    - ``--target`` and ``--draft``: those; neither: the garden pair (built, or taken from its cache).
+    - ``--target`` and ``--draft``: those, with the draft vocabulary ``draft_vocab`` as a job cuts it (the same cached
+      draft, so that a replica takes the versions of a run it follows); neither: the garden pair (built, or taken
+      from its cache).
     """
     run = Path(cfg.serve.run) if cfg.serve.run else None
     if run is None and cfg.draft is not None and cfg.target is None:
@@ -387,4 +389,4 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
             )
     if run is not None:
         return replace(cfg, **run_models(run))
-    return prepare_models(cfg, load_task(cfg.dataset, seed=cfg.seed))
+    return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))[0]
