@@ -60,6 +60,9 @@ class StoreStatus(NamedTuple):
 
 
 KEEP_EARLIER = 3  #: earlier serving versions the store keeps for rollbacks
+#: How long a consumer waits for a version's bytes before it keeps what it holds and tries again at its next check
+#: (Ray stops restoring spilled objects once the disk is 95% full: a consumer would otherwise wait for ever).
+TAKE_TIMEOUT_S = 300.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -199,21 +202,28 @@ def take(
     load: Callable[[dict[str, np.ndarray]], Any],
     which: str = "latest",
     answer: Follow | None = None,
+    timeout_s: float = TAKE_TIMEOUT_S,
 ) -> tuple[int, Follow]:
     """The one way a consumer takes a draft version: the version it should hold (the store's latest or serving one,
     or the store's ``answer`` to a :meth:`WeightStore.follow` already made) and, when that is not ``version`` (the
     one held), its weights, checked against their checksums and handed to ``load``. Returns the version held now and
     the store's answer (whose ``held`` is the store's entry of that version once loaded). Weights that fail their
     check raise :class:`~distillspec.integrity.TransferRefused` (logged and counted here) before ``load`` sees them:
-    the caller keeps what it holds."""
+    the caller keeps what it holds, as it does when the weights cannot be read within ``timeout_s``."""
     answer = answer or ray.get(store.follow.remote(which))
     held = answer.held
     if held is None or held.number == version:
         return version, answer
     try:
-        arrays = ray.get(held.weights[0])
+        arrays = ray.get(held.weights[0], timeout=timeout_s)
     except ray.exceptions.ObjectLostError:
         return version, answer  # its owner, the store, died with its job
+    except ray.exceptions.GetTimeoutError:
+        log.warning(
+            "draft version %d not readable in %.0f s (a full disk stops Ray restoring spilled objects): keeping %d",
+            held.number, timeout_s, version,
+        )  # fmt: skip
+        return version, answer
     if held.sums is not None:
         try:
             check(arrays, held.sums, f"draft version {held.number}")

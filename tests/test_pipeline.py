@@ -446,6 +446,24 @@ def test_a_version_outlives_its_publisher(ray_cluster, tiny_garden):
     ray.kill(store)
 
 
+def test_a_consumer_keeps_its_version_when_the_bytes_never_come(ray_cluster):
+    """A version whose bytes cannot be read (Ray restores no spilled object once the disk is 95% full): the consumer
+    keeps the version it holds and tries again at its next check, rather than waiting for ever."""
+    from actors.weights import Follow, take
+    from distillspec.versions import DraftVersion
+
+    @ray.remote(num_cpus=0)
+    def never() -> None:
+        time.sleep(600)
+
+    pending = never.remote()
+    loaded = []
+    answer = Follow(DraftVersion(5, 5, [pending], None), None, [])
+    assert take(None, 3, loaded.append, answer=answer, timeout_s=1.0) == (3, answer)
+    assert not loaded
+    ray.cancel(pending, force=True)
+
+
 def test_the_weight_store_rolls_serving_back_past_refused_versions(ray_cluster):
     """The store's side of a rollback, as several replicas see it: serving returns to the newest earlier version
     that was neither refused nor rolled back; every replica learns the rolled-back versions from ``follow``."""
