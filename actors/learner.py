@@ -23,7 +23,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from actors.common import buffer_name, log, weights_name
 from actors.dashboard import gauge
-from actors.target import shared_target
+from actors.target import load_target
 from actors.weights import publish
 from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, LearnerConfig, Models
@@ -97,8 +97,7 @@ def learner_loop(config: dict) -> None:
 
     target = None  # with scoring actors every batch comes scored: the learner holds no copy of the target
     if s.learner.target_logits == "learner":
-        shared = shared_target(run)
-        target = load_model(m.target, device=str(device), dtype=m.dtype, prepack=m.prepack, shared=shared)[0]
+        target = load_target(m, run, str(device))
     draft, tokenizer = load_model(m.draft, device=str(device))
     learner = Learner(draft, target, distill)
     records, seconds_before = None, 0.0  # the run's log (rank 0 keeps it)

@@ -14,7 +14,7 @@ import torch
 
 from actors.common import buffer_name, log, prompts_name, weights_name
 from actors.dashboard import gauge
-from actors.target import shared_target
+from actors.target import load_target
 from actors.weights import take
 from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
@@ -102,8 +102,7 @@ class RolloutActor:
             self.draft, self.tokenizer = load_model(m.draft, device=m.device, dtype=dtype)
             target = None
             if needs_target_samples(resolve_recipe(d)):
-                shared = shared_target(s.run)
-                target = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack, shared=shared)[0]
+                target = load_target(m, s.run)
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed, topk=s.topk)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
@@ -175,8 +174,7 @@ class ScorerActor:
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
-            shared = shared_target(s.run)
-            self.target, _ = load_model(m.target, device=m.device, dtype=m.dtype, prepack=m.prepack, shared=shared)
+            self.target = load_target(m, s.run)
 
     @torch.inference_mode()  # outermost: its wrapper copies the method's Ray options (num_returns) from the inner one
     @ray.method(num_returns=2)
@@ -185,8 +183,8 @@ class ScorerActor:
         (the buffer chains this to a rollout actor's :meth:`RolloutActor.sample`). A batch of the target's samples
         comes scored already (speculative decoding computed the target's top-k of each token): it passes as it is."""
         if batch.scored:
-            pass
-        elif self.engine is not None:
+            return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
+        if self.engine is not None:
             from distillspec.serving.vllm_backend import prompt_topk  # loaded by __init__ already
 
             batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))

@@ -9,6 +9,7 @@ An actor on another node makes Ray copy the object there once; its neighbours on
 from __future__ import annotations
 
 import ray
+from transformers import PreTrainedModel
 
 from actors.common import NAMESPACE, log, weights_name
 from actors.worker import setup_worker
@@ -49,3 +50,12 @@ def shared_target(run: str) -> SharedWeights | None:
     except ray.exceptions.RayTaskError as exc:  # loading it failed there: loading it here says why
         log.warning("the run %s could not share its target (%s): loading it from disk", run, exc.cause)
     return None
+
+
+def load_target(models: Models, run: str, device: str | None = None) -> PreTrainedModel:
+    """The frozen target of an actor of run ``run``, on ``device`` (default ``models.device``): built over the
+    weights the run shares (:func:`shared_target`), else read from disk."""
+    device = device or models.device
+    return load_model(
+        models.target, device=device, dtype=models.dtype, prepack=models.prepack, shared=shared_target(run)
+    )[0]
