@@ -111,10 +111,12 @@ def learner_loop(config: dict) -> None:
         records = RecordLog(config["log"])
 
     learner.model = ray.train.torch.prepare_model(draft, move_to_device=device)
+    dtype = s.learner.version_dtype
     # The store numbers versions: this learner's are its steps shifted by a constant (not 0 after a restart:
     # distillspec.versions.VersionNumbers), which the buffer's staleness and the lag compare. Rank 0 publishes and
     # tells the other ranks.
-    shift = _from_rank_0(publish(store, draft, learner.step_count) - learner.step_count if rank == 0 else 0, device)
+    first = publish(store, draft, learner.step_count, dtype=dtype) if rank == 0 else learner.step_count
+    shift = _from_rank_0(first - learner.step_count, device)
     start = time.perf_counter() - seconds_before
     rate = Rate()
     budget = distill.time_budget_s
@@ -147,7 +149,7 @@ def learner_loop(config: dict) -> None:
             start=start,
         )
         if rank == 0 and learner.step_count % s.learner.publish_every == 0:
-            publish(store, draft, learner.step_count, record)
+            publish(store, draft, learner.step_count, record, dtype=dtype)
         last = record
         if rank == 0:
             records.append(record)

@@ -182,17 +182,18 @@ def publish(
     record: dict | None = None,
     *,
     serving: bool = False,
+    dtype: str = "float32",
 ) -> int:
-    """Put the weights of learner step ``step`` into the object store and make them the latest version (with
-    ``serving``, the serving one too, bypassing the gate: for a draft chosen by hand); ``record`` is the learner's
-    log record of the step that made it (the driver's console shows it). Returns the version's number (the store's:
-    :meth:`WeightStore.publish`).
+    """Put the weights of learner step ``step`` into the object store, in ``dtype`` (``learner.version_dtype``), and
+    make them the latest version (with ``serving``, the serving one too, bypassing the gate: for a draft chosen by
+    hand); ``record`` is the learner's log record of the step that made it (the driver's console shows it). Returns
+    the version's number (the store's: :meth:`WeightStore.publish`).
 
     The store takes the bytes over (:meth:`WeightStore.publish`): a version outlives the learner that made it, so a
     consumer started after the learner died (a restarted rollout actor, a new replica) still loads it. Promotion and
     rollback move the store's reference, never the bytes.
     """
-    arrays = state_arrays(model)
+    arrays = state_arrays(model, dtype)
     return ray.get(store.publish.remote(step, [ray.put(arrays)], record, checksums(arrays), serving=serving))
 
 

@@ -245,7 +245,8 @@ class Pipeline:
             train_log = checkpoint_log(d, self.out / LOG_FILE).records
         if train_log and ray.get(self.store.status.remote()).step != train_log[-1]["step"]:
             # the learner publishes every learner.publish_every steps: the final draft, for the evaluator and replicas
-            publish(self.store, load_model(str(draft_dir))[0], train_log[-1]["step"])
+            step, dtype = train_log[-1]["step"], self.cfg.learner.version_dtype
+            publish(self.store, load_model(str(draft_dir))[0], step, dtype=dtype)
         report = {"history": [], "alarms": []}
         if self.evaluator is not None:
             ray.get(self.evaluator.evaluate.remote())  # the final version

@@ -257,6 +257,11 @@ class LearnerConfig:
         "learner", "where the target's logits are computed: learner (a frozen copy) | scorer (actors: see scorer.*)"
     )
     publish_every: PosInt = knob(1, "learner steps per published draft version")
+    version_dtype: Literal["float32", "float16"] = knob(
+        "float16",
+        "the float type a draft version travels and is stored in (float16: half the bytes in the object store and on "
+        "disk; consumers load it into their own dtype)",
+    )
     resume: bool = knob(True, "resume an unfinished run's learner from its latest checkpoint in output_dir")
     max_failures: NonNegInt = knob(3, "learner restarts from its latest checkpoint after a worker failure")
     take_timeout_s: PosFloat = knob(600.0, "the learner gives up when no batch arrives for this long")
@@ -397,8 +402,9 @@ class FollowConfig:
     sync_every_s: NonNegFloat = knob(1.0, "how often a replica checks the weight store (0 = never)")
     rollback_window: NonNegInt = knob(
         16,
-        "rollback: a new draft version is judged once it has made this many speculative completions with decoding "
-        "settings the previous version also served, against the previous version's on the same settings (0 = off)",
+        "rollback: a new draft version is judged from when it has made this many speculative completions with "
+        "decoding settings the previous version also served, against the previous version's on the same settings, "
+        "until it passes or is rolled back (at most 4 times as many completions; 0 = off)",
     )
     rollback_margin: NonNegFloat = knob(
         0.15,

@@ -37,8 +37,13 @@ class VersionNumbers:
         return self.last
 
 
-def state_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's weights as float32 numpy arrays: the form a draft version travels in (read zero-copy by every
-    puller on a node) and is checksummed in (:func:`distillspec.models.loading.load_arrays` reads them back)."""
+def state_arrays(model: torch.nn.Module, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The model's weights as numpy arrays, its floating-point tensors in ``dtype`` (float32 or float16; others as
+    they are): the form a draft version travels in (read zero-copy by every puller on a node) and is checksummed in
+    (:func:`distillspec.models.loading.load_arrays` reads them back into a model's own dtypes)."""
     model = getattr(model, "module", model)  # DDP
-    return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    cast = {"float32": "float", "float16": "half"}[dtype]
+    return {
+        k: (getattr(v.detach(), cast)() if v.is_floating_point() else v.detach()).cpu().numpy()
+        for k, v in model.state_dict().items()
+    }

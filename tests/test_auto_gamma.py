@@ -104,6 +104,22 @@ def test_the_choice_maximises_expected_tokens_per_second():
     assert plan.gamma == 0 and plan.tokens_per_s[0] == max(plan.tokens_per_s.values())
 
 
+def test_a_new_version_is_drafted_for_until_it_was_measured():
+    """Where the plan would not speculate (alpha 0.05), a new draft version is still drafted for, one token a block,
+    until 128 of its draft tokens were judged (16 rows a block: 8 blocks): the choice never gives up on a version it
+    has not measured, and a replica's rollback gets draft tokens to judge it on."""
+    auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
+    feed(auto, 0.05, [16], blocks=200)
+    assert auto.choose(KEY, 16) == 0
+    new = (2, *KEY[1:])
+    chosen = []
+    for _ in range(12):
+        chosen.append(g := auto.choose(new, 16))
+        auto.observe(new, 16, g, 0.001 * g, 0.010 + 0.0005 * 16 * (g + 1), *iid(0.05, 16, g), 16)
+    assert chosen == [1] * 8 + [0] * 4
+    assert auto.choose((3, *KEY[1:]), 16, explore=False) == 0  # a block that must not explore does not probe either
+
+
 def test_rows_near_their_budget_are_not_drafted_past_it():
     """A row with r tokens left emits at most r: drafts past its (r - 1)th cost a longer verify and add nothing."""
     auto = AutoGamma(7, explore_every=10**9, prior_weight=1.0)
@@ -245,7 +261,8 @@ def test_engine_steps_choose_gamma_by_batch_size_and_follow_a_new_version():
     assert plan.gamma == best(1) == 7 and live.auto.plan(live.key, 16).gamma == best(16) < 7
     live.new_version(3, 0.05)  # a version whose canary measured alpha 0.05: no speculation pays
     assert live.key == (3, None, None, 1.0) and live.auto.alpha(live.key) == pytest.approx(0.05)
-    assert run_engine(live, 16, 10, 0.05, clock)[2:] == [0] * 8
+    chosen = run_engine(live, 16, 20, 0.05, clock)  # measured on 128 draft tokens first, then no speculation
+    assert chosen[:8] == [1] * 8 and chosen[-8:] == [0] * 8
     assert "v3" in live.auto.summary()["alpha"]
 
 

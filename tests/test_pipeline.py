@@ -376,6 +376,36 @@ def test_gpu_jobs_need_a_gpu_share_for_every_model_holder(tiny_garden, tmp_path)
         check_devices(job_config(tiny_garden, tmp_path, *ok, "learner.target_logits=scorer"))
 
 
+def test_a_float16_version_is_half_the_bytes_and_loads_into_each_consumers_dtype(ray_cluster, tiny_garden):
+    """learner.version_dtype=float16 (the default): a version travels in half the bytes of float32; a float32, a
+    bfloat16 and an int8 consumer each load it into their own weights, within float16's rounding."""
+    from actors.weights import take
+    from distillspec.models.loading import load_arrays, load_decoding_draft
+    from distillspec.versions import state_arrays
+
+    draft = load_model(str(tiny_garden.draft))[0]
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.01)  # a trained version: not the consumers' weights
+    half, full = state_arrays(draft, "float16"), state_arrays(draft)
+    assert sum(a.nbytes for a in half.values()) * 2 == sum(a.nbytes for a in full.values())
+    store = WeightStore.remote("half")
+    publish(store, draft, 1, dtype="float16")
+    consumers = {
+        "float32": load_model(str(tiny_garden.draft))[0],
+        "bfloat16": load_model(str(tiny_garden.draft), dtype=torch.bfloat16)[0],
+        "int8": load_decoding_draft(str(tiny_garden.draft), device="cpu", dtype=torch.float32, int8=True)[0],
+    }
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = draft(ids).logits
+        for name, consumer in consumers.items():
+            assert take(store, -1, functools.partial(load_arrays, consumer))[0] == 1
+            got = consumer(ids).logits.float()
+            assert torch.allclose(got, want, atol={"float32": 1e-3, "bfloat16": 0.05, "int8": 0.1}[name]), name
+    ray.kill(store)
+
+
 def test_a_corrupted_weight_transfer_is_refused_where_the_weights_are_loaded(ray_cluster, tiny_garden):
     from actors.weights import take
     from distillspec.integrity import TransferRefused, checksums

@@ -187,8 +187,11 @@ def test_live_acceptance_keeps_a_version_whose_window_drew_harder_prompts():
         live.record(2, {"accepted": 7, "rejected": 8} if i < 6 else {"accepted": 12, "rejected": 0}, greedy)
         live.record(3, {"accepted": 0, "rejected": 16}, greedy)
     assert live.alpha(1) - live.alpha(2) > 0.15
-    assert live.verdict(2, 1) is None
+    assert live.verdict(2, 1) is None and 2 not in live.judged  # too close to tell yet: judged on what follows
     assert live.verdict(3, 1).startswith("rollback: live alpha 0.000 of version 3 < 0.959 of version 1")
+    for _ in range(16):  # the draft's usual mix: version 2 passes
+        live.record(2, {"accepted": 12, "rejected": 0}, greedy)
+    assert live.verdict(2, 1) is None and 2 in live.judged
     alpha, var = ratio_variance([(12, 12)] * 10 + [(7, 15)] * 6)
     assert alpha == pytest.approx(162 / 210) and var == pytest.approx(0.00486, rel=0.01)
     assert ratio_variance([(3, 4)]) == (0.75, 0.0)
@@ -209,18 +212,29 @@ def test_live_acceptance_judges_a_version_gamma_auto_stopped_speculating_with():
     assert live.versions() == [1, 2]
 
 
-def test_live_acceptance_keeps_a_weak_draft_that_rejected_its_few_judged_tokens():
+def test_live_acceptance_waits_to_tell_a_weak_draft_from_a_collapse():
     """Against a previous version at alpha 0.3, a window that judged 3 draft tokens and accepted none is what the
-    same draft does a third of the time (0.7^3): kept, although no completion in it accepted anything (the window's
-    own spread is 0). 120 judged and none accepted is a collapse: rolled back."""
+    same draft does a third of the time (0.7^3): not rolled back, although no completion in it accepted anything (the
+    window's own spread is 0), nor passed: it is judged again as tokens come, and passes on the draft's usual rate.
+    120 judged and none accepted is a collapse: rolled back. A version that stays undecided passes after four
+    windows."""
     auto = DecodingArgs(gamma="auto", temperature=0.0)
     live = LiveAcceptance(window=16, margin=0.1)
     for i in range(16):
         live.record(1, {"accepted": 3, "rejected": 7}, auto)
         live.record(2, {"accepted": 0, "rejected": int(i < 3)}, auto)  # the choice drafted in 3 blocks only
         live.record(3, {"accepted": 0, "rejected": 8 if i < 15 else 0}, auto)
-    assert live.verdict(2, 1) is None and 2 in live.judged
+        live.record(4, {"accepted": 0, "rejected": int(i < 3)}, auto)
+    assert live.verdict(2, 1) is None and 2 not in live.judged
     assert live.verdict(3, 1).startswith("rollback: live alpha 0.000 of version 3 < 0.300 of version 1")
+    for _ in range(8):
+        live.record(2, {"accepted": 3, "rejected": 7}, auto)
+    assert live.verdict(2, 1) is None and 2 in live.judged
+    for _ in range(47):  # nothing more judged: undecided
+        live.record(4, {"accepted": 0, "rejected": 0}, auto)
+        assert live.verdict(4, 1) is None and 4 not in live.judged
+    live.record(4, {"accepted": 0, "rejected": 0}, auto)
+    assert live.verdict(4, 1) is None and 4 in live.judged
 
 
 def test_merge_stats_pools_counts():

@@ -26,7 +26,10 @@ per draft version and decoding settings, started from a prior (the serving gate'
 known; else the alpha of the version before it on the same settings). One block in ``explore_every`` drafts a
 neighbour of the best gamma, so the costs and alpha around the choice stay measured, unless that neighbour is
 expected to reach less than ``explore_within`` of the best's tokens per second (trying a clear loser costs more than
-it teaches; after blocks without drafts, the draft also has to catch up on their tokens).
+it teaches; after blocks without drafts, the draft also has to catch up on their tokens). A draft version is drafted
+for (gamma at least 1) until ``probe_tokens`` of its draft tokens were judged on a key, whatever the plan says: the
+choice never gives up on a version it has not measured, and a replica's rollback rule
+(:class:`distillspec.serving.completer.LiveAcceptance`) gets the live draft tokens it judges a new version on.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from distillspec.config import START_GAMMA
 #: by draft position is kept per the same key without the version.
 AlphaKey = tuple[int, float | None, str | None, float]
 MAX_KEYS = 256  #: alpha keys kept at once
+#: draft tokens of a version (per key) judged before the choice may stop drafting for it: against a previous version at
+#: alpha 0.3, enough to tell a collapse to 0 from sampling noise (binomial standard error 0.04)
+PROBE_TOKENS = 128
 
 
 def expected_tokens(alpha: float | Sequence[float], gamma: int) -> float:
@@ -162,6 +168,7 @@ class AutoGamma:
         explore_within: float = 0.8,
         start_gamma: int | None = None,
         whole_blocks: bool = False,
+        probe_tokens: int = PROBE_TOKENS,
     ) -> None:
         self.max_gamma, self.prior_alpha, self.prior_weight = max_gamma, prior_alpha, prior_weight
         #: a block's cost is measured whole (:meth:`observe_block`), not as its draft and verify steps apart
@@ -170,10 +177,11 @@ class AutoGamma:
         #: the same for the counts by draft position (the shape changes slowly; it needs many blocks to be measured),
         #: and the judged tokens at which a position's own rate weighs as much as the pool's
         self.shape_keep, self.shape_weight = 1.0 - 1.0 / shape_memory, shape_weight
-        self.explore_every, self.explore_within = explore_every, explore_within
+        self.explore_every, self.explore_within, self.probe_tokens = explore_every, explore_within, probe_tokens
         self.start_gamma = min(max_gamma, START_GAMMA) if start_gamma is None else start_gamma
         self.draft_costs, self.verify_costs = StepCosts(), StepCosts()  #: whole blocks: in verify_costs
-        self.counts: dict[Hashable, list[float]] = {}  #: alpha key -> [accepted, judged], decayed
+        #: alpha key -> [accepted, judged] (decayed), draft tokens judged (not decayed)
+        self.counts: dict[Hashable, list[float]] = {}
         #: alpha key without its version -> [accepted, judged] by draft position, decayed
         self.positions: dict[Hashable, list[list[float]]] = {}
         self.priors: dict[int, float] = {}  #: draft version -> its canary alpha
@@ -193,7 +201,7 @@ class AutoGamma:
 
     def alpha(self, key: AlphaKey) -> float:
         with self.lock:
-            accepted, judged = self._counts(key)
+            accepted, judged, _ = self._counts(key)
             return accepted / judged
 
     def rates(self, key: AlphaKey) -> list[float]:
@@ -203,7 +211,7 @@ class AutoGamma:
             return self._rates(key)
 
     def _rates(self, key: AlphaKey) -> list[float]:
-        accepted, judged = self._counts(key)
+        accepted, judged, _ = self._counts(key)
         alpha = accepted / judged
         counts = self.positions.get(key[1:])
         if counts is None or not sum(counts[1]) or not sum(counts[0]):
@@ -218,7 +226,7 @@ class AutoGamma:
                 del self.counts[next(iter(self.counts))]
             same = [c for k, c in self.counts.items() if k[1:] == key[1:]]  # other versions, these settings
             prior = self.priors.get(key[0], same[-1][0] / same[-1][1] if same else self.prior_alpha)
-            self.counts[key] = [prior * self.prior_weight, self.prior_weight]
+            self.counts[key] = [prior * self.prior_weight, self.prior_weight, 0.0]
         return self.counts[key]
 
     def forget(self, keep: set[int]) -> None:
@@ -265,6 +273,8 @@ class AutoGamma:
                 neighbour = gamma + 1 if up else gamma - 1
                 if plan.tokens_per_s[neighbour] >= self.explore_within * plan.tokens_per_s[gamma]:
                     gamma = neighbour  # a clear loser is not tried (a new draft version's alpha reopens it)
+            if explore and not gamma and self.max_gamma and self._counts(key)[2] < self.probe_tokens:
+                gamma = 1  # a version is measured before the choice gives up on it
             self.histogram[gamma] += 1
             if plan.tokens_per_s:
                 self.expected_tps = _average(self.expected_tps, plan.tokens_per_s[gamma])
@@ -318,6 +328,7 @@ class AutoGamma:
         counts = self._counts(key)
         counts[0] = self.keep * counts[0] + sum(accepted)
         counts[1] = self.keep * counts[1] + sum(judged)
+        counts[2] += sum(judged)
         shape = self.positions.get(key[1:])
         if shape is None:
             if len(self.positions) >= MAX_KEYS:

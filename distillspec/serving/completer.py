@@ -604,6 +604,7 @@ def canary_refusal(alpha: float, serving_alpha: float | None, margin: float) -> 
 
 MAX_SETTINGS = 256  #: decoding settings (per version) a replica keeps statistics for; the oldest go first
 NOISE_Z = 2.0  #: a rollback needs a drop this many standard errors beyond the margin (one-sided, about 2%)
+JUDGED_WINDOWS = 4  #: a new version still undecided after this many rollback windows of completions passes
 
 
 def ratio_variance(completions: Iterable[tuple[int, int]]) -> tuple[float, float]:
@@ -622,23 +623,30 @@ class LiveAcceptance:
     """Live alpha per draft version from served completions' SD statistics, and the rollback rule.
 
     Completions are pooled per version and per decoding settings (gamma, temperature, lenience, epsilon), because
-    alpha depends on the settings. After a swap from ``previous`` to ``version``, the new version is judged once,
-    when it has made ``window`` completions with settings the previous version also served (at least
-    ``window // 4`` times each): its pooled alpha over them is compared with the previous version's alpha on the
-    same settings, weighted as the new version's traffic is (like with like, whatever the traffic's mix), and it is
-    rolled back when it is more than ``margin`` lower, beyond sampling noise: by more than ``margin`` plus
-    :data:`NOISE_Z` standard errors of the difference (:func:`ratio_variance`: completions differ, and a window of
-    few completions over a skewed mix of prompts can be well below another window of the same draft; the new
-    version's at least the binomial one of its judged tokens at the previous version's alpha).
+    alpha depends on the settings; each keeps its last ``JUDGED_WINDOWS * window``. After a swap from ``previous`` to
+    ``version``, the new version is judged from the moment it has made ``window`` completions with settings the
+    previous version also served (at least ``window // 4`` times each): its pooled alpha over them is compared with
+    the previous version's alpha on the same settings, weighted as the new version's traffic is (like with like,
+    whatever the traffic's mix).
+
+    - It is rolled back when it is more than ``margin`` lower, beyond sampling noise: by more than ``margin`` plus
+      :data:`NOISE_Z` standard errors of the difference (:func:`ratio_variance`: completions differ, and a window of
+      few completions over a skewed mix of prompts can be well below another window of the same draft; the new
+      version's at least the binomial one of its judged tokens at the previous version's alpha).
+    - It passes when it is at most ``margin`` lower.
+    - In between (lower by more than the margin, within the noise: too few draft tokens judged to tell) it is judged
+      again on each new completion, over all it has made, until one of the two holds; after ``JUDGED_WINDOWS`` windows
+      still undecided, it passes.
 
     With gamma chosen live, a completion may draft nothing (the choice stopped speculating, as it does soon after a
-    version collapses): it still counts towards the window, so a version the choice gave up on is judged on the few
-    draft tokens it had judged, rather than never; a window without a single judged token waits for one.
+    version collapses): it still counts towards the window, so a version the choice gave up on is judged on the draft
+    tokens it had judged, rather than never (the choice drafts for a new version until it was measured:
+    :data:`distillspec.decoding.auto_gamma.PROBE_TOKENS`); a window without a single judged token waits for one.
     """
 
     def __init__(self, window: int, margin: float) -> None:
         self.window, self.margin = window, margin
-        #: (version, settings) -> (accepted, judged) of its last ``window`` completions
+        #: (version, settings) -> (accepted, judged) of its last ``JUDGED_WINDOWS * window`` completions
         self.recent: dict[tuple[int, DecodingArgs], deque[tuple[int, int]]] = {}
         self.judged: set[int] = set()  #: versions already judged
 
@@ -651,19 +659,19 @@ class LiveAcceptance:
         if judged or args.gamma == "auto":
             if (version, args) not in self.recent and len(self.recent) >= MAX_SETTINGS:
                 del self.recent[next(iter(self.recent))]  # the oldest: clients' settings never grow it unbounded
-            recent = self.recent.setdefault((version, args), deque(maxlen=self.window))
+            recent = self.recent.setdefault((version, args), deque(maxlen=JUDGED_WINDOWS * self.window))
             recent.append((stats["accepted"], judged))
 
     def alpha(self, version: int, args: DecodingArgs | None = None) -> float | None:
-        """Pooled alpha of ``version``'s last ``window`` completions with settings ``args`` (None: all settings
-        together); None before any draft token was judged."""
+        """Pooled alpha of ``version``'s completions kept with settings ``args`` (None: all settings together); None
+        before any draft token was judged."""
         pooled = [x for (v, a), recent in self.recent.items() if v == version and args in (None, a) for x in recent]
         judged = sum(j for _, j in pooled)
         return sum(a for a, _ in pooled) / judged if judged else None
 
     def verdict(self, version: int, previous: int) -> str | None:
-        """The reason to roll ``version`` back to ``previous``, once, as soon as ``window`` of its completions have a
-        reference (see the class); None otherwise (also after the version was judged)."""
+        """The reason to roll ``version`` back to ``previous``, once, as soon as its completions with a reference tell
+        (see the class); None otherwise (also once the version passed)."""
         if not self.window or version in self.judged or version == previous:
             return None
         least = max(1, self.window // 4)
@@ -679,7 +687,6 @@ class LiveAcceptance:
         completions = sum(len(recent) for recent in shared.values())
         if completions < self.window or not total:
             return None
-        self.judged.add(version)
         new, new_var = ratio_variance([x for recent in shared.values() for x in recent])
         old = old_var = 0.0
         for args in shared:
@@ -692,10 +699,13 @@ class LiveAcceptance:
         new_var = max(new_var, old * (1 - old) / total)
         noise = NOISE_Z * math.sqrt(new_var + old_var)
         if new < old - self.margin - noise:
+            self.judged.add(version)
             return (
                 f"rollback: live alpha {new:.3f} of version {version} < {old:.3f} of version {previous} on the same "
                 f"decoding settings - {self.margin:g} - {noise:.3f} (noise) (over {completions} completions)"
             )
+        if new >= old - self.margin or completions >= JUDGED_WINDOWS * self.window:
+            self.judged.add(version)  # passed (or as long undecided as it may be)
         return None
 
     def versions(self) -> list[int]:
