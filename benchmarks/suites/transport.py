@@ -6,9 +6,12 @@ a draft of Llama-160M's shape (seconds, GB/s, and the share of the sync's own ti
     python benchmarks/benchmark.py integrity
 
 Suite ``trace``: the path of a draft version (learner -> weight store -> consumer) and of a batch (rollout actor ->
-buffer -> learner), each hop timed, for drafts of two sizes and batches with and without the target's distribution.
+buffer -> learner), each hop timed, for drafts of two sizes (and the job's draft, when ``draft=`` names one), each
+version in float32 and in float16, and batches with and without the target's distribution.
 
     python benchmarks/benchmark.py trace
+    python benchmarks/benchmark.py trace draft=qwen2.5-coder-0.5b-instruct target=qwen2.5-coder-1.5b-instruct \
+        dataset=../shared/data/gsm8k draft_vocab=32768 ray.object_store_memory=1000000000
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.buffer import BufferActor
 from actors.weights import WeightStore
+from benchmarks.suites.common import with_garden
 from cluster.connect import connect
 from distillspec.config import JobConfig, load_config
 from distillspec.integrity import check, checksums
 from distillspec.models.garden import make_model, train_tokenizer
-from distillspec.models.loading import load_arrays
+from distillspec.models.loading import load_arrays, load_model
 from distillspec.training.batches import BatchHeader, RolloutBatch
 from distillspec.versions import state_arrays
 
@@ -164,12 +168,13 @@ class TraceProducer:
         return self.batch.header(max_tokens=max_tokens, vocab_size=vocab_size), self.batch
 
 
-def trace_version(model: torch.nn.Module, store_name: str, rounds: int) -> dict:
-    """The hops of a draft version of ``model``: publisher -> weight store -> consumer, median seconds per hop."""
+def trace_version(model: torch.nn.Module, store_name: str, rounds: int, dtype: str = "float32") -> dict:
+    """The hops of a draft version of ``model`` in ``dtype`` (``learner.version_dtype``): publisher -> weight store
+    -> consumer, median seconds per hop."""
     store, consumer = WeightStore.remote(store_name), TraceConsumer.remote(model)
     samples = []
     for step in range(rounds):
-        arrays, to_numpy = clock(state_arrays, model)
+        arrays, to_numpy = clock(state_arrays, model, dtype)
         sums, summed = clock(checksums, arrays)
         refs, put = clock(lambda a: [ray.put(a)], arrays)
         _, stored = clock(call, store.publish, step, refs, None, sums)
@@ -235,7 +240,8 @@ def trace_batch_kinds(rows: int, length: int, columns: int, vocab: int) -> dict[
 
 def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
     """The path of a draft version and of a training batch through the pipeline's actors, each hop timed: a version
-    (float32 weights of the garden's draft and of Llama-160M's shape) from the publisher through the weight store to a
+    (the weights of the garden's draft and of Llama-160M's shape, and of the job's draft when ``draft=`` names one,
+    each in float32 and in float16: ``learner.version_dtype``) from the publisher through the weight store to a
     consumer (:func:`actors.weights.publish`, then what a consumer does: get, check, load); a batch (the job's
     ``distill.batch_size`` rows of ``distill.max_prompt_tokens + distill.max_new_tokens`` tokens, alone and with the
     target's top-k log-probs or full logits attached by a scorer) from a rollout actor through the buffer to the
@@ -243,8 +249,15 @@ def suite_trace(overrides: list[str], budget: float, out: Path) -> dict:
     is named with the hop that writes it."""
     del budget
     cfg, drafts = weight_suite_drafts(overrides)
+    if any(o.startswith("draft=") for o in overrides):
+        cfg, _ = with_garden(cfg)
+        drafts[Path(cfg.draft).name] = load_model(cfg.draft)[0]
     rounds = 5
-    versions = {name: trace_version(model, f"trace-{i}", rounds) for i, (name, model) in enumerate(drafts.items())}
+    versions = {
+        f"{name}, {dtype}": trace_version(model, f"trace-{i}-{dtype}", rounds, dtype)
+        for i, (name, model) in enumerate(drafts.items())
+        for dtype in ("float32", "float16")
+    }
     rows, length = cfg.distill.batch_size, cfg.distill.max_prompt_tokens + cfg.distill.max_new_tokens
     vocab = 49152  # SmolLM2's vocabulary, for the logits a scorer attaches
     kinds = trace_batch_kinds(rows, length, cfg.distill.max_new_tokens + 1, vocab)
