@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from distillspec.config import check_choice
 
@@ -35,33 +34,3 @@ def load(name: str):  # -> evaluate.EvaluationModule
     import evaluate  # here: 4.5 s to import (it imports datasets); a process loads it when it asks for a score
 
     return evaluate.load(path(name))
-
-
-#: The inputs of the task scores and of the speculative-decoding measures (``datasets`` value types).
-TEXT_INPUTS = {"predictions": "string", "references": "string"}
-COUNT_INPUTS = {"blocks": "int64", "accepted": "int64", "rejected": "int64"}
-#: What the speculative-decoding measures are computed from, and their arguments.
-COUNTS_SOURCE = (
-    " Computed from per-request counts of speculative decoding, as both this project's decoder and vLLM's scheduler "
-    "count them (Leviathan et al., 2023; Zhou et al., 2024)."
-)
-COUNT_ARGS = """
-Args:
-    blocks: draft-and-verify blocks (target calls) of each request.
-    accepted: draft tokens the target accepted, per request.
-    rejected: blocks that ended in a rejection, per request.
-"""
-DISTILLSPEC = "Zhou et al., DistillSpec: Improving Speculative Decoding via Knowledge Distillation, ICLR 2024"
-
-
-def metric_info(description: str, inputs_description: str, citation: str, inputs: dict[str, str]) -> Any:
-    """The ``evaluate.MetricInfo`` of a shipped module whose inputs are columns of ``datasets`` value types."""
-    import datasets  # here, as in load: only the shipped modules call this, under evaluate.load
-    import evaluate
-
-    return evaluate.MetricInfo(
-        description=description,
-        citation=citation,
-        inputs_description=inputs_description,
-        features=datasets.Features({name: datasets.Value(kind) for name, kind in inputs.items()}),
-    )

@@ -3,7 +3,7 @@
 import evaluate
 import sacrebleu
 
-from distillspec.tasks import scores
+from distillspec.tasks.scores import info
 
 _DESCRIPTION = "Corpus-level BLEU (0-100) computed by sacrebleu with its default 13a tokenizer (Post, 2018)."
 _KWARGS = """
@@ -18,8 +18,8 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Bleu(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return scores.metric_info(
-            _DESCRIPTION, _KWARGS, "Post, A Call for Clarity in Reporting BLEU Scores, WMT 2018", scores.TEXT_INPUTS
+        return info.metric_info(
+            _DESCRIPTION, _KWARGS, "Post, A Call for Clarity in Reporting BLEU Scores, WMT 2018", info.TEXT_INPUTS
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 import evaluate
 
-from distillspec.tasks import scores
 from distillspec.tasks.data import final_number
+from distillspec.tasks.scores import info
 
 _DESCRIPTION = (
     "Exact-match accuracy of the final number of each answer (the number after '####', else the last number), "
@@ -21,11 +21,11 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Gsm8kAccuracy(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return scores.metric_info(
+        return info.metric_info(
             _DESCRIPTION,
             _KWARGS,
             "Cobbe et al., Training Verifiers to Solve Math Word Problems, arXiv 2110.14168 (2021)",
-            scores.TEXT_INPUTS,
+            info.TEXT_INPUTS,
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:

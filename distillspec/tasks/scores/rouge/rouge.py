@@ -3,7 +3,7 @@
 import evaluate
 from rouge_score import rouge_scorer
 
-from distillspec.tasks import scores
+from distillspec.tasks.scores import info
 
 _DESCRIPTION = "Mean ROUGE-2 and ROUGE-L F-measures (0-1, Porter stemming) computed by rouge-score (Lin, 2004)."
 _KWARGS = """
@@ -18,11 +18,11 @@ Returns:
 @evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS)
 class Rouge(evaluate.Metric):
     def _info(self) -> evaluate.MetricInfo:
-        return scores.metric_info(
+        return info.metric_info(
             _DESCRIPTION,
             _KWARGS,
             "Lin, ROUGE: A Package for Automatic Evaluation of Summaries, ACL workshop 2004",
-            scores.TEXT_INPUTS,
+            info.TEXT_INPUTS,
         )
 
     def _compute(self, predictions: list[str], references: list[str]) -> dict[str, float]:
