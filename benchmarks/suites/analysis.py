@@ -109,6 +109,8 @@ def plot_lenience(points: list[dict], metric: str, path: str | Path, title: str 
         )
         for f, color in colors.items():
             sel = sorted((p for p in points if p["draft"] == draft and p["lenience"] == f), key=lambda p: -p["epsilon"])
+            if not sel:
+                continue  # a lenience not measured: no line, no legend entry
             ax.plot(
                 [lossless["relative_latency"]] + [p["relative_latency"] for p in sel],
                 [lossless[metric]] + [p[metric] for p in sel],
