@@ -75,7 +75,7 @@ class EvalActor:
         self.serving_alpha: float | None = ray.get(self.store.follow.remote()).alpha
         self.canary = None  #: with serve.backend=vllm, the canary decodes with vLLM, as the replicas do
         if s.canary_backend == "vllm":
-            from distillspec.serving.vllm_backend import VLLMGenerator
+            from distillspec.serving.vllm_backend import VLLMGenerator  # noqa: PLC0415 (vLLM, optional)
 
             self.canary = VLLMGenerator(
                 s.vllm,

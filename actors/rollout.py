@@ -77,9 +77,7 @@ class RolloutActor:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = s.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
         if s.rollout.backend == "vllm":  # the engines hold the draft; new versions load into them in place
-            from distillspec.serving.vllm_backend import (
-                VLLMGenerator,  # the optional extra, imported only when asked for
-            )
+            from distillspec.serving.vllm_backend import VLLMGenerator  # noqa: PLC0415 (vLLM, optional)
 
             self.draft, self.tokenizer = None, load_tokenizer(m.draft)
             self.engine = VLLMGenerator(
@@ -168,9 +166,7 @@ class ScorerActor:
         self.topk, self.temperature = s.topk, s.temperature
         self.target = self.engine = None
         if s.backend == "vllm":
-            from distillspec.serving.vllm_backend import (
-                start_engine,  # the optional extra, imported only when asked for
-            )
+            from distillspec.serving.vllm_backend import start_engine  # noqa: PLC0415 (vLLM, optional)
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
@@ -185,7 +181,7 @@ class ScorerActor:
         if batch.scored:
             return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
         if self.engine is not None:
-            from distillspec.serving.vllm_backend import prompt_topk  # loaded by __init__ already
+            from distillspec.serving.vllm_backend import prompt_topk  # noqa: PLC0415 (vLLM, optional)
 
             batch.set_target_topk(prompt_topk(self.engine, batch.batch(), self.topk))
         else:

@@ -79,9 +79,7 @@ class Completions:
         self.streams: dict[asyncio.Queue, asyncio.AbstractEventLoop] = {}
         self.completer: DraftServer
         if s.backend == "vllm":
-            from distillspec.serving.vllm_backend import (
-                VLLMCompleter,  # the optional extra, imported only when asked for
-            )
+            from distillspec.serving.vllm_backend import VLLMCompleter  # noqa: PLC0415 (vLLM, optional)
 
             self.completer = VLLMCompleter(
                 cfg.vllm,

@@ -504,6 +504,12 @@ class JobConfig:
         "keep this many tokens in the draft's head, the most frequent of the task's training data (a draft "
         "vocabulary: a cheaper drafting step, SD still exact); 0 = the whole vocabulary. Not with vLLM backends",
     )
+    draft_vocab_samples: NonNegInt = knob(
+        64,
+        "with draft_vocab: count the tokens of the draft's own samples (T = 1, 128 tokens) of this many training "
+        "prompts beside the task's text, so that the kept tokens are those the pair writes; chosen once and cached; "
+        "0 = the task's text alone",
+    )
     dataset: str = knob("arith", "arith (embedded), gsm8k, xsum, cnn_dailymail, wmt14, lm1b, or a local path")
     output_dir: str = knob("outputs/distill", "where results, plots, checkpoints and the distilled draft go")
     overwrite: bool = knob(False, "run again in an output_dir that holds a finished run (its results.json)")

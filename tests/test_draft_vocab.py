@@ -194,3 +194,26 @@ def test_a_draft_vocabulary_with_a_vllm_backend_is_refused_before_any_work():
 
     with pytest.raises(DistillSpecError, match="vLLM's draft_model drafts take no draft vocabulary"):
         load_config(None, ["draft_vocab=256", "serve.backend=vllm"])
+
+
+def test_a_draft_vocabulary_counts_the_drafts_own_samples(tmp_path, tokenizer, task):
+    """``draft_vocab_samples``: the tokens of the draft's own samples are kept beside the data set's, however rare
+    in the text; the samples are drawn once (cached) and are the same again."""
+    from distillspec.models.pretrained import draft_samples, draft_vocab_ids
+
+    model = tiny_llama(len(tokenizer), d=32, seed=5)  # random: it writes tokens the arithmetic text never holds
+    model.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    draft, logs = str(tmp_path / "draft"), []
+    samples = draft_samples(draft, task, 4, log=logs.append)
+    assert len(samples) == 4 and all(0 < len(s) <= 128 for s in samples) and logs
+    logs.clear()
+    assert draft_samples(draft, task, 4, log=logs.append) == samples and logs == []  # cached
+    text = {t for e in task.train for t in tokenizer(e.prompt + e.reference, add_special_tokens=False)["input_ids"]}
+    written = {t for s in samples for t in s} - text
+    assert written, "the random draft wrote no token the text lacks"
+    size = len(text | written | set(tokenizer.all_special_ids))
+    assert size < len(tokenizer)
+    both = set(draft_vocab_ids(draft, task, tokenizer, size, samples=4, log=logs.append).tolist())
+    alone = set(draft_vocab_ids(draft, task, tokenizer, size, samples=0, log=logs.append).tolist())
+    assert written | text <= both and text <= alone and not written <= alone

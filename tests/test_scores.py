@@ -9,7 +9,7 @@ from rouge_score import rouge_scorer
 from distillspec import DistillSpecError
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.tasks import scores
-from distillspec.tasks.data import score
+from distillspec.tasks.scores import final_number, score
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +49,14 @@ def test_acceptance_rate_and_block_efficiency_are_the_decoders_alpha_and_tau():
 def test_an_unknown_score_says_what_there_is():
     with pytest.raises(DistillSpecError, match="did you mean 'bleu'"):
         scores.path("bleuu")
+
+
+def test_task_scores_by_metric_name():
+    assert final_number("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert final_number("it is 42.") == "42"
+    assert score("accuracy", ["#### 5", "#### 6"], ["x #### 5", "#### 7"]) == {"accuracy": 0.5}
+    assert score("bleu", ["ein Hund läuft über die Wiese"], ["ein Hund läuft über die Wiese"])["bleu"] == pytest.approx(
+        100.0
+    )
+    rouge = score("rouge", ["the cat sat on the mat"], ["the cat sat on a mat"])
+    assert 0 < rouge["rouge2"] < 1 and 0 < rouge["rougeL"] < 1

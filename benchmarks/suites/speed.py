@@ -41,7 +41,7 @@ from distillspec.evaluation.measure import race
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
 from distillspec.models.packing import quantize_int8
-from distillspec.models.pretrained import prepare_pair, resolve_pair, task_vocab, vocab_draft, whole_vocab_draft
+from distillspec.models.pretrained import draft_vocab_ids, prepare_pair, resolve_pair, vocab_draft, whole_vocab_draft
 from distillspec.tasks.data import load_task
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
@@ -75,7 +75,15 @@ def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], others: list[str
     for spec in pruned:
         kinds[f"@{spec}"] = resolve_pair(cfg.target, f"{cfg.draft}@{spec}", log=log)[1]
     if draft_vocab:
-        ids = task_vocab(task, load_tokenizer(cfg.target), draft_vocab)
+        ids = draft_vocab_ids(
+            cfg.draft,
+            task,
+            load_tokenizer(cfg.target),
+            draft_vocab,
+            samples=cfg.draft_vocab_samples,
+            seed=cfg.seed,
+            log=log,
+        )
         for kind, folder in list(kinds.items()):
             if kind not in others:
                 kinds[f"{kind} V={draft_vocab}"] = str(vocab_draft(folder, ids, log=log))

@@ -19,7 +19,7 @@ from distillspec.decoding.metrics import (
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
 from distillspec.models.loading import decode_new, encode_prompts
-from distillspec.tasks.data import score
+from distillspec.tasks.scores import score
 from distillspec.training.batches import make_batch
 from distillspec.training.losses import forward_logits
 

@@ -57,10 +57,10 @@ def format_table(records: list[dict]) -> str:
 
 def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     """Grouped bars of tau before / after per (gamma, temperature), with the gamma + 1 ceiling."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (matplotlib, optional)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib, optional)
 
     pairs = _pairs(records)
     labels = [f"γ={b['gamma']}\nT={b['temperature']:g}" for b, _ in pairs]
@@ -83,10 +83,10 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
 
 def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Path, title: str = "") -> None:
     """Loss per learner step and, when the evaluation actor ran, alpha and tau per draft version."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (matplotlib, optional)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib, optional)
 
     panels = 2 if evaluations else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
@@ -112,10 +112,10 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
 
 
 def pyplot():
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (matplotlib, optional)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib, optional)
 
     return plt
 

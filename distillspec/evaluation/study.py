@@ -19,7 +19,8 @@ from distillspec.config import DistillConfig
 from distillspec.decoding.speculative import autoregressive_generate
 from distillspec.evaluation.measure import evaluate_sd, measure_speeds
 from distillspec.models.loading import decode_new, encode_prompts
-from distillspec.tasks.data import Task, score
+from distillspec.tasks.data import Task
+from distillspec.tasks.scores import score
 from distillspec.training.learner import Distiller
 
 

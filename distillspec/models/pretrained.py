@@ -19,7 +19,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +28,7 @@ import torch
 import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from distillspec.decoding.speculative import autoregressive_generate
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
 from distillspec.models import split_gguf
@@ -35,6 +36,7 @@ from distillspec.models.draft_vocab import CONFIG_KEY, frequent_tokens, restrict
 from distillspec.models.garden import build_garden
 from distillspec.models.loading import (
     check_pair_sources,
+    encode_prompts,
     load_model,
     load_tokenizer,
     native_bf16,
@@ -53,6 +55,7 @@ PACKAGED: dict[str, tuple[str, str, str]] = {
 }
 #: The forms of a draft spec: the target's first K layers, K layers spread evenly over its depth, or a list.
 DRAFT_SPEC = re.compile(r"(first|spread):(\d+)|layers:(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)")
+SAMPLE_TOKENS = 128  #: tokens of each draft sample a draft vocabulary is counted over (:func:`draft_samples`)
 DONE = "distillspec.json"  #: written last into a cached folder: marks it complete and says what made it
 
 
@@ -336,17 +339,78 @@ def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = pri
     if prompted is not task:
         log("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
     if cfg.draft_vocab:
-        ids = task_vocab(prompted, tokenizer, cfg.draft_vocab)
+        ids = draft_vocab_ids(
+            cfg.draft, prompted, tokenizer, cfg.draft_vocab, samples=cfg.draft_vocab_samples, seed=cfg.seed, log=log
+        )
         cfg = replace(cfg, draft=str(vocab_draft(cfg.draft, ids, log=log)))
     return cfg, prompted
 
 
-def task_vocab(task: Task, tokenizer, size: int) -> torch.Tensor:
-    """The ``size`` token ids most frequent in ``task``'s training prompts and references (as the target reads them),
-    with the tokenizer's special tokens (EOS among them): a draft vocabulary."""
+def task_vocab(task: Task, tokenizer, size: int, samples: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+    """The ``size`` token ids most frequent in ``task``'s training prompts and references (as the target reads them)
+    and in ``samples`` (token ids a model wrote: :func:`draft_samples`), with the tokenizer's special tokens (EOS among
+    them): a draft vocabulary."""
     texts = [e.prompt + e.reference for e in task.train]
     sequences = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return frequent_tokens(sequences, size, len(tokenizer), always=tokenizer.all_special_ids)
+    return frequent_tokens([*samples, *sequences], size, len(tokenizer), always=tokenizer.all_special_ids)
+
+
+def draft_samples(
+    draft: str, task: Task, prompts: int, *, seed: int = 0, log: Callable[[str], None] = print
+) -> list[list[int]]:
+    """The draft's own continuations (T = 1, up to :data:`SAMPLE_TOKENS` tokens each) of ``task``'s first ``prompts``
+    training prompts: the words a chat model writes (its formatting, its phrasing), which the data set's references do
+    not hold. Sampled once, cached under :func:`cache_root` ``/vocab``."""
+    texts = hashlib.sha256("\0".join(e.prompt for e in task.train[:prompts]).encode()).hexdigest()
+    key = _key(draft=str(Path(draft).resolve()), prompts=texts, tokens=SAMPLE_TOKENS, seed=seed)
+    folder = cache_root() / "vocab" / f"{Path(draft).name}-samples{prompts}-{key}"
+
+    def make(tmp: Path) -> dict:
+        samples = _sample(draft, [e.prompt for e in task.train[:prompts]], seed=seed, log=log)
+        (tmp / "samples.json").write_text(json.dumps(samples))
+        return {"draft": draft, "prompts": prompts, "tokens": sum(map(len, samples)), "seed": seed}
+
+    return json.loads((cached(folder, make, log) / "samples.json").read_text())
+
+
+@torch.inference_mode()
+def _sample(draft: str, prompts: list[str], *, seed: int, log: Callable[[str], None], batch: int = 16) -> list:
+    model, tokenizer = load_model(draft, dtype="bfloat16" if native_bf16("cpu") else "float32")
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for start in range(0, len(prompts), batch):
+        ids, mask = encode_prompts(tokenizer, prompts[start : start + batch])
+        out = autoregressive_generate(
+            model,
+            ids,
+            max_new_tokens=SAMPLE_TOKENS,
+            temperature=1.0,
+            eos_token_id=tokenizer.eos_token_id,
+            attention_mask=mask,
+            generator=generator,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        new = out.sequences[:, ids.shape[1] :]
+        samples += [row[:n].tolist() for row, n in zip(new, out.num_new_tokens.tolist())]
+        log(f"draft vocabulary: the draft's own samples of {len(samples)}/{len(prompts)} training prompts")
+    return samples
+
+
+def draft_vocab_ids(
+    draft: str,
+    task: Task,
+    tokenizer,
+    size: int,
+    *,
+    samples: int,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> torch.Tensor:
+    """The draft vocabulary of ``size`` tokens for ``draft`` on ``task`` (:func:`task_vocab`), counted over the data
+    set's text and the draft's own samples of ``samples`` training prompts (:func:`draft_samples`; 0: the text
+    alone)."""
+    sampled = draft_samples(draft, task, samples, seed=seed, log=log) if samples else []
+    return task_vocab(task, tokenizer, size, sampled)
 
 
 RUN_CONFIG = "config.yaml"  #: what jobs/distill.py writes into its output folder: the resolved config of the run

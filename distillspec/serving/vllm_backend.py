@@ -343,8 +343,8 @@ class VLLMCompleter:
         max_prompt_tokens: int = 512,
         seed: int = 0,
     ) -> None:
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm import AsyncEngineArgs  # noqa: PLC0415 (vLLM, optional)
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 (vLLM, optional)
 
         prepare_environment(cfg)
         check_models(target, draft)

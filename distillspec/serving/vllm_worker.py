@@ -70,13 +70,13 @@ def repair_cpu_expand() -> bool:
     it: at T > 0 the target's probabilities in the acceptance test are garbage and almost no draft token is accepted
     (greedy requests skip that path). A probe on three numbers decides, so a vLLM that is right is left alone.
     """
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM, optional)
+    from vllm.triton_utils import HAS_TRITON  # noqa: PLC0415 (vLLM, optional)
 
     if not current_platform.is_cpu() or HAS_TRITON:
         return False
-    from vllm.triton_utils.dispatcher import register_kernels
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+    from vllm.triton_utils.dispatcher import register_kernels  # noqa: PLC0415 (vLLM, optional)
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens  # noqa: PLC0415 (vLLM, optional)
 
     def right() -> bool:
         out = expand_batch_to_tokens(torch.tensor([0.5, 1.5]), torch.tensor([1, 3], dtype=torch.int32), 3)

@@ -16,9 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+
 from distillspec.errors import DistillSpecError
 from distillspec.models import hub
-from distillspec.tasks import scores
 
 HUB_TASKS = ("gsm8k", "xsum", "cnn_dailymail", "wmt14", "lm1b")
 
@@ -36,27 +37,6 @@ class Task:
     train: list[Example]
     test: list[Example]
     metric: str | None  #: "accuracy" | "bleu" | "rouge" | None (language modelling)
-
-
-# ---------------------------------------------------------------------------------------------- scores
-
-
-def final_number(text: str) -> str | None:
-    """The answer of a GSM8K-style solution: the number after '####', else the last number."""
-    m = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
-    numbers = [m.group(1)] if m else re.findall(r"-?[\d,]*\.?\d+", text)
-    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
-
-
-def score(metric: str | None, predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Task score through the shipped ``evaluate`` modules (:mod:`distillspec.tasks.scores`): GSM8K answer accuracy,
-    sacrebleu BLEU, rouge-score ROUGE-2/L."""
-    if metric is None or not predictions:
-        return {}
-    module = {"accuracy": "gsm8k_accuracy", "bleu": "bleu", "rouge": "rouge"}.get(metric)
-    if module is not None:
-        return scores.load(module).compute(predictions=predictions, references=references)
-    raise DistillSpecError(f"metric={metric!r}: choose accuracy, bleu, rouge or None")
 
 
 # ---------------------------------------------------------------------------------------------- formats
@@ -200,8 +180,6 @@ def _split_lm(name: str, text: str) -> Task:
 
 def load_hub(name: str) -> Task:
     """Load a task through ``datasets`` (needs the Hugging Face hub or its local cache)."""
-    import datasets  # here: 0.6 s to import, and only a task from the hub needs it
-
     hub.require(name, "dataset")  # fail at once when it cannot be had (no retries)
     try:
         if name == "gsm8k":

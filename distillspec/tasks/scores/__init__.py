@@ -12,10 +12,14 @@ ROUGE-2 and ROUGE-L). Speculative-decoding measures, from per-request counts (``
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
+import evaluate
+
 from distillspec.config import check_choice
+from distillspec.errors import DistillSpecError
 
 HERE = Path(__file__).resolve().parent
 NAMES = ("gsm8k_accuracy", "bleu", "rouge", "acceptance_rate", "block_efficiency")
@@ -31,6 +35,22 @@ def path(name: str) -> str:
 @lru_cache
 def load(name: str):  # -> evaluate.EvaluationModule
     """``evaluate.load`` of the shipped module ``name``, offline (loaded once per process)."""
-    import evaluate  # here: 4.5 s to import (it imports datasets); a process loads it when it asks for a score
-
     return evaluate.load(path(name))
+
+
+def final_number(text: str) -> str | None:
+    """The answer of a GSM8K-style solution: the number after '####', else the last number."""
+    m = re.search(r"####\s*(-?[\d,]*\.?\d+)", text)
+    numbers = [m.group(1)] if m else re.findall(r"-?[\d,]*\.?\d+", text)
+    return numbers[-1].replace(",", "").rstrip(".") if numbers else None
+
+
+def score(metric: str | None, predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Task score through the shipped ``evaluate`` modules (:mod:`distillspec.tasks.scores`): GSM8K answer accuracy,
+    sacrebleu BLEU, rouge-score ROUGE-2/L."""
+    if metric is None or not predictions:
+        return {}
+    module = {"accuracy": "gsm8k_accuracy", "bleu": "bleu", "rouge": "rouge"}.get(metric)
+    if module is not None:
+        return load(module).compute(predictions=predictions, references=references)
+    raise DistillSpecError(f"metric={metric!r}: choose accuracy, bleu, rouge or None")

@@ -2,8 +2,7 @@
 
 import evaluate
 
-from distillspec.tasks.data import final_number
-from distillspec.tasks.scores import info
+from distillspec.tasks.scores import final_number, info
 
 _DESCRIPTION = (
     "Exact-match accuracy of the final number of each answer (the number after '####', else the last number), "
