@@ -125,19 +125,10 @@ def suite_speed(
     draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
+    config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}
+    config |= {"compile": compile, "threads": torch.get_num_threads(), "prompts": len(texts), "repeats": repeats}
     result = {
-        "config": {
-            "target": cfg.target,
-            "draft": cfg.draft,
-            "dtype": cfg.dtype,
-            "prepack": cfg.prepack,
-            "compile": compile,
-            "int8": int8,
-            "threads": torch.get_num_threads(),
-            "prompts": len(texts),
-            "max_new_tokens": max_new_tokens,
-            "repeats": repeats,
-        },
+        "config": config | {"max_new_tokens": max_new_tokens},
         "kinds": kinds,
         "target_ms": target_ms,
         "draft_ms": draft_ms,
