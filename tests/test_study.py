@@ -10,7 +10,8 @@ import torch
 from benchmarks.suites.analysis import race, time_to_alpha
 from distillspec.config import DATA_SOURCES, DistillConfig, cell_config, resolve_recipe
 from distillspec.errors import DistillSpecError
-from distillspec.evaluation.study import run_cell, spread
+from distillspec.evaluation.report import spread
+from distillspec.evaluation.study import run_cell
 
 
 @pytest.mark.parametrize("source", sorted(DATA_SOURCES))

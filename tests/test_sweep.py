@@ -17,7 +17,8 @@ def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
 ):
     """Relative paths, as a user types them: Tune runs each trial in its own working directory. Each trial asks for
     more memory than the node has: the ask is capped at the node's, and the trials run one at a time."""
-    from jobs.sweep import format_sweep, run_sweep
+    from cluster.sweep import run_sweep
+    from distillspec.evaluation.report import format_sweep
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
@@ -75,7 +76,7 @@ def test_sweep_bad_input_is_one_line(args, message, tmp_path):
 
 
 def test_a_trial_asks_for_the_memory_its_pair_and_batch_hold(tiny_garden):
-    from jobs.sweep import trial_memory
+    from cluster.sweep import trial_memory
 
     target, _ = load_model(str(tiny_garden.target))
     draft, _ = load_model(str(tiny_garden.draft))

@@ -39,12 +39,12 @@ from actors.common import NAMESPACE, weights_name
 from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
+from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.models.loading import load_model
 from distillspec.models.pretrained import resolve_models
 from distillspec.tasks.data import load_task
-from jobs.serve import start
 
 
 def suite_serve(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:

@@ -26,13 +26,13 @@ from ray import serve
 from actors.common import NAMESPACE, weights_name
 from benchmarks.suites.traffic import distill_job, send
 from cluster.connect import connect
+from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import pyplot
 from distillspec.models.loading import load_tokenizer
 from distillspec.models.pretrained import resolve_models
 from distillspec.tasks.data import chat_prompts, load_task
-from jobs.serve import start
 
 RUN = "following"  #: the run's name: the endpoint follows its weight store
 

@@ -16,13 +16,13 @@ from ray import serve
 
 from benchmarks.suites.traffic import distill_job, send
 from cluster.connect import connect
+from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import pyplot
 from distillspec.models.pretrained import resolve_models
 from distillspec.serving.completer import merge_stats
 from distillspec.tasks.data import load_task
-from jobs.serve import start
 
 
 def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from benchmarks.suites.analysis import plot_async, race
 from distillspec.errors import DistillSpecError
-from distillspec.evaluation.report import plot_recipe_grid
-from jobs.sweep import summarise
+from distillspec.evaluation.report import plot_recipe_grid, summarise
 
 DIV = {"fkl": "FKL", "jsd": "JSD", "rkl": "RKL", "tvd": "TVD"}
 

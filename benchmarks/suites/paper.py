@@ -32,15 +32,15 @@ from benchmarks.suites.common import (
 from benchmarks.suites.lossy import lenience_points
 from benchmarks.suites.page import pearson
 from benchmarks.suites.transfer_run import before_after
+from cluster.sweep import run_sweep
 from distillspec.config import ModelSize, cell_config
 from distillspec.decoding.metrics import measure_cost_ratio
 from distillspec.errors import DistillSpecError
-from distillspec.evaluation.report import format_table, plot_recipe_grid, plot_tau
+from distillspec.evaluation.report import format_sweep, format_table, plot_recipe_grid, plot_tau
 from distillspec.evaluation.study import draft_score, measure_pair, measure_phase, run_cell
 from distillspec.models.garden import build_garden
 from distillspec.models.loading import encode_prompts, load_model, load_pair
 from distillspec.tasks.data import Task, chat_prompts, load_task
-from jobs.sweep import format_sweep, run_sweep
 
 
 def _pair(cfg):

@@ -29,13 +29,13 @@ from actors.common import NAMESPACE, weights_name
 from actors.weights import WeightStore, publish
 from benchmarks.suites.traffic import load
 from cluster.connect import connect
+from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.measure import evaluate_sd
 from distillspec.models.loading import encode_prompts, load_model, load_pair
 from distillspec.models.pretrained import resolve_models
 from distillspec.tasks.data import chat_prompts, load_task
-from jobs.serve import start
 
 
 def vllm_server(cfg, port: int, speculative: bool):

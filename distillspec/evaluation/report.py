@@ -1,8 +1,9 @@
-"""Tables and plots of ``results.json`` records."""
+"""Tables and plots of ``results.json`` records, and the summary of a recipe grid's trials (``jobs/sweep.py``)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 
@@ -155,3 +156,51 @@ def plot_recipe_grid(sweep: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, standard deviation (0 for one value), min and max of ``values``."""
+    return {
+        "mean": statistics.fmean(values),
+        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def summarise(trials: list[dict], rank: str) -> list[dict]:
+    """One row per (source, divergence): every reported metric as mean/std/min/max over the seeds."""
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for t in trials:
+        cells.setdefault((t["source"], t["divergence"]), []).append(t)
+    rows = []
+    for (source, divergence), group in cells.items():
+        keys = [k for k, v in group[0]["metrics"].items() if isinstance(v, int | float)]
+        rows.append(
+            {
+                "source": source,
+                "divergence": divergence,
+                "seeds": [t["seed"] for t in group],
+                **{k: spread([t["metrics"][k] for t in group]) for k in keys},
+            }
+        )
+    return sorted(rows, key=lambda r: -r[rank]["mean"])
+
+
+def format_sweep(result: dict) -> str:
+    rank = result["rank"]
+    temps = sorted({k.split("_")[-1] for c in result["cells"] for k in c if k.startswith("tau_gain_")})
+    head = f"{'source':>7} {'divergence':>10} " + " ".join(f"{'tau gain ' + t:>16}" for t in temps)
+    lines = [head, "-" * len(head)]
+    for c in result["cells"]:
+        gains = " ".join(
+            f"{100 * c[f'tau_gain_{t}']['mean']:>+9.1f}% ±{100 * c[f'tau_gain_{t}']['std']:>4.1f}" for t in temps
+        )
+        lines.append(f"{c['source']:>7} {c['divergence']:>10} {gains}")
+    b = result["best"]
+    lines.append(
+        f"best recipe on {result['task']}: {b['source']} data + {b['divergence'].upper()} "
+        f"({rank} {b[rank]['mean']:+.3f})"
+    )
+    return "\n".join(lines)

@@ -141,17 +141,6 @@ def run_cell(
     return student, record
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Mean, standard deviation (0 for one value), min and max of ``values``."""
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "min": min(values),
-        "max": max(values),
-        "n": len(values),
-    }
-
-
 def measure_phase(
     phase: str,
     cfg,
