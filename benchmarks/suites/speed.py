@@ -82,6 +82,7 @@ def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], others: list[str
             draft_vocab,
             samples=cfg.draft_vocab_samples,
             seed=cfg.seed,
+            device=cfg.device,
             log=log,
         )
         for kind, folder in list(kinds.items()):

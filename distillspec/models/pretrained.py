@@ -340,7 +340,14 @@ def prepare_pair(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = pri
         log("prompts: the target's chat template, each question a user message (chat_template=false: the task's own)")
     if cfg.draft_vocab:
         ids = draft_vocab_ids(
-            cfg.draft, prompted, tokenizer, cfg.draft_vocab, samples=cfg.draft_vocab_samples, seed=cfg.seed, log=log
+            cfg.draft,
+            prompted,
+            tokenizer,
+            cfg.draft_vocab,
+            samples=cfg.draft_vocab_samples,
+            seed=cfg.seed,
+            device=cfg.device,
+            log=log,
         )
         cfg = replace(cfg, draft=str(vocab_draft(cfg.draft, ids, log=log)))
     return cfg, prompted
@@ -356,17 +363,18 @@ def task_vocab(task: Task, tokenizer, size: int, samples: Sequence[Sequence[int]
 
 
 def draft_samples(
-    draft: str, task: Task, prompts: int, *, seed: int = 0, log: Callable[[str], None] = print
+    draft: str, task: Task, prompts: int, *, seed: int = 0, device: str = "cpu", log: Callable[[str], None] = print
 ) -> list[list[int]]:
     """The draft's own continuations (T = 1, up to :data:`SAMPLE_TOKENS` tokens each) of ``task``'s first ``prompts``
     training prompts: the words a chat model writes (its formatting, its phrasing), which the data set's references do
-    not hold. Sampled once, cached under :func:`cache_root` ``/vocab``."""
+    not hold. Sampled on ``device`` (in bfloat16 where it computes it natively) once, cached under :func:`cache_root`
+    ``/vocab``."""
     texts = hashlib.sha256("\0".join(e.prompt for e in task.train[:prompts]).encode()).hexdigest()
     key = _key(draft=str(Path(draft).resolve()), prompts=texts, tokens=SAMPLE_TOKENS, seed=seed)
     folder = cache_root() / "vocab" / f"{Path(draft).name}-samples{prompts}-{key}"
 
     def make(tmp: Path) -> dict:
-        samples = _sample(draft, [e.prompt for e in task.train[:prompts]], seed=seed, log=log)
+        samples = _sample(draft, [e.prompt for e in task.train[:prompts]], seed=seed, device=device, log=log)
         (tmp / "samples.json").write_text(json.dumps(samples))
         return {"draft": draft, "prompts": prompts, "tokens": sum(map(len, samples)), "seed": seed}
 
@@ -374,12 +382,13 @@ def draft_samples(
 
 
 @torch.inference_mode()
-def _sample(draft: str, prompts: list[str], *, seed: int, log: Callable[[str], None], batch: int = 16) -> list:
-    model, tokenizer = load_model(draft, dtype="bfloat16" if native_bf16("cpu") else "float32")
-    generator = torch.Generator().manual_seed(seed)
+def _sample(draft: str, prompts: list[str], *, seed: int, device: str, log: Callable, batch: int = 16) -> list:
+    model, tokenizer = load_model(draft, device=device, dtype="bfloat16" if native_bf16(device) else "float32")
+    generator = torch.Generator(device=model.device).manual_seed(seed)
     samples = []
     for start in range(0, len(prompts), batch):
         ids, mask = encode_prompts(tokenizer, prompts[start : start + batch])
+        ids, mask = ids.to(model.device), mask.to(model.device)
         out = autoregressive_generate(
             model,
             ids,
@@ -390,7 +399,7 @@ def _sample(draft: str, prompts: list[str], *, seed: int, log: Callable[[str], N
             generator=generator,
             pad_token_id=tokenizer.pad_token_id,
         )
-        new = out.sequences[:, ids.shape[1] :]
+        new = out.sequences[:, ids.shape[1] :].cpu()
         samples += [row[:n].tolist() for row, n in zip(new, out.num_new_tokens.tolist())]
         log(f"draft vocabulary: the draft's own samples of {len(samples)}/{len(prompts)} training prompts")
     return samples
@@ -404,12 +413,13 @@ def draft_vocab_ids(
     *,
     samples: int,
     seed: int = 0,
+    device: str = "cpu",
     log: Callable[[str], None] = print,
 ) -> torch.Tensor:
     """The draft vocabulary of ``size`` tokens for ``draft`` on ``task`` (:func:`task_vocab`), counted over the data
     set's text and the draft's own samples of ``samples`` training prompts (:func:`draft_samples`; 0: the text
     alone)."""
-    sampled = draft_samples(draft, task, samples, seed=seed, log=log) if samples else []
+    sampled = draft_samples(draft, task, samples, seed=seed, device=device, log=log) if samples else []
     return task_vocab(task, tokenizer, size, sampled)
 
 
