@@ -47,6 +47,18 @@ def flatten(sd: list[dict], draft_alone: dict, before: dict[str, dict]) -> dict[
     return metrics
 
 
+def measured(cfg: JobConfig) -> dict:
+    """What each trial and the undistilled baseline measure, the same for both so that their taus compare: gamma
+    ``eval.speedup_gamma`` at each of ``eval.temperatures`` on ``eval.num_prompts`` prompts."""
+    e = cfg.eval
+    return {
+        "gammas": [e.speedup_gamma],
+        "temperatures": e.temperatures,
+        "num_prompts": e.num_prompts,
+        "max_new_tokens": e.max_new_tokens,
+    }
+
+
 def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str) -> None:
     """One Ray Tune trial: distil one recipe cell on ``task`` (a :class:`~distillspec.tasks.data.Task`), report its
     measurements."""
@@ -60,10 +72,7 @@ def trial(params: dict, cfg: JobConfig, task, before: dict[str, dict], out: str)
         tokenizer,
         task,
         dcfg,
-        gammas=[cfg.eval.speedup_gamma],
-        temperatures=cfg.eval.temperatures,
-        num_prompts=cfg.eval.num_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
+        **measured(cfg),
         seed=params["seed"],
     )
     if cfg.sweep.save_drafts:
@@ -165,10 +174,7 @@ def _baseline(cfg: JobConfig, log=print) -> tuple[JobConfig, Task, dict, int]:
         draft,
         tokenizer,
         task,
-        gammas=[cfg.eval.speedup_gamma],
-        temperatures=cfg.eval.temperatures,
-        num_prompts=cfg.eval.num_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
+        **measured(cfg),
         seed=cfg.seed,
     )
     before = {_key(r["temperature"]): r for r in records}
