@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,12 +71,15 @@ def acceptance(draft, sets: dict[float, tuple], vocab: int) -> dict[str, float]:
     return out
 
 
-def run_setting(cfg, target, draft, tokenizer, task, sets, *, steps: int, every: int) -> list[dict]:
-    """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill``; the held-out acceptance every ``every``."""
+def run_setting(
+    cfg, target, draft, tokenizer, task, sets, *, steps: int, every: int, rows: list[dict], save: Callable[[], None]
+) -> list[dict]:
+    """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill``; the held-out acceptance every ``every``,
+    appended to ``rows`` and saved (``save()``) as it comes, so a run stopped early keeps what it measured."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
     sampler = Sampler(target, model, tokenizer, task.train, cfg.distill, seed=cfg.seed)
-    rows, vocab = [], vocab_size(target)
+    vocab = vocab_size(target)
     for step in range(1, steps + 1):
         start = time.perf_counter()
         source, batch = sampler()
@@ -84,6 +88,7 @@ def run_setting(cfg, target, draft, tokenizer, task, sets, *, steps: int, every:
             rows.append(
                 {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
             )
+            save()
             print(f"  step {step}: loss {record['loss']:.4f}, {rows[-1]['alpha']:.4f} / {rows[-1]['greedy']:.4f}")
     return rows
 
@@ -107,16 +112,18 @@ def suite_trajectory(
     result["start"] = acceptance(draft, sets, vocab_size(target))
     print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
     result["settings"] = {}
+
+    def save() -> None:
+        (out / "trajectory.json").write_text(json.dumps(result, indent=1))
+
     for setting in settings:
         print(f"{setting}:")
         distill = load_config(None, [*overrides, *setting.split()]).distill
         if distill.bf16 is None:  # as the edge resolved it for the run
             distill = dataclasses.replace(distill, bf16=cfg.distill.bf16)
         setting_cfg = dataclasses.replace(cfg, distill=distill)
-        result["settings"][setting] = run_setting(
-            setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every
-        )
-        (out / "trajectory.json").write_text(json.dumps(result, indent=1))
+        rows = result["settings"][setting] = []
+        run_setting(setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every, rows=rows, save=save)
         gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
     plot(result, out / "trajectory.png")
