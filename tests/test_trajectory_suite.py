@@ -4,6 +4,7 @@ along a few learner steps, per setting."""
 import json
 
 from benchmarks.suites.trajectory import suite_trajectory
+from distillspec.models.loading import load_model
 
 from .conftest import garden_overrides
 
@@ -11,7 +12,7 @@ from .conftest import garden_overrides
 def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_garden, tmp_path):
     overrides = garden_overrides(tiny_garden)
     settings = ["distill.lr=1e-3", "distill.lr=1e-3 distill.divergence=fkl distill.train=top:1"]
-    result = suite_trajectory(overrides, settings, steps=3, every=2, held=4, out=tmp_path)
+    result = suite_trajectory(overrides, settings, steps=3, every=2, held=4, out=tmp_path, keep_drafts=True)
     assert 0.0 < result["start"]["alpha"] <= 1.0 and 0.0 <= result["start"]["greedy"] <= 1.0
     assert list(result["settings"]) == settings
     for rows in result["settings"].values():
@@ -20,3 +21,7 @@ def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_g
     assert json.loads((tmp_path / "trajectory.json").read_text())["settings"].keys() == set(settings)
     assert (tmp_path / "trajectory.png").stat().st_size > 0
     assert "distill.train=top:1" in (tmp_path / "trajectory.md").read_text()
+    assert result["drafts"] == {s: str(tmp_path / "drafts" / str(i)) for i, s in enumerate(settings)}
+    for folder in result["drafts"].values():  # each setting's draft as of its last evaluation, loadable as draft=
+        draft, _ = load_model(folder)
+        assert draft.config.vocab_size > 0

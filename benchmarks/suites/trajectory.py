@@ -11,7 +11,8 @@ acceptance rate at T = 0). No speculative decoding runs after the start, so a st
         dataset=../shared/data/gsm8k draft_vocab=32768 distill.batch_size=8 distill.max_new_tokens=48 \\
         --settings "distill.lr=3e-5" "distill.lr=3e-6" "distill.lr=3e-6 distill.divergence=fkl" --steps 8
 
-Writes ``trajectory.json``, ``trajectory.md`` (a row per setting and evaluation) and ``trajectory.png``.
+Writes ``trajectory.json`` (after every evaluation), ``trajectory.md`` (a row per setting and evaluation) and
+``trajectory.png``; with ``--keep-drafts``, each setting's draft as of its last evaluation in ``drafts/N``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from distillspec.config import load_config
 from distillspec.decoding.metrics import alpha_from_tvd
 from distillspec.evaluation.report import pyplot
+from distillspec.files import write_folder
 from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
 from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
@@ -72,10 +74,23 @@ def acceptance(draft, sets: dict[float, tuple], vocab: int) -> dict[str, float]:
 
 
 def run_setting(
-    cfg, target, draft, tokenizer, task, sets, *, steps: int, every: int, rows: list[dict], save: Callable[[], None]
+    cfg,
+    target,
+    draft,
+    tokenizer,
+    task,
+    sets,
+    *,
+    steps: int,
+    every: int,
+    rows: list[dict],
+    save: Callable[[], None],
+    keep: Path | None = None,
 ) -> list[dict]:
     """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill``; the held-out acceptance every ``every``,
-    appended to ``rows`` and saved (``save()``) as it comes, so a run stopped early keeps what it measured."""
+    appended to ``rows`` and saved (``save()``) as it comes, so a run stopped early keeps what it measured. With
+    ``keep``, the draft as of each evaluation is written there too (``save_pretrained``, with the tokenizer): a
+    ``draft=`` for the other suites and jobs."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
     sampler = Sampler(target, model, tokenizer, task.train, cfg.distill, seed=cfg.seed)
@@ -89,12 +104,21 @@ def run_setting(
                 {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
             )
             save()
+            if keep is not None:
+                write_folder(keep, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
             print(f"  step {step}: loss {record['loss']:.4f}, {rows[-1]['alpha']:.4f} / {rows[-1]['greedy']:.4f}")
     return rows
 
 
 def suite_trajectory(
-    overrides: list[str], settings: list[str], *, steps: int, every: int, held: int, out: Path
+    overrides: list[str],
+    settings: list[str],
+    *,
+    steps: int,
+    every: int,
+    held: int,
+    out: Path,
+    keep_drafts: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -116,14 +140,19 @@ def suite_trajectory(
     def save() -> None:
         (out / "trajectory.json").write_text(json.dumps(result, indent=1))
 
-    for setting in settings:
+    for index, setting in enumerate(settings):
         print(f"{setting}:")
         distill = load_config(None, [*overrides, *setting.split()]).distill
         if distill.bf16 is None:  # as the edge resolved it for the run
             distill = dataclasses.replace(distill, bf16=cfg.distill.bf16)
         setting_cfg = dataclasses.replace(cfg, distill=distill)
         rows = result["settings"][setting] = []
-        run_setting(setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every, rows=rows, save=save)
+        keep = out / "drafts" / str(index) if keep_drafts else None
+        if keep is not None:
+            result.setdefault("drafts", {})[setting] = str(keep)
+        run_setting(
+            setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every, rows=rows, save=save, keep=keep
+        )
         gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
     plot(result, out / "trajectory.png")
@@ -176,8 +205,21 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="steps between held-out evaluations")
     parser.add_argument("--held", type=int, default=24, help="held-out test questions")
     parser.add_argument("--out", type=Path, default=Path("outputs/trajectory"))
+    parser.add_argument(
+        "--keep-drafts",
+        action="store_true",
+        help="write each setting's draft, as of its last evaluation, to OUT/drafts/N (N: the setting's index)",
+    )
     args = parser.parse_args()
-    suite_trajectory(args.overrides, args.settings, steps=args.steps, every=args.every, held=args.held, out=args.out)
+    suite_trajectory(
+        args.overrides,
+        args.settings,
+        steps=args.steps,
+        every=args.every,
+        held=args.held,
+        out=args.out,
+        keep_drafts=args.keep_drafts,
+    )
 
 
 if __name__ == "__main__":
