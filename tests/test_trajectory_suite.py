@@ -3,8 +3,11 @@ along a few learner steps, per setting."""
 
 import json
 
-from benchmarks.suites.trajectory import suite_trajectory
-from distillspec.models.loading import load_model
+import pytest
+
+from benchmarks.suites.trajectory import acceptance, held_out, suite_trajectory
+from distillspec.models.draft_vocab import vocab_size
+from distillspec.models.loading import load_model, load_pair
 
 from .conftest import garden_overrides
 
@@ -25,3 +28,12 @@ def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_g
     for folder in result["drafts"].values():  # each setting's draft as of its last evaluation, loadable as draft=
         draft, _ = load_model(folder)
         assert draft.config.vocab_size > 0
+
+
+def test_held_out_acceptance_is_the_same_scored_a_few_rows_at_a_time(tiny_garden, task):
+    target, draft, tokenizer = load_pair(str(tiny_garden.target), str(tiny_garden.draft))
+    sets = held_out(target, draft, tokenizer, task.test[:6], max_new_tokens=6, seed=0)
+    whole = acceptance(draft, sets, vocab_size(target), rows=64)
+    for rows in (1, 4):
+        assert acceptance(draft, sets, vocab_size(target), rows=rows) == pytest.approx(whole, abs=1e-6)
+    assert 0.0 < whole["alpha"] < 1.0 and 0.0 < whole["greedy"] <= 1.0

@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import gc
 import json
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
 from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
+from distillspec.training.batches import Batch
+from distillspec.training.divergences import reduce
 from distillspec.training.learner import Learner
 from distillspec.training.losses import forward_logits
 from distillspec.training.rollout import Sampler, generate_batch
@@ -43,8 +46,9 @@ from distillspec.training.rollout import Sampler, generate_batch
 
 @torch.inference_mode()
 def held_out(target, draft, tokenizer, examples, *, max_new_tokens: int, seed: int) -> dict[float, tuple]:
-    """Target samples (by speculative decoding, exact) at T = 1 and T = 0 on ``examples``, each with the target's
-    logits over it: ``{temperature: (batch, target logits)}``."""
+    """Target samples (by speculative decoding, exact) at T = 1 and T = 0 on ``examples``, each with what scores a
+    draft on it: the target's logits over the T = 1 samples, its argmax over the greedy ones
+    (``{temperature: (batch, target logits or argmax)}``)."""
     generator = torch.Generator(device=target.device).manual_seed(seed)
     sets = {}
     for temperature in (1.0, 0.0):
@@ -58,18 +62,30 @@ def held_out(target, draft, tokenizer, examples, *, max_new_tokens: int, seed: i
             temperature=temperature,
             generator=generator,
         )
-        sets[temperature] = (batch, forward_logits(target, batch).float())
+        logits = forward_logits(target, batch)
+        sets[temperature] = (batch, logits.float() if temperature > 0 else logits.argmax(-1))
     return sets
 
 
 @torch.inference_mode()
-def acceptance(draft, sets: dict[float, tuple], vocab: int) -> dict[str, float]:
-    """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring)."""
-    out = {}
+def acceptance(draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4) -> dict[str, float]:
+    """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring), ``rows``
+    sequences at a time: a whole-vocabulary distribution over every held-out position would take gigabytes."""
+    ids, out = d2t(draft), {}
     for temperature, name in ((1.0, "alpha"), (0.0, "greedy")):
-        batch, target_logits = sets[temperature]
-        logits = expand_logits(forward_logits(draft, batch).float(), d2t(draft), vocab)
-        out[name] = alpha_from_tvd(logits, target_logits, batch.window_mask, temperature)
+        batch, target = sets[temperature]
+        total = count = 0.0
+        for start in range(0, batch.input_ids.shape[0], rows):
+            part = slice(start, start + rows)
+            mask = batch.window_mask[part]
+            piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
+            logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
+            if temperature > 0:
+                alpha = alpha_from_tvd(logits, target[part], mask, temperature)
+            else:
+                alpha = 1.0 - float(reduce((logits.argmax(-1) != target[part]).float(), mask, "token"))
+            total, count = total + alpha * float(mask.sum()), count + float(mask.sum())
+        out[name] = total / max(count, 1.0)
     return out
 
 
@@ -99,6 +115,12 @@ def run_setting(
         start = time.perf_counter()
         source, batch = sampler()
         record = learner.step(batch, source=source, wait_s=time.perf_counter() - start)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        print(
+            f"  step {step}/{steps}: loss {record['loss']:.4f}, sampling {record['wait_s']:.1f} s, "
+            f"update {record['compute_s']:.1f} s, peak memory {peak:.1f} GiB",
+            flush=True,
+        )
         if step % every == 0 or step == steps:
             rows.append(
                 {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
@@ -106,7 +128,7 @@ def run_setting(
             save()
             if keep is not None:
                 write_folder(keep, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-            print(f"  step {step}: loss {record['loss']:.4f}, {rows[-1]['alpha']:.4f} / {rows[-1]['greedy']:.4f}")
+            print(f"  step {step}: held-out alpha {rows[-1]['alpha']:.4f}, greedy {rows[-1]['greedy']:.4f}", flush=True)
     return rows
 
 
