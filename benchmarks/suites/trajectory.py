@@ -211,8 +211,9 @@ def plot(result: dict, path: Path) -> None:
             )
         ax.set(xlabel="learner step", title=title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()  # below the plots: a setting's name is long
+    fig.legend(handles, labels, loc="lower center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05 * len(labels) + 0.02, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
