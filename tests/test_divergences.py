@@ -79,6 +79,7 @@ def test_alpha_and_tau_formulas(logits):
     q, p = logits
     assert alpha_from_tvd(q, p) == pytest.approx(1 - float(tvd(q, p, reduction="token")))
     assert alpha_from_tvd(p, p, temperature=0) == 1.0
+    assert alpha_from_tvd(q, p.argmax(-1), temperature=0) == alpha_from_tvd(q, p, temperature=0)  # the target's ids
     assert expected_tau(1.0, 5) == 6.0
     assert expected_tau(0.0, 5) == 1.0
     assert expected_tau(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512)

@@ -38,7 +38,6 @@ from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
-from distillspec.training.divergences import reduce
 from distillspec.training.learner import Learner
 from distillspec.training.losses import forward_logits
 from distillspec.training.rollout import Sampler, generate_batch
@@ -80,10 +79,7 @@ def acceptance(draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4) ->
             mask = batch.window_mask[part]
             piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
             logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
-            if temperature > 0:
-                alpha = alpha_from_tvd(logits, target[part], mask, temperature)
-            else:
-                alpha = 1.0 - float(reduce((logits.argmax(-1) != target[part]).float(), mask, "token"))
+            alpha = alpha_from_tvd(logits, target[part], mask, temperature)
             total, count = total + alpha * float(mask.sum()), count + float(mask.sum())
         out[name] = total / max(count, 1.0)
     return out

@@ -19,10 +19,12 @@ def alpha_from_tvd(
 ) -> float:
     """alpha = 1 - E[TVD(p, q)] over the positions of target samples (Eq. 3).
 
-    At ``temperature == 0`` both distributions are one-hot argmaxes, so alpha is the argmax agreement.
+    At ``temperature == 0`` both distributions are one-hot argmaxes, so alpha is the argmax agreement; there the
+    target may come as its argmax token ids alone (an integer tensor without the vocabulary axis).
     """
     if temperature == 0:  # the TVD of two one-hot distributions is 1 where the argmaxes differ, else 0
-        disagree = (draft_logits.argmax(-1) != target_logits.argmax(-1)).float()
+        target_ids = target_logits if not target_logits.is_floating_point() else target_logits.argmax(-1)
+        disagree = (draft_logits.argmax(-1) != target_ids).float()
         return 1.0 - float(reduce(disagree, mask, "token"))
     return 1.0 - float(tvd(draft_logits, target_logits, mask, temperature=temperature, reduction="token"))
 
