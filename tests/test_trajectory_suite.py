@@ -37,3 +37,23 @@ def test_held_out_acceptance_is_the_same_scored_a_few_rows_at_a_time(tiny_garden
     for rows in (1, 4):
         assert acceptance(draft, sets, vocab_size(target), rows=rows) == pytest.approx(whole, abs=1e-6)
     assert 0.0 < whole["alpha"] < 1.0 and 0.0 < whole["greedy"] <= 1.0
+
+
+def test_the_trajectory_suite_can_train_on_the_held_out_questions(tiny_garden, tmp_path, monkeypatch):
+    from benchmarks.suites import trajectory
+
+    seen = []
+    original = trajectory.Sampler
+
+    def sampler(target, draft, tokenizer, train, cfg, **kwargs):
+        seen.append([example.prompt for example in train])
+        return original(target, draft, tokenizer, train, cfg, **kwargs)
+
+    monkeypatch.setattr(trajectory, "Sampler", sampler)
+    result = suite_trajectory(
+        garden_overrides(tiny_garden), ["distill.lr=1e-3"], steps=1, every=1, held=3, out=tmp_path, train_on="held"
+    )
+    task = trajectory.load_task(trajectory.load_config(None, garden_overrides(tiny_garden)).dataset, seed=0)
+    assert seen == [[example.prompt for example in task.test[:3]]]
+    assert result["config"]["train_on"] == "held"
+    assert "(the questions trained on)" in (tmp_path / "trajectory.md").read_text()

@@ -11,6 +11,10 @@ acceptance rate at T = 0). No speculative decoding runs after the start, so a st
         dataset=../shared/data/gsm8k draft_vocab=32768 distill.batch_size=8 distill.max_new_tokens=48 \\
         --settings "distill.lr=3e-5" "distill.lr=3e-6" "distill.lr=3e-6 distill.divergence=fkl" --steps 8
 
+With ``--train-on held`` the learner's questions are the held-out questions themselves (its samples of them are still
+its own): what a recipe buys where it has already seen every question it is measured on, a ceiling for what more
+questions of the same kind could buy it.
+
 Writes ``trajectory.json`` (after every evaluation), ``trajectory.md`` (a row per setting and evaluation) and
 ``trajectory.png``; with ``--keep-drafts``, each setting's draft as of its last evaluation in ``drafts/N``.
 """
@@ -98,14 +102,18 @@ def run_setting(
     rows: list[dict],
     save: Callable[[], None],
     keep: Path | None = None,
+    questions: list | None = None,
 ) -> list[dict]:
-    """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill``; the held-out acceptance every ``every``,
+    """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill`` on ``questions`` (default: the task's
+    training split); the held-out acceptance every ``every``,
     appended to ``rows`` and saved (``save()``) as it comes, so a run stopped early keeps what it measured. With
     ``keep``, the draft as of each evaluation is written there too (``save_pretrained``, with the tokenizer): a
     ``draft=`` for the other suites and jobs."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
-    sampler = Sampler(target, model, tokenizer, task.train, cfg.distill, seed=cfg.seed)
+    sampler = Sampler(
+        target, model, tokenizer, task.train if questions is None else questions, cfg.distill, seed=cfg.seed
+    )
     vocab = vocab_size(target)
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -137,6 +145,7 @@ def suite_trajectory(
     held: int,
     out: Path,
     keep_drafts: bool = False,
+    train_on: str = "train",
 ) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,9 @@ def suite_trajectory(
     )
     tokens = {str(t): batch.tokens for t, (batch, _) in sets.items()}
     print(f"held-out target samples: {tokens} tokens in {time.perf_counter() - start:.0f} s")
-    result = {"config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "held_out": held}}
+    result = {
+        "config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "held_out": held, "train_on": train_on}
+    }
     result["start"] = acceptance(draft, sets, vocab_size(target))
     print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
     result["settings"] = {}
@@ -169,7 +180,18 @@ def suite_trajectory(
         if keep is not None:
             result.setdefault("drafts", {})[setting] = str(keep)
         run_setting(
-            setting_cfg, target, draft, tokenizer, task, sets, steps=steps, every=every, rows=rows, save=save, keep=keep
+            setting_cfg,
+            target,
+            draft,
+            tokenizer,
+            task,
+            sets,
+            steps=steps,
+            every=every,
+            rows=rows,
+            save=save,
+            keep=keep,
+            questions=task.test[:held] if train_on == "held" else None,
         )
         gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
@@ -180,9 +202,10 @@ def suite_trajectory(
 
 def format_table(result: dict) -> str:
     start = result["start"]
+    seen = " (the questions trained on)" if result["config"].get("train_on") == "held" else ""
     lines = [
-        f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions; "
-        f"undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
+        f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions"
+        f"{seen}; undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
         "",
         "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change | step s |",
         "|---|---|---|---|---|---|---|---|",
@@ -229,6 +252,13 @@ def main() -> None:
         action="store_true",
         help="write each setting's draft, as of its last evaluation, to OUT/drafts/N (N: the setting's index)",
     )
+    parser.add_argument(
+        "--train-on",
+        choices=["train", "held"],
+        default="train",
+        help="the questions the learner samples: the task's training split, or the held-out questions themselves "
+        "(a ceiling: what the recipe buys on questions it has seen)",
+    )
     args = parser.parse_args()
     suite_trajectory(
         args.overrides,
@@ -238,6 +268,7 @@ def main() -> None:
         held=args.held,
         out=args.out,
         keep_drafts=args.keep_drafts,
+        train_on=args.train_on,
     )
 
 
