@@ -28,8 +28,9 @@ import gc
 import json
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,21 +72,29 @@ def held_out(target, draft, tokenizer, examples, *, max_new_tokens: int, seed: i
 
 
 @torch.inference_mode()
-def acceptance(draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4) -> dict[str, float]:
+def acceptance(
+    draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4, draft_temperatures: Sequence[float] = ()
+) -> dict[str, Any]:
     """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring), ``rows``
-    sequences at a time: a whole-vocabulary distribution over every held-out position would take gigabytes."""
+    sequences at a time: a whole-vocabulary distribution over every held-out position would take gigabytes. With
+    ``draft_temperatures``, also ``alpha_at``: alpha at T = 1 where the draft proposes from its logits divided by each
+    (``{str(t): alpha}``; speculative decoding stays exact whatever distribution the draft proposes from)."""
     ids, out = d2t(draft), {}
     for temperature, name in ((1.0, "alpha"), (0.0, "greedy")):
         batch, target = sets[temperature]
-        total = count = 0.0
+        scales = (1.0, *draft_temperatures) if temperature > 0 else (1.0,)
+        totals, count = [0.0] * len(scales), 0.0
         for start in range(0, batch.input_ids.shape[0], rows):
             part = slice(start, start + rows)
             mask = batch.window_mask[part]
             piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
             logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
-            alpha = alpha_from_tvd(logits, target[part], mask, temperature)
-            total, count = total + alpha * float(mask.sum()), count + float(mask.sum())
-        out[name] = total / max(count, 1.0)
+            for i, scale in enumerate(scales):
+                totals[i] += alpha_from_tvd(logits / scale, target[part], mask, temperature) * float(mask.sum())
+            count += float(mask.sum())
+        out[name] = totals[0] / max(count, 1.0)
+        if temperature > 0 and draft_temperatures:
+            out["alpha_at"] = {str(t): total / max(count, 1.0) for t, total in zip(draft_temperatures, totals[1:])}
     return out
 
 
