@@ -13,8 +13,9 @@ per subject. ``python benchmarks/benchmark.py SUITE --help`` tells what a suite 
 Suites of the results page take ``--scale quick`` (the arith garden, <= 20 minutes on 2 CPU cores), ``full`` (also
 GSM8K, Multi30k and tinyshakespeare from ../shared/data, several seeds) or ``real`` (the SmolLM2 pair, each suite
 within an hour on 2 CPU cores). The other suites of this runner train the benchmark garden, or with ``--scale real``
-that pair. Suites with options of their own (``speed``, ``trajectory``, ``draft-vocab``, ``stop``, ``client``, ``topk``,
-``gpu``) take the rest of the command line as they are, also as ``python -m benchmarks.suites.NAME``.
+that pair. Suites with options of their own (``speed``, ``trajectory``, ``draft-vocab``, ``draft-temperature``,
+``stop``, ``gpu``, ``topk``, ``lossy``, ``transfer-run``, ``following``, ``client``) take the rest of the command
+line as they are, also as ``python -m benchmarks.suites.NAME``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ SUITES = {
     "speed": Suite("speed", "main", "command"),
     "trajectory": Suite("trajectory", "main", "command"),
     "draft-vocab": Suite("draft_vocab", "main", "command"),
+    "draft-temperature": Suite("draft_temperature", "main", "command"),
     "stop": Suite("stop", "main", "command"),
     "gpu": Suite("gpu", "main", "command"),
     "topk": Suite("topk", "main", "command"),

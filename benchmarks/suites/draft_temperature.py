@@ -60,6 +60,11 @@ def suite_draft_temperature(
     return result
 
 
+def short(name: str, width: int = 48) -> str:
+    """A draft's name for a table or a legend: its path's tail where the whole is long."""
+    return name if len(name) <= width else "..." + name[-(width - 3) :]
+
+
 def format_table(result: dict) -> str:
     taus = " / ".join(str(g) for g in GAMMAS)
     lines = [
@@ -73,7 +78,7 @@ def format_table(result: dict) -> str:
         base = row["alpha"]["1.0"]
         for t, alpha in row["alpha"].items():
             tau = " / ".join(f"{expected_tau(alpha, g):.3f}" for g in GAMMAS)
-            lines.append(f"| {name} | {t} | {alpha:.4f} | {alpha - base:+.4f} | {tau} | {row['greedy']:.4f} |")
+            lines.append(f"| {short(name)} | {t} | {alpha:.4f} | {alpha - base:+.4f} | {tau} | {row['greedy']:.4f} |")
     return "\n".join(lines)
 
 
@@ -81,7 +86,7 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, row in result["drafts"].items():
-        ax.plot([float(t) for t in row["alpha"]], list(row["alpha"].values()), "o-", label=Path(name).name or name)
+        ax.plot([float(t) for t in row["alpha"]], list(row["alpha"].values()), "o-", label=short(name))
     ax.set(xlabel="draft temperature t (the target samples at T = 1)", ylabel="alpha (1 - TVD)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
