@@ -114,10 +114,9 @@ def run_setting(
     questions: list | None = None,
 ) -> list[dict]:
     """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill`` on ``questions`` (default: the task's
-    training split); the held-out acceptance every ``every``,
-    appended to ``rows`` and saved (``save()``) as it comes, so a run stopped early keeps what it measured. With
-    ``keep``, the draft as of each evaluation is written there too (``save_pretrained``, with the tokenizer): a
-    ``draft=`` for the other suites and jobs."""
+    training split); the held-out acceptance every ``every``, appended to ``rows`` and saved (``save()``) as it comes,
+    so a run stopped early keeps what it measured. With ``keep``, the draft as of each evaluation is written there too
+    (``save_pretrained``, with the tokenizer): a ``draft=`` for the other suites and jobs."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
     sampler = Sampler(
