@@ -82,19 +82,20 @@ def acceptance(
     ids, out = d2t(draft), {}
     for temperature, name in ((1.0, "alpha"), (0.0, "greedy")):
         batch, target = sets[temperature]
-        scales = (1.0, *draft_temperatures) if temperature > 0 else (1.0,)
-        totals, count = [0.0] * len(scales), 0.0
+        totals = dict.fromkeys((1.0, *draft_temperatures) if temperature > 0 else (1.0,), 0.0)  # each t once
+        count = 0.0
         for start in range(0, batch.input_ids.shape[0], rows):
             part = slice(start, start + rows)
             mask = batch.window_mask[part]
             piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
             logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
-            for i, scale in enumerate(scales):
-                totals[i] += alpha_from_tvd(logits / scale, target[part], mask, temperature) * float(mask.sum())
+            for t in totals:  # t = 1 scores the logits as they are, without a copy
+                scaled = logits if t == 1.0 else logits / t
+                totals[t] += alpha_from_tvd(scaled, target[part], mask, temperature) * float(mask.sum())
             count += float(mask.sum())
-        out[name] = totals[0] / max(count, 1.0)
+        out[name] = totals[1.0] / max(count, 1.0)
         if temperature > 0 and draft_temperatures:
-            out["alpha_at"] = {str(t): total / max(count, 1.0) for t, total in zip(draft_temperatures, totals[1:])}
+            out["alpha_at"] = {str(t): totals[t] / max(count, 1.0) for t in draft_temperatures}
     return out
 
 
