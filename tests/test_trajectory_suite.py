@@ -51,9 +51,27 @@ def test_the_trajectory_suite_can_train_on_the_held_out_questions(tiny_garden, t
 
     monkeypatch.setattr(trajectory, "Sampler", sampler)
     result = suite_trajectory(
-        garden_overrides(tiny_garden), ["distill.lr=1e-3"], steps=1, every=1, held=3, out=tmp_path, train_on="held"
+        garden_overrides(tiny_garden),
+        ["distill.lr=1e-3"],
+        steps=1,
+        every=1,
+        held=3,
+        out=tmp_path,
+        train_on="held",
+        unseen=2,
     )
     task = trajectory.load_task(trajectory.load_config(None, garden_overrides(tiny_garden)).dataset, seed=0)
-    assert seen == [[example.prompt for example in task.test[:3]]]
+    assert seen == [[example.prompt for example in task.test[:3]]]  # never the 2 unseen questions
     assert result["config"]["train_on"] == "held"
-    assert "(the questions trained on)" in (tmp_path / "trajectory.md").read_text()
+    (row,) = result["settings"]["distill.lr=1e-3"]
+    for scored in (result["start"], row):  # the unseen questions are scored beside the seen ones
+        assert 0.0 < scored["unseen"]["alpha"] <= 1.0 and 0.0 <= scored["unseen"]["greedy"] <= 1.0
+    table = (tmp_path / "trajectory.md").read_text()
+    assert "(the questions trained on)" in table and "| unseen alpha |" in table
+    assert f"{row['unseen']['alpha']:.4f}" in table
+
+
+def test_the_trajectory_suite_refuses_unseen_questions_without_training_on_the_held_out_ones(tiny_garden, tmp_path):
+    with pytest.raises(SystemExit, match="--train-on held"):
+        suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], steps=1, every=1, held=3, out=tmp_path,
+                         unseen=2)  # fmt: skip

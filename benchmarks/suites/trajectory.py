@@ -13,7 +13,8 @@ acceptance rate at T = 0). No speculative decoding runs after the start, so a st
 
 With ``--train-on held`` the learner's questions are the held-out questions themselves (its samples of them are still
 its own): what a recipe buys where it has already seen every question it is measured on, a ceiling for what more
-questions of the same kind could buy it.
+questions of the same kind could buy it. ``--unseen N`` scores N more test questions beside them, which the learner
+never sees: what training on a few questions over and over (a stream of repeated prompts) does to new ones.
 
 Writes ``trajectory.json`` (after every evaluation), ``trajectory.md`` (a row per setting and evaluation) and
 ``trajectory.png``; with ``--keep-drafts``, each setting's draft as of its last evaluation in ``drafts/N``.
@@ -113,11 +114,13 @@ def run_setting(
     save: Callable[[], None],
     keep: Path | None = None,
     questions: list | None = None,
+    unseen: dict[float, tuple] | None = None,
 ) -> list[dict]:
     """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill`` on ``questions`` (default: the task's
     training split); the held-out acceptance every ``every``, appended to ``rows`` and saved (``save()``) as it comes,
     so a run stopped early keeps what it measured. With ``keep``, the draft as of each evaluation is written there too
-    (``save_pretrained``, with the tokenizer): a ``draft=`` for the other suites and jobs."""
+    (``save_pretrained``, with the tokenizer): a ``draft=`` for the other suites and jobs. With ``unseen`` (held-out
+    sets of questions the learner never samples), each row also holds the acceptance on them."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
     sampler = Sampler(
@@ -138,6 +141,8 @@ def run_setting(
             rows.append(
                 {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
             )
+            if unseen is not None:
+                rows[-1]["unseen"] = acceptance(model, unseen, vocab)
             save()
             if keep is not None:
                 write_folder(keep, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
@@ -155,8 +160,14 @@ def suite_trajectory(
     out: Path,
     keep_drafts: bool = False,
     train_on: str = "train",
+    unseen: int = 0,
 ) -> dict:
     """The whole suite (see the module docstring)."""
+    if unseen and train_on != "held":
+        raise SystemExit(
+            "--unseen N scores questions besides the held-out ones the learner trains on (--train-on held); "
+            "the learner never sees the held-out questions otherwise: raise --held instead"
+        )
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, overrides)
     task = load_task(cfg.dataset, seed=cfg.seed)
@@ -166,12 +177,29 @@ def suite_trajectory(
     sets = held_out(
         target, draft, tokenizer, task.test[:held], max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed
     )
+    new = task.test[held : held + unseen]
+    if len(new) < unseen:
+        raise SystemExit(f"--unseen {unseen}: the task has {len(task.test)} test questions, {held} of them held out")
+    unseen_sets = (
+        held_out(target, draft, tokenizer, new, max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed)
+        if unseen
+        else None
+    )
     tokens = {str(t): batch.tokens for t, (batch, _) in sets.items()}
     print(f"held-out target samples: {tokens} tokens in {time.perf_counter() - start:.0f} s")
     result = {
-        "config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "held_out": held, "train_on": train_on}
+        "config": {
+            "target": cfg.target,
+            "draft": cfg.draft,
+            "dtype": cfg.dtype,
+            "held_out": held,
+            "train_on": train_on,
+            "unseen": unseen,
+        }
     }
     result["start"] = acceptance(draft, sets, vocab_size(target))
+    if unseen_sets is not None:
+        result["start"]["unseen"] = acceptance(draft, unseen_sets, vocab_size(target))
     print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
     result["settings"] = {}
 
@@ -201,6 +229,7 @@ def suite_trajectory(
             save=save,
             keep=keep,
             questions=task.test[:held] if train_on == "held" else None,
+            unseen=unseen_sets,
         )
         gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
@@ -210,22 +239,34 @@ def suite_trajectory(
 
 
 def format_table(result: dict) -> str:
-    start = result["start"]
+    start, unseen = result["start"], result["config"].get("unseen", 0)
     seen = " (the questions trained on)" if result["config"].get("train_on") == "held" else ""
     lines = [
         f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions"
         f"{seen}; undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
-        "",
-        "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change | step s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    if unseen:
+        lines.append(
+            f"unseen: the same on {unseen} questions the learner never saw; undistilled "
+            f"{start['unseen']['alpha']:.4f} / {start['unseen']['greedy']:.4f}"
+        )
+    head = "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change |"
+    if unseen:
+        head += " unseen alpha | change | unseen greedy | change |"
+    lines += ["", head + " step s |", "|---" * head.count("|") + "|"]
+
+    def cells(now: dict, before: dict) -> str:
+        return (
+            f" {now['alpha']:.4f} | {now['alpha'] - before['alpha']:+.4f} | {now['greedy']:.4f} | "
+            f"{now['greedy'] - before['greedy']:+.4f} |"
+        )
+
     for setting, rows in result["settings"].items():
         for row in rows:
-            lines.append(
-                f"| {setting} | {row['step']} | {row['loss']:.4f} | {row['alpha']:.4f} | "
-                f"{row['alpha'] - start['alpha']:+.4f} | {row['greedy']:.4f} | "
-                f"{row['greedy'] - start['greedy']:+.4f} | {row['seconds']:.0f} |"
-            )
+            line = f"| {setting} | {row['step']} | {row['loss']:.4f} |" + cells(row, start)
+            if unseen:
+                line += cells(row["unseen"], start["unseen"])
+            lines.append(f"{line} {row['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -234,9 +275,11 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in zip(axes, ("alpha", "greedy"), ("alpha at T = 1 (1 - TVD)", "greedy agreement (T = 0)")):
         for setting, rows in result["settings"].items():
-            ax.plot(
-                [0] + [r["step"] for r in rows], [result["start"][key]] + [r[key] for r in rows], "o-", label=setting
-            )
+            steps = [0] + [r["step"] for r in rows]
+            (line,) = ax.plot(steps, [result["start"][key]] + [r[key] for r in rows], "o-", label=setting)
+            if "unseen" in result["start"]:  # the same setting, dashed, on the questions it never saw
+                values = [result["start"]["unseen"][key]] + [r["unseen"][key] for r in rows]
+                ax.plot(steps, values, "s--", color=line.get_color(), label=f"{setting} (unseen questions)")
         ax.set(xlabel="learner step", title=title)
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()  # below the plots: a setting's name is long
@@ -268,6 +311,12 @@ def main() -> None:
         help="the questions the learner samples: the task's training split, or the held-out questions themselves "
         "(a ceiling: what the recipe buys on questions it has seen)",
     )
+    parser.add_argument(
+        "--unseen",
+        type=int,
+        default=0,
+        help="with --train-on held: also score this many further test questions, which the learner never sees",
+    )
     args = parser.parse_args()
     suite_trajectory(
         args.overrides,
@@ -278,6 +327,7 @@ def main() -> None:
         out=args.out,
         keep_drafts=args.keep_drafts,
         train_on=args.train_on,
+        unseen=args.unseen,
     )
 
 
