@@ -191,12 +191,17 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
         print(f"\nkilled the {role}'s node {node[-5:]} ({processes} processes) at checkpoint step {step}")
     ledger = re.search(r"pipeline: .*", logs)
     resumed = re.findall(r"resumed from the checkpoint at step (\d+)", logs)
+    refusals = json.loads((out / "results.json").read_text())["training"]["ledger"]["refusals"]
     print(ledger[0] if ledger else "no ledger line", f"\nthe learner resumed at steps {resumed}")
+    print(f"refused batches: {refusals}")
     print("the autoscaler's events:\n  " + "\n  ".join(autoscaling.events()))
     assert ledger and "(balanced)" in ledger[0], logs[-3000:]
-    # The store owns every version's bytes: a rollout actor recreated on a new node loads the current version, so
-    # none of its batches is refused as stale.
-    assert " refused 0 " in ledger[0], ledger[0]
+    # The store owns every version's bytes: a rollout actor recreated on a new node loads the version current then,
+    # not its initial weights. A batch may still go stale while a new process samples its first one (the learner
+    # takes a step a second here), but none is older than the versions published before the first node was lost.
+    for reason in refusals:
+        made = re.fullmatch(r"version (-?\d+) is more than \d+ behind \d+", reason)
+        assert made and int(made[1]) >= killed["rollout"][2], refusals
     assert resumed and int(resumed[-1]) >= killed["learner"][2], resumed
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log] == list(range(1, steps + 1))  # every step once
