@@ -71,7 +71,9 @@ def test_the_trajectory_suite_can_train_on_the_held_out_questions(tiny_garden, t
     assert f"{row['unseen']['alpha']:.4f}" in table
 
 
-def test_the_trajectory_suite_refuses_unseen_questions_without_training_on_the_held_out_ones(tiny_garden, tmp_path):
-    with pytest.raises(SystemExit, match="--train-on held"):
-        suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], steps=1, every=1, held=3, out=tmp_path,
-                         unseen=2)  # fmt: skip
+def test_the_trajectory_suite_refuses_unseen_questions_it_cannot_have(tiny_garden, tmp_path):
+    run = dict(steps=1, every=1, held=3, out=tmp_path)
+    with pytest.raises(SystemExit, match="--train-on held"):  # without it, no held-out question is ever seen
+        suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], unseen=2, **run)
+    with pytest.raises(SystemExit, match="test questions, 3 of them held out"):
+        suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], train_on="held", unseen=10**6, **run)

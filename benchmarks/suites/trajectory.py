@@ -171,17 +171,23 @@ def suite_trajectory(
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, overrides)
     task = load_task(cfg.dataset, seed=cfg.seed)
+    if len(task.test) < held + unseen:
+        raise SystemExit(f"--unseen {unseen}: the task has {len(task.test)} test questions, {held} of them held out")
     cfg, task = prepare_pair(cfg, task)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack)
     start = time.perf_counter()
     sets = held_out(
         target, draft, tokenizer, task.test[:held], max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed
     )
-    new = task.test[held : held + unseen]
-    if len(new) < unseen:
-        raise SystemExit(f"--unseen {unseen}: the task has {len(task.test)} test questions, {held} of them held out")
     unseen_sets = (
-        held_out(target, draft, tokenizer, new, max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed)
+        held_out(
+            target,
+            draft,
+            tokenizer,
+            task.test[held : held + unseen],
+            max_new_tokens=cfg.distill.max_new_tokens,
+            seed=cfg.seed,
+        )
         if unseen
         else None
     )
