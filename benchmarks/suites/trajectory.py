@@ -106,7 +106,7 @@ def run_setting(
     draft,
     tokenizer,
     task,
-    sets,
+    score: Callable[[torch.nn.Module], dict[str, Any]],
     *,
     steps: int,
     every: int,
@@ -114,19 +114,17 @@ def run_setting(
     save: Callable[[], None],
     keep: Path | None = None,
     questions: list | None = None,
-    unseen: dict[float, tuple] | None = None,
 ) -> list[dict]:
     """``steps`` learner steps of a copy of ``draft`` with ``cfg.distill`` on ``questions`` (default: the task's
-    training split); the held-out acceptance every ``every``, appended to ``rows`` and saved (``save()``) as it comes,
-    so a run stopped early keeps what it measured. With ``keep``, the draft as of each evaluation is written there too
-    (``save_pretrained``, with the tokenizer): a ``draft=`` for the other suites and jobs. With ``unseen`` (held-out
-    sets of questions the learner never samples), each row also holds the acceptance on them."""
+    training split); the held-out acceptance (``score(model)``) every ``every``, appended to ``rows`` and saved
+    (``save()``) as it comes, so a run stopped early keeps what it measured. With ``keep``, the draft as of each
+    evaluation is written there too (``save_pretrained``, with the tokenizer): a ``draft=`` for the other suites and
+    jobs."""
     model = copy.deepcopy(draft)
     learner = Learner(model, target, cfg.distill)
     sampler = Sampler(
         target, model, tokenizer, task.train if questions is None else questions, cfg.distill, seed=cfg.seed
     )
-    vocab = vocab_size(target)
     for step in range(1, steps + 1):
         start = time.perf_counter()
         source, batch = sampler()
@@ -138,11 +136,7 @@ def run_setting(
             flush=True,
         )
         if step % every == 0 or step == steps:
-            rows.append(
-                {"step": step, "loss": record["loss"], "seconds": record["time"], **acceptance(model, sets, vocab)}
-            )
-            if unseen is not None:
-                rows[-1]["unseen"] = acceptance(model, unseen, vocab)
+            rows.append({"step": step, "loss": record["loss"], "seconds": record["time"], **score(model)})
             save()
             if keep is not None:
                 write_folder(keep, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
@@ -175,22 +169,14 @@ def suite_trajectory(
         raise SystemExit(f"--unseen {unseen}: the task has {len(task.test)} test questions, {held} of them held out")
     cfg, task = prepare_pair(cfg, task)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack)
+    vocab = vocab_size(target)
+
+    def target_samples(examples: list) -> dict[float, tuple]:
+        return held_out(target, draft, tokenizer, examples, max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed)
+
     start = time.perf_counter()
-    sets = held_out(
-        target, draft, tokenizer, task.test[:held], max_new_tokens=cfg.distill.max_new_tokens, seed=cfg.seed
-    )
-    unseen_sets = (
-        held_out(
-            target,
-            draft,
-            tokenizer,
-            task.test[held : held + unseen],
-            max_new_tokens=cfg.distill.max_new_tokens,
-            seed=cfg.seed,
-        )
-        if unseen
-        else None
-    )
+    sets = target_samples(task.test[:held])
+    unseen_sets = target_samples(task.test[held : held + unseen]) if unseen else None
     tokens = {str(t): batch.tokens for t, (batch, _) in sets.items()}
     print(f"held-out target samples: {tokens} tokens in {time.perf_counter() - start:.0f} s")
     result = {
@@ -203,9 +189,15 @@ def suite_trajectory(
             "unseen": unseen,
         }
     }
-    result["start"] = acceptance(draft, sets, vocab_size(target))
-    if unseen_sets is not None:
-        result["start"]["unseen"] = acceptance(draft, unseen_sets, vocab_size(target))
+
+    def score(model: torch.nn.Module) -> dict[str, Any]:
+        """Acceptance on the held-out questions, and on the unseen ones beside them where there are any."""
+        scored = acceptance(model, sets, vocab)
+        if unseen_sets is not None:
+            scored["unseen"] = acceptance(model, unseen_sets, vocab)
+        return scored
+
+    result["start"] = score(draft)
     print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
     result["settings"] = {}
 
@@ -228,14 +220,13 @@ def suite_trajectory(
             draft,
             tokenizer,
             task,
-            sets,
+            score,
             steps=steps,
             every=every,
             rows=rows,
             save=save,
             keep=keep,
             questions=task.test[:held] if train_on == "held" else None,
-            unseen=unseen_sets,
         )
         gc.collect()  # the setting's draft copy and optimizer state, before the next one's
     (out / "trajectory.md").write_text(format_table(result) + "\n")
