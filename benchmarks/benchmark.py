@@ -155,6 +155,8 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", help="suite gamma: concurrencies (default 1 4 8 16)")
     parser.add_argument("--distilling", action="store_true", help="suite gamma: while a distill job trains the draft")
+    parser.add_argument("--clients", type=int, help="suite online: clients sending requests (default 4)")
+    parser.add_argument("--distinct", type=int, help="suite online: serve the first N test prompts in turn")
     args, extra = parser.parse_known_args()
     args.overrides = [x for x in args.suites if "=" in x]  # suites and overrides in any order: one has a "="
     args.suites = [x for x in args.suites if "=" not in x]
@@ -210,6 +212,8 @@ def main() -> None:
             options = {"distilled": args.distilled} if suite.distilled else {}
             if name == "gamma":
                 options = {"rounds": args.rounds, "concurrency": args.concurrency, "distilling": args.distilling}
+            if name == "online":
+                options |= {"clients": args.clients, "distinct": args.distinct}
             run = functools.partial(suite.load(), [*base, *args.overrides, *extra], budget, out / name, **options)
         result = timed(name, scale, run)
         out.mkdir(parents=True, exist_ok=True)

@@ -20,11 +20,9 @@ import json
 import time
 from pathlib import Path
 
-import ray
 from ray import serve
 
-from actors.common import NAMESPACE, weights_name
-from benchmarks.suites.traffic import distill_job, send
+from benchmarks.suites.traffic import distill_job, send, wait_for_store
 from cluster.connect import connect
 from cluster.serve_job import start
 from distillspec.config import load_config
@@ -35,20 +33,6 @@ from distillspec.models.pretrained import resolve_models
 from distillspec.tasks.data import chat_prompts, load_task
 
 RUN = "following"  #: the run's name: the endpoint follows its weight store
-
-
-def wait_for_store(proc, timeout_s: float = 1800.0) -> None:
-    """Until the job's weight store is up (its measurements before training come first)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise DistillSpecError(f"the distill job ended (exit {proc.returncode}) before its pipeline started")
-        try:
-            ray.get_actor(weights_name(RUN), namespace=NAMESPACE)
-            return
-        except ValueError:
-            time.sleep(2)
-    raise DistillSpecError(f"no weight store of run {RUN} after {timeout_s:.0f}s")
 
 
 def first_served(rows: list[dict]) -> dict[int, float]:
@@ -99,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     keep = [f"evaluator.every={cfg.evaluator.every}", f"distill.steps={cfg.distill.steps}"]  # not the job's defaults
     proc = distill_job(args.out, [*keep, *run], cfg.distill.time_budget_s)
     print(f"distill job started (log: {args.out / 'distill.log'}); waiting for its pipeline ...", flush=True)
-    wait_for_store(proc)
+    wait_for_store(proc, RUN)
     url = start(cfg)
     started = time.time()
     print(f"endpoint up at {url}, following run {RUN}", flush=True)

@@ -1,10 +1,15 @@
 """Suite ``online``: online distillation from served prompts.
 
-The endpoint serves the task's test prompts (4 clients) and records them; a distill job with ``rollout.online=true``
-trains on them for --budget seconds; prints and plots alpha at the endpoint over time, and the mean gamma the endpoint
-chose (``serve.gamma=auto``) as the draft improves.
+A distill job with ``rollout.online=true`` starts its pipeline; the endpoint then starts (its replica builds the
+target over the weights the run shares), serves the task's test prompts through the target's chat template from
+``--clients`` clients and records them, and takes every version the learner publishes; the rollouts train on what
+it served for --budget seconds. Prints and plots alpha at the endpoint over time, and the mean gamma the endpoint
+chose (``serve.gamma=auto``) as the draft improves. ``--distinct N`` serves the first N test prompts in turn:
+traffic whose prompts recur, each window of alpha then one pass over the same N.
 
     python benchmarks/benchmark.py online --budget 300 dataset=../shared/data/gsm8k
+    python benchmarks/benchmark.py online --budget 4800 --distinct 32 --clients 2 -o outputs/online-qwen \\
+        target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=../shared/data/gsm8k ...
 """
 
 from __future__ import annotations
@@ -14,50 +19,74 @@ from pathlib import Path
 import requests
 from ray import serve
 
-from benchmarks.suites.traffic import distill_job, send
+from benchmarks.suites.traffic import distill_job, send, wait_for_store
 from cluster.connect import connect
 from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import pyplot
+from distillspec.models.loading import load_tokenizer
 from distillspec.models.pretrained import resolve_models
 from distillspec.serving.completer import merge_stats
-from distillspec.tasks.data import load_task
+from distillspec.tasks.data import chat_prompts, load_task
+
+RUN = "online"  #: the run's name: the endpoint records prompts into its prompt log and follows its weight store
 
 
-def suite_online(overrides: list[str], budget: float, out: Path, distilled: str | None = None) -> dict:
-    """Online distillation: the endpoint serves a stream of the task's test prompts and records them; a distill
-    job (``rollout.online=true``, joining the same cluster) trains on them and publishes; the endpoint's alpha rises."""
+def suite_online(
+    overrides: list[str],
+    budget: float,
+    out: Path,
+    distilled: str | None = None,
+    clients: int | None = None,
+    distinct: int | None = None,
+) -> dict:
+    """Online distillation: the endpoint serves a stream of the task's test prompts (``distinct``: the first that
+    many, in turn) from ``clients`` clients and records them; a distill job (``rollout.online=true``, on the same
+    cluster) trains on them and publishes; the endpoint takes each version."""
     del distilled
+    clients = clients or 4
+    if clients < 1 or (distinct is not None and distinct < 1):
+        raise DistillSpecError("--clients and --distinct: at least 1")
     # The replica follows every version the learner publishes (no evaluator runs, so none passes a gate).
-    run = ["ray.run_name=online", "serve.record_prompts=true", "serve.replica.cpus=0.5", "serve.follow.version=latest"]
+    run = [f"ray.run_name={RUN}", "serve.record_prompts=true", "serve.replica.cpus=0.5", "serve.follow.version=latest"]
     run += overrides
     cfg = resolve_models(load_config(None, run))
+    task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), load_tokenizer(cfg.target), cfg.chat_template)
+    prompts = [e.prompt for e in task.test][:distinct]
+    if distinct is not None and len(prompts) < distinct:
+        raise DistillSpecError(f"--distinct {distinct}: {cfg.dataset} has {len(prompts)} test prompts")
     connect(cfg.ray)
-    url = start(cfg)
-    prompts = [e.prompt for e in load_task(cfg.dataset, seed=cfg.seed).test]
     proc = distill_job(out, ["rollout.online=true", *run], budget)
+    print(f"distill job started (log: {out / 'distill.log'}); waiting for its pipeline ...", flush=True)
+    wait_for_store(proc, RUN)
+    url = start(cfg)
+    print(f"endpoint up at {url}, serving {len(prompts)} distinct prompts from {clients} clients", flush=True)
     body = {"max_tokens": cfg.eval.max_new_tokens, "temperature": 1.0}
-    rows, errors, _ = send(url, prompts, body, 4, lambda i: proc.poll() is None)
+    rows, errors, _ = send(url, prompts, body, clients, lambda i: proc.poll() is None)
     proc.wait()
     choices = requests.get(f"{url}/stats", timeout=10).json().get("auto_gamma")  # gammas chosen over the run
     serve.shutdown()
     if proc.returncode != 0:
         raise DistillSpecError(f"the online distill job failed (exit {proc.returncode}); see {out / 'distill.log'}")
-    windows = []  # alpha, and the gamma the endpoint chose (draft tokens per target call), over each 20 responses
-    for w in (rows[j : j + 20] for j in range(0, len(rows) - 19, 20)):
+    size = distinct or 20  # alpha over each pass over the recurring prompts, else over each 20 responses
+    windows = []  # alpha, tau, and the gamma the endpoint chose (draft tokens per target call), per window
+    for w in (rows[j : j + size] for j in range(0, len(rows) - size + 1, size)):
         sd = merge_stats([r["sd"] for r in w])
         version = max(r["sd"]["draft_version"] for r in w)
         gamma = sd["drafted"] / sd["target_calls"]
-        windows.append({"time": w[-1]["time"], "alpha": sd["alpha"], "gamma": gamma, "draft_version": version})
+        windows.append({"time": w[-1]["time"], **{k: sd[k] for k in ("alpha", "tau")}, "gamma": gamma})
+        windows[-1]["draft_version"] = version
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
-    result["auto_gamma"] = choices
+    result |= {"distinct": distinct, "clients": clients, "auto_gamma": choices}
+    result["rows"] = [{"time": r["time"], "tokens": r["tokens"], "sd": r["sd"]} for r in rows]
     plt = pyplot()
     fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     times = [w["time"] for w in windows]
     ax.plot(times, [w["alpha"] for w in windows], marker="o")
-    ax.set_ylabel("alpha at the endpoint (20 responses)")
-    ax.set_title(f"online distillation on served {cfg.dataset} prompts")
+    ax.set_ylabel(f"alpha at the endpoint ({size} responses)")
+    served = f"{distinct} recurring" if distinct else "served"
+    ax.set_title(f"online distillation on {served} {Path(cfg.dataset).name} prompts")
     ax2 = ax.twinx()
     ax2.step(times, [w["draft_version"] for w in windows], color="grey", where="post")
     ax2.set_ylabel("draft version", color="grey")
@@ -69,7 +98,10 @@ def suite_online(overrides: list[str], budget: float, out: Path, distilled: str 
     print(f"\nonline distillation: {len(rows)} responses, {len(errors)} errors; alpha at the endpoint over time:")
     for w in windows[:: max(1, len(windows) // 12)] + windows[-1:]:
         alpha = "-" if w["alpha"] is None else f"{w['alpha']:.3f}"
-        print(f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {alpha}  mean gamma {w['gamma']:.2f}")
+        print(
+            f"  t={w['time']:6.0f}s  version {w['draft_version']:>4}  alpha {alpha}  tau {w['tau'] or 0:.2f}"
+            f"  mean gamma {w['gamma']:.2f}"
+        )
     if choices:
         print(f"gamma chosen by the replica (blocks): {choices['chosen']}")
     print(f"wrote {out / 'online_alpha.png'}")

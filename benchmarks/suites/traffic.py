@@ -17,6 +17,8 @@ from pathlib import Path
 import ray
 import requests
 
+from actors.common import NAMESPACE, weights_name
+from distillspec.errors import DistillSpecError
 from distillspec.serving.completer import merge_stats
 
 
@@ -103,6 +105,21 @@ def distill_job(out: Path, overrides: list[str], budget: float) -> subprocess.Po
     out.mkdir(parents=True, exist_ok=True)
     with (out / "distill.log").open("w") as log:
         return subprocess.Popen(job, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for_store(proc: subprocess.Popen, run: str, timeout_s: float = 1800.0) -> None:
+    """Until the weight store of the job ``proc`` (run ``run``) is up: its pipeline has started (the measurements
+    before training come first), so an endpoint started now builds the target over the weights the run shares."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise DistillSpecError(f"the distill job ended (exit {proc.returncode}) before its pipeline started")
+        try:
+            ray.get_actor(weights_name(run), namespace=NAMESPACE)
+            return
+        except ValueError:
+            time.sleep(2)
+    raise DistillSpecError(f"no weight store of run {run} after {timeout_s:.0f}s")
 
 
 def replica_use(url: str) -> tuple[Counter, float]:
