@@ -43,3 +43,6 @@ def test_the_runner_lists_explains_and_refuses_in_one_line():
     assert mixed.returncode == 2 and "suite speed takes options of its own" in mixed.stderr
     own = run("speed", "--help")  # passed on to the suite's own command line
     assert own.returncode == 0 and "--draft-vocab" in own.stdout
+    empty = run("online", "--distinct", "0")  # refused before a model loads or Ray starts
+    assert empty.returncode != 0 and "--clients and --distinct: at least 1" in empty.stderr
+    assert "Traceback" not in empty.stderr

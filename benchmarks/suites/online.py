@@ -33,6 +33,32 @@ from distillspec.tasks.data import chat_prompts, load_task
 RUN = "online"  #: the run's name: the endpoint records prompts into its prompt log and follows its weight store
 
 
+def plot(out: Path, windows: list[dict], size: int, title: str, gamma: int | str) -> Path:
+    """alpha at the endpoint and the draft version over time; below, tau (tokens per target call) and, where the
+    replica chooses it (``serve.gamma=auto``), the mean gamma."""
+    plt = pyplot()
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    times = [w["time"] for w in windows]
+    ax.plot(times, [w["alpha"] for w in windows], marker="o")
+    ax.set_ylabel(f"alpha at the endpoint\n({size} responses)")
+    ax.set_title(title)
+    ax2 = ax.twinx()
+    ax2.step(times, [w["draft_version"] for w in windows], color="grey", where="post")
+    ax2.set_ylabel("draft version", color="grey")
+    below.plot(times, [w["tau"] for w in windows], marker="o", color="tab:purple")
+    below.set_ylabel(f"tau (gamma {gamma})")
+    if gamma == "auto":
+        right = below.twinx()
+        right.plot(times, [w["gamma"] for w in windows], marker=".", color="tab:green")
+        right.set_ylabel("mean gamma chosen", color="tab:green")
+    below.set_xlabel("seconds since the endpoint started serving")
+    fig.tight_layout()
+    path = out / "online_alpha.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def suite_online(
     overrides: list[str],
     budget: float,
@@ -80,21 +106,8 @@ def suite_online(
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
     result |= {"distinct": distinct, "clients": clients, "auto_gamma": choices}
     result["rows"] = [{"time": r["time"], "tokens": r["tokens"], "sd": r["sd"]} for r in rows]
-    plt = pyplot()
-    fig, (ax, below) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    times = [w["time"] for w in windows]
-    ax.plot(times, [w["alpha"] for w in windows], marker="o")
-    ax.set_ylabel(f"alpha at the endpoint ({size} responses)")
     served = f"{distinct} recurring" if distinct else "served"
-    ax.set_title(f"online distillation on {served} {Path(cfg.dataset).name} prompts")
-    ax2 = ax.twinx()
-    ax2.step(times, [w["draft_version"] for w in windows], color="grey", where="post")
-    ax2.set_ylabel("draft version", color="grey")
-    below.plot(times, [w["gamma"] for w in windows], marker="o", color="tab:green")
-    below.set_ylabel(f"mean gamma (serve.gamma={cfg.serve.gamma})")
-    below.set_xlabel("seconds since the endpoint started serving")
-    fig.tight_layout()
-    fig.savefig(out / "online_alpha.png", dpi=120)
+    plot(out, windows, size, f"online distillation on {served} {Path(cfg.dataset).name} prompts", cfg.serve.gamma)
     print(f"\nonline distillation: {len(rows)} responses, {len(errors)} errors; alpha at the endpoint over time:")
     for w in windows[:: max(1, len(windows) // 12)] + windows[-1:]:
         alpha = "-" if w["alpha"] is None else f"{w['alpha']:.3f}"
