@@ -8,7 +8,7 @@ chose (``serve.gamma=auto``) as the draft improves. ``--distinct N`` serves the 
 traffic whose prompts recur, each window of alpha then one pass over the same N.
 
     python benchmarks/benchmark.py online --budget 300 dataset=../shared/data/gsm8k
-    python benchmarks/benchmark.py online --budget 4800 --distinct 32 --clients 2 -o outputs/online-qwen \\
+    python benchmarks/benchmark.py online --budget 4500 --distinct 32 --clients 1 -o outputs/online-qwen \\
         target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct dataset=../shared/data/gsm8k ...
 """
 
@@ -101,8 +101,9 @@ def suite_online(
         sd = merge_stats([r["sd"] for r in w])
         version = max(r["sd"]["draft_version"] for r in w)
         gamma = sd["drafted"] / sd["target_calls"]
-        windows.append({"time": w[-1]["time"], **{k: sd[k] for k in ("alpha", "tau")}, "gamma": gamma})
-        windows[-1]["draft_version"] = version
+        windows.append(
+            {"time": w[-1]["time"], "alpha": sd["alpha"], "tau": sd["tau"], "gamma": gamma, "draft_version": version}
+        )
     result = {"responses": len(rows), "errors": len(errors), "error_samples": errors[:3], "windows": windows}
     result |= {"distinct": distinct, "clients": clients, "auto_gamma": choices}
     result["rows"] = [{"time": r["time"], "tokens": r["tokens"], "sd": r["sd"]} for r in rows]
