@@ -21,8 +21,11 @@ class PromptLog:
         self.received += len(prompts)
         count("distillspec_online_prompts", len(prompts), run=self.run)
 
-    def sample(self, n: int) -> list[str]:
-        """Up to ``n`` distinct recent prompts (fewer while the log holds fewer)."""
+    def sample(self, n: int, at_least: int = 0) -> list[str]:
+        """Up to ``n`` distinct recent prompts (fewer while the log holds fewer; none while it holds under
+        ``at_least``)."""
+        if len(self.recent) < at_least:
+            return []
         return self.rng.sample(list(self.recent), min(n, len(self.recent)))
 
     def stats(self) -> dict:

@@ -23,7 +23,7 @@ from distillspec.models.loading import load_arrays, load_model, load_tokenizer
 from distillspec.tasks.data import Example
 from distillspec.training.batches import BatchHeader, RolloutBatch
 from distillspec.training.losses import forward_logits, train_temperature
-from distillspec.training.rollout import Sampler, needs_target_samples
+from distillspec.training.rollout import Sampler, needs_target_samples, online_rows
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,7 @@ class RolloutActor:
             self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed, topk=s.topk)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
+        self.dataset, self.rows = train, {"served": 0, "data": 0}  #: online: the data set, and the prompts drawn
         self.version = -1  #: the draft version this actor samples with
         self.made = 0
         log.info("rollout %d up (pid %d%s)", rank, os.getpid(), ", restarted" if restarted else "")
@@ -128,13 +129,16 @@ class RolloutActor:
         return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
 
     def served_prompts(self) -> list[Example]:
-        """Online distillation: the latest prompts the endpoint served (waits until there are enough)."""
-        while (
-            len(prompts := ray.get(self.prompts.sample.remote(self.settings.distill.batch_size)))
-            < self.settings.rollout.online_min_prompts
-        ):
+        """Online distillation: recent prompts the endpoint served (waits until the log holds enough), with the data
+        set's beside them as ``rollout.online_mix`` says."""
+        r = self.settings.rollout
+        served, data = online_rows(self.settings.distill.batch_size, r.online_mix)
+        while not (prompts := ray.get(self.prompts.sample.remote(served, r.online_min_prompts))):
             time.sleep(0.5)
-        return [Example(prompt=p, reference="") for p in prompts]
+        replayed = self.sampler.rng.sample(self.dataset, min(data, len(self.dataset)))
+        self.rows["served"] += len(prompts)
+        self.rows["data"] += len(replayed)
+        return [Example(prompt=p, reference="") for p in prompts] + replayed
 
     def sync(self) -> None:
         """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines."""
@@ -145,11 +149,13 @@ class RolloutActor:
             pass  # logged and counted where it was found; sample with the weights held
 
     def stats(self) -> dict:
-        """The version this actor samples with and, with vLLM, its in-place weight loads."""
+        """The version this actor samples with, the batches it made, online the served and data-set prompts it drew,
+        and with vLLM its in-place weight loads."""
         loads = self.engine.loads if self.draft is None else None
         return {
             "version": self.version,
             "made": self.made,
+            "online_rows": self.rows,
             "weight_loads": loads,
             "pid": os.getpid(),
         }

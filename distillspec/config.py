@@ -223,6 +223,11 @@ class RolloutConfig:
     online: bool = knob(False, "train on prompts a Serve endpoint serves (serve.record_prompts), not the data set")
     online_window: PosInt = knob(2048, "the most recent served prompts rollouts sample from")
     online_min_prompts: PosInt = knob(8, "rollouts wait until the prompt log holds this many")
+    online_mix: Annotated[float, Field(ge=0, lt=1)] = knob(
+        0.0,
+        "share of each online batch's prompts drawn from the data set beside the served ones, for acceptance on "
+        "prompts the endpoint has not served (0: served prompts only; at least one served prompt a batch)",
+    )
 
 
 @dataclass(config=SCHEMA)

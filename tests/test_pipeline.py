@@ -116,6 +116,30 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
     assert result.ledger["balanced"] and result.ledger["consumed"] == 14, result.ledger
 
 
+def test_online_batches_mix_served_prompts_with_the_data_sets(ray_cluster, tiny_garden, task, tmp_path):
+    cfg = job_config(
+        tiny_garden,
+        tmp_path,
+        "distill.steps=3",
+        "distill.checkpoint_every=0",
+        "evaluator.every=0",
+        "rollout.workers=1",
+        "rollout.online=true",
+        "rollout.online_min_prompts=2",
+        "rollout.online_mix=0.5",
+    )
+    pipeline = Pipeline(cfg, task, tmp_path)
+    try:
+        ray.get(pipeline.prompt_log.add.remote(["1+1=", "2+2=", "3+3="]))  # what an endpoint would have served
+        result = pipeline.run()
+        stats = ray.get(pipeline.rollouts[0].stats.remote())
+    finally:
+        pipeline.shutdown()
+    assert len(result.train_log) == 3 and result.ledger["balanced"], result.ledger
+    rows = stats["online_rows"]  # 2 served and 2 of the data set's a batch (a batch may still be in the making)
+    assert rows["served"] == rows["data"] >= 2 * 3 and stats["made"] >= 3, stats
+
+
 def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):
     store = WeightStore.remote("refusals")
     buffer = BufferActor.options(name="refusals-buffer").remote(

@@ -1,4 +1,5 @@
-"""The data half of Algorithm A.2 (distillspec/training/rollout.py): target samples that come scored."""
+"""The data half of Algorithm A.2 (distillspec/training/rollout.py): target samples that come scored, and the prompts
+of an online batch."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.training.batches import RolloutBatch
 from distillspec.training.divergences import compress_topk, divergence
 from distillspec.training.losses import forward_logits, kd_loss
-from distillspec.training.rollout import generate_batch
+from distillspec.training.rollout import generate_batch, online_rows
 
 
 def _target_samples(text_pair, tokenizer, task, **kw):
@@ -47,3 +48,11 @@ def test_otherwise_the_scorer_scores(text_pair, tokenizer, task, kw):
     batch = _target_samples(text_pair, tokenizer, task, **kw)
     assert batch.target is None
     assert not RolloutBatch.from_batch(batch, version=0, source="target").scored
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "mix", "rows"),
+    [(8, 0.0, (8, 0)), (8, 0.5, (4, 4)), (8, 0.3, (6, 2)), (8, 0.99, (1, 7)), (1, 0.5, (1, 0))],
+)
+def test_an_online_batch_mixes_the_data_sets_prompts_but_keeps_a_served_one(batch_size, mix, rows):
+    assert online_rows(batch_size, mix) == rows

@@ -96,6 +96,13 @@ def draw_source(rng: random.Random, recipe: Recipe) -> str:
     return "draft" if rng.random() < recipe.lambda2 else "target"
 
 
+def online_rows(batch_size: int, mix: float) -> tuple[int, int]:
+    """Online distillation: how many of a batch's prompts are served ones and how many the data set's, ``mix`` of
+    them (``rollout.online_mix``) but at least one served."""
+    data = min(round(mix * batch_size), batch_size - 1)
+    return batch_size - data, data
+
+
 def needs_target_samples(recipe: Recipe) -> bool:
     """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
     return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
