@@ -606,6 +606,11 @@ class JobConfig:
                 f"rollout.online=true trains on served prompts, which have no reference answers: recipe "
                 f"{self.distill.recipe!r} uses fixed data; choose an on-policy recipe (distillspec, gkd) or lambda1=0"
             )
+        if self.rollout.online_mix > 0 and not self.rollout.online:
+            raise DistillSpecError(
+                f"rollout.online_mix={self.rollout.online_mix} mixes the data set into served prompts: it needs "
+                "rollout.online=true (without it every prompt is the data set's)"
+            )
         if self.target is not None and self.draft is None:
             raise DistillSpecError("give both --target and --draft, or neither (then the garden pair is used)")
         self.check_gpu_shares()

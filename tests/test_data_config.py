@@ -97,6 +97,8 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["distill.lr=nan"], "distill.lr='nan': input should be a finite number"),
         (["buffer.max_batch_tokens=1000"], r"distill.batch_size=32 x \(max_prompt_tokens 256 \+ max_new_tokens 64\)"),
         (["rollout.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),
+        (["rollout.online_mix=0.5"], r"rollout.online_mix=0.5 mixes the data set into served prompts: it needs"),
+        (["rollout.online=true", "rollout.online_mix=1"], "rollout.online_mix=1: input should be less than 1"),
     ],
 )
 def test_bad_config(overrides, match):
