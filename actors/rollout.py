@@ -136,8 +136,8 @@ class RolloutActor:
         while not (prompts := ray.get(self.prompts.sample.remote(served, r.online_min_prompts))):
             time.sleep(0.5)
         replayed = self.sampler.rng.sample(self.dataset, min(data, len(self.dataset)))
-        self.rows["served"] += len(prompts)
-        self.rows["data"] += len(replayed)
+        # one assignment: stats() runs on another thread of this actor and must not see one count moved alone
+        self.rows = {"served": self.rows["served"] + len(prompts), "data": self.rows["data"] + len(replayed)}
         return [Example(prompt=p, reference="") for p in prompts] + replayed
 
     def sync(self) -> None:
