@@ -46,3 +46,6 @@ def test_the_runner_lists_explains_and_refuses_in_one_line():
     empty = run("online", "--distinct", "0")  # refused before a model loads or Ray starts
     assert empty.returncode != 0 and "--clients and --distinct: at least 1" in empty.stderr
     assert "Traceback" not in empty.stderr
+    # The suite's own distill job is online, so rollout.online_mix passes validation and the next check speaks
+    mixed_online = run("online", "rollout.online_mix=0.5", "dataset=/nonexistent")
+    assert mixed_online.returncode != 0 and "dataset path '/nonexistent' does not exist" in mixed_online.stderr

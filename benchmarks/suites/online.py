@@ -75,15 +75,15 @@ def suite_online(
     if clients < 1 or (distinct is not None and distinct < 1):
         raise DistillSpecError("--clients and --distinct: at least 1")
     # The replica follows every version the learner publishes (no evaluator runs, so none passes a gate).
-    run = [f"ray.run_name={RUN}", "serve.record_prompts=true", "serve.replica.cpus=0.5", "serve.follow.version=latest"]
-    run += overrides
+    run = [f"ray.run_name={RUN}", "rollout.online=true", "serve.record_prompts=true", "serve.replica.cpus=0.5"]
+    run += ["serve.follow.version=latest", *overrides]
     cfg = resolve_models(load_config(None, run))
     task = chat_prompts(load_task(cfg.dataset, seed=cfg.seed), load_tokenizer(cfg.target), cfg.chat_template)
     prompts = [e.prompt for e in task.test][:distinct]
     if distinct is not None and len(prompts) < distinct:
         raise DistillSpecError(f"--distinct {distinct}: {cfg.dataset} has {len(prompts)} test prompts")
     connect(cfg.ray)
-    proc = distill_job(out, ["rollout.online=true", *run], budget)
+    proc = distill_job(out, run, budget)
     print(f"distill job started (log: {out / 'distill.log'}); waiting for its pipeline ...", flush=True)
     wait_for_store(proc, RUN)
     url = start(cfg)
