@@ -77,3 +77,11 @@ def test_the_trajectory_suite_refuses_unseen_questions_it_cannot_have(tiny_garde
         suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], unseen=2, **run)
     with pytest.raises(SystemExit, match="test questions, 3 of them held out"):
         suite_trajectory(garden_overrides(tiny_garden), ["distill.lr=1e-3"], train_on="held", unseen=10**6, **run)
+
+
+def test_the_trajectory_suite_scores_a_draft_alone_without_settings(tiny_garden, tmp_path):
+    with pytest.raises(SystemExit, match="--settings: at least one"):  # steps to take, and no setting to take them
+        suite_trajectory(garden_overrides(tiny_garden), [], steps=1, every=1, held=3, out=tmp_path)
+    result = suite_trajectory(garden_overrides(tiny_garden), [], steps=0, every=1, held=3, out=tmp_path)
+    assert 0.0 < result["start"]["alpha"] <= 1.0 and result["settings"] == {}
+    assert "the draft as loaded" in (tmp_path / "trajectory.md").read_text()

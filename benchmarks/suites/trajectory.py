@@ -15,6 +15,8 @@ With ``--train-on held`` the learner's questions are the held-out questions them
 its own): what a recipe buys where it has already seen every question it is measured on, a ceiling for what more
 questions of the same kind could buy it. ``--unseen N`` scores N more test questions beside them, which the learner
 never sees: what training on a few questions over and over (a stream of repeated prompts) does to new ones.
+``--steps 0`` without ``--settings`` scores the draft alone: a draft distilled elsewhere (``draft=<its folder>``) on
+the same fixed samples.
 
 Writes ``trajectory.json`` (after every evaluation), ``trajectory.md`` (a row per setting and evaluation) and
 ``trajectory.png``; with ``--keep-drafts``, each setting's draft as of its last evaluation in ``drafts/N``.
@@ -157,6 +159,8 @@ def suite_trajectory(
     unseen: int = 0,
 ) -> dict:
     """The whole suite (see the module docstring)."""
+    if steps > 0 and not settings:
+        raise SystemExit("--settings: at least one learner setting to train (only --steps 0 scores the draft alone)")
     if unseen and train_on != "held":
         raise SystemExit(
             "--unseen N scores questions besides the held-out ones the learner trains on (--train-on held); "
@@ -198,7 +202,7 @@ def suite_trajectory(
         return scored
 
     result["start"] = score(draft)
-    print(f"undistilled: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
+    print(f"the draft as loaded: alpha {result['start']['alpha']:.4f}, greedy {result['start']['greedy']:.4f}")
     result["settings"] = {}
 
     def save() -> None:
@@ -240,11 +244,11 @@ def format_table(result: dict) -> str:
     seen = " (the questions trained on)" if result["config"].get("train_on") == "held" else ""
     lines = [
         f"held-out alpha (T = 1, 1 - TVD) and greedy agreement (T = 0) on {result['config']['held_out']} questions"
-        f"{seen}; undistilled {start['alpha']:.4f} / {start['greedy']:.4f}",
+        f"{seen}; the draft as loaded {start['alpha']:.4f} / {start['greedy']:.4f}",
     ]
     if unseen:
         lines.append(
-            f"unseen: the same on {unseen} questions the learner never saw; undistilled "
+            f"unseen: the same on {unseen} questions the learner never saw; the draft as loaded "
             f"{start['unseen']['alpha']:.4f} / {start['unseen']['greedy']:.4f}"
         )
     head = "| setting | step | loss | alpha (T = 1) | change | greedy (T = 0) | change |"
@@ -290,7 +294,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="job config keys (target=..., draft=..., dataset=..., distill.*)")
     parser.add_argument(
-        "--settings", nargs="+", required=True, help='learner settings to compare, each one quoted: "distill.lr=3e-6"'
+        "--settings",
+        nargs="+",
+        default=[],
+        help='learner settings to compare, each one quoted: "distill.lr=3e-6" (none with --steps 0: score the draft)',
     )
     parser.add_argument("--steps", type=int, default=8, help="learner steps per setting")
     parser.add_argument("--every", type=int, default=2, help="steps between held-out evaluations")
