@@ -85,3 +85,4 @@ def test_the_trajectory_suite_scores_a_draft_alone_without_settings(tiny_garden,
     result = suite_trajectory(garden_overrides(tiny_garden), [], steps=0, every=1, held=3, out=tmp_path)
     assert 0.0 < result["start"]["alpha"] <= 1.0 and result["settings"] == {}
     assert "the draft as loaded" in (tmp_path / "trajectory.md").read_text()
+    assert json.loads((tmp_path / "trajectory.json").read_text())["start"] == result["start"]

@@ -208,6 +208,7 @@ def suite_trajectory(
     def save() -> None:
         (out / "trajectory.json").write_text(json.dumps(result, indent=1))
 
+    save()  # the start, kept though no setting trains (--steps 0) or the first is stopped
     for index, setting in enumerate(settings):
         print(f"{setting}:")
         distill = load_config(None, [*overrides, *setting.split()]).distill
