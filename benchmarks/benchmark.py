@@ -89,6 +89,7 @@ SUITES = {
     "trajectory": Suite("trajectory", "main", "command"),
     "draft-vocab": Suite("draft_vocab", "main", "command"),
     "draft-temperature": Suite("draft_temperature", "main", "command"),
+    "acceptance-by-kind": Suite("acceptance_by_kind", "main", "command"),
     "stop": Suite("stop", "main", "command"),
     "gpu": Suite("gpu", "main", "command"),
     "topk": Suite("topk", "main", "command"),

@@ -15,8 +15,11 @@ With ``--train-on held`` the learner's questions are the held-out questions them
 its own): what a recipe buys where it has already seen every question it is measured on, a ceiling for what more
 questions of the same kind could buy it. ``--unseen N`` scores N more test questions beside them, which the learner
 never sees: what training on a few questions over and over (a stream of repeated prompts) does to new ones.
-``--steps 0`` without ``--settings`` scores the draft alone: a draft distilled elsewhere (``draft=<its folder>``) on
-the same fixed samples.
+``--steps 0`` without ``--settings`` scores the draft alone (``draft=<its folder>``, a draft distilled elsewhere). The
+target's held-out samples are exact whatever draft proposes them, but which tokens they are depends on the draft the
+suite loads: two drafts scored in two runs are scored on other draws of the same questions, which move alpha by as
+much as a point. To compare drafts on the same draws, score them in one run:
+``benchmarks/suites/acceptance_by_kind.py`` (or ``draft_temperature.py``) with ``--drafts``.
 
 Writes ``trajectory.json`` (after every evaluation), ``trajectory.md`` (a row per setting and evaluation) and
 ``trajectory.png``; with ``--keep-drafts``, each setting's draft as of its last evaluation in ``drafts/N``.
@@ -38,7 +41,6 @@ from typing import Any
 import torch
 
 from distillspec.config import load_config
-from distillspec.decoding.metrics import alpha_from_tvd
 from distillspec.evaluation.report import pyplot
 from distillspec.files import write_folder
 from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
@@ -46,6 +48,7 @@ from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
+from distillspec.training.divergences import tvd
 from distillspec.training.learner import Learner
 from distillspec.training.losses import forward_logits
 from distillspec.training.rollout import Sampler, generate_batch
@@ -75,30 +78,51 @@ def held_out(target, draft, tokenizer, examples, *, max_new_tokens: int, seed: i
 
 
 @torch.inference_mode()
+def position_acceptance(
+    draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4, draft_temperatures: Sequence[float] = ()
+) -> dict[float, dict[float, torch.Tensor]]:
+    """The acceptance of ``draft`` at each position of the held-out sets, ``rows`` sequences at a time (a
+    whole-vocabulary distribution over every held-out position would take gigabytes): ``1 - TVD(p, q_t)`` on the
+    T = 1 set, for t = 1 and each of ``draft_temperatures`` (the draft's logits divided by t), and the argmax
+    agreement (0 or 1) on the greedy set; ``{set temperature: {t: [rows, columns of Batch.window_mask]}}``, 0 where
+    the window mask is 0."""
+    ids, out = d2t(draft), {}
+    for temperature in (1.0, 0.0):
+        batch, target = sets[temperature]
+        temperatures = dict.fromkeys((1.0, *draft_temperatures) if temperature > 0 else (1.0,))  # each t once
+        parts: dict[float, list[torch.Tensor]] = {t: [] for t in temperatures}
+        for start in range(0, batch.input_ids.shape[0], rows):
+            part = slice(start, start + rows)
+            mask = batch.window_mask[part].float()
+            piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
+            logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
+            if temperature == 0:
+                parts[1.0].append((logits.argmax(-1) == target[part]).float() * mask)
+                continue
+            for t in temperatures:  # t = 1 scores the logits as they are, without a copy
+                scaled = logits if t == 1.0 else logits / t
+                parts[t].append((1.0 - tvd(scaled, target[part], reduction="none")) * mask)
+        out[temperature] = {t: torch.cat(values) for t, values in parts.items()}
+    return out
+
+
 def acceptance(
     draft, sets: dict[float, tuple], vocab: int, *, rows: int = 4, draft_temperatures: Sequence[float] = ()
 ) -> dict[str, Any]:
-    """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring), ``rows``
-    sequences at a time: a whole-vocabulary distribution over every held-out position would take gigabytes. With
-    ``draft_temperatures``, also ``alpha_at``: alpha at T = 1 where the draft proposes from its logits divided by each
-    (``{str(t): alpha}``; speculative decoding stays exact whatever distribution the draft proposes from)."""
-    ids, out = d2t(draft), {}
-    for temperature, name in ((1.0, "alpha"), (0.0, "greedy")):
-        batch, target = sets[temperature]
-        totals = dict.fromkeys((1.0, *draft_temperatures) if temperature > 0 else (1.0,), 0.0)  # each t once
-        count = 0.0
-        for start in range(0, batch.input_ids.shape[0], rows):
-            part = slice(start, start + rows)
-            mask = batch.window_mask[part]
-            piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
-            logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
-            for t in totals:  # t = 1 scores the logits as they are, without a copy
-                scaled = logits if t == 1.0 else logits / t
-                totals[t] += alpha_from_tvd(scaled, target[part], mask, temperature) * float(mask.sum())
-            count += float(mask.sum())
-        out[name] = totals[1.0] / max(count, 1.0)
-        if temperature > 0 and draft_temperatures:
-            out["alpha_at"] = {str(t): totals[t] / max(count, 1.0) for t in draft_temperatures}
+    """``alpha`` (T = 1) and ``greedy`` (T = 0) of ``draft`` on the held-out sets (see the module docstring): the means
+    of :func:`position_acceptance` over the positions scored. With ``draft_temperatures``, also ``alpha_at``: alpha at
+    T = 1 where the draft proposes from its logits divided by each (``{str(t): alpha}``; speculative decoding stays
+    exact whatever distribution the draft proposes from)."""
+    scores = position_acceptance(draft, sets, vocab, rows=rows, draft_temperatures=draft_temperatures)
+    means = {
+        temperature: {
+            t: float(v.sum()) / max(float(sets[temperature][0].window_mask.sum()), 1.0) for t, v in at.items()
+        }
+        for temperature, at in scores.items()
+    }
+    out: dict[str, Any] = {"alpha": means[1.0][1.0], "greedy": means[0.0][1.0]}
+    if draft_temperatures:
+        out["alpha_at"] = {str(t): means[1.0][t] for t in draft_temperatures}
     return out
 
 
