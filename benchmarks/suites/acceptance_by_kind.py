@@ -151,17 +151,20 @@ def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     sets = list(result["sets"].items())
     fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), squeeze=False, sharey=True)
+    lowest = 1.0
     for ax, (questions, drafts) in zip(axes[0], sets):
         width = 0.8 / len(drafts)
         for index, (name, row) in enumerate(drafts.items()):
-            values = [row["alpha"][kind]["acceptance"] or 0.0 for kind in KINDS]
-            ax.bar([k + index * width for k in range(len(KINDS))], values, width, label=short(name))
+            values = [row["alpha"][kind]["acceptance"] for kind in KINDS]
+            lowest = min([lowest, *(v for v in values if v is not None)])
+            ax.bar([k + index * width for k in range(len(KINDS))], [v or 0.0 for v in values], width, label=short(name))
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(KINDS))], KINDS, fontsize=8)
         ax.set(title=f"test questions {questions}", ylabel="alpha at T = 1 (1 - TVD)")
-        ax.set_ylim(0.5, 1.0)
         ax.grid(alpha=0.3, axis="y")
-    axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    axes[0][0].set_ylim(max(0.0, lowest - 0.05), 1.0)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # below the plots: a draft's name is long
+    fig.legend(handles, labels, loc="lower center", fontsize=8, ncol=2)
+    fig.tight_layout(rect=(0, 0.05 * ((len(labels) + 1) // 2) + 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
