@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from benchmarks.suites.draft_temperature import short
 from benchmarks.suites.trajectory import held_out, position_acceptance
 from distillspec.config import load_config
 from distillspec.evaluation.report import pyplot
@@ -120,11 +121,6 @@ def suite_acceptance_by_kind(
     return result
 
 
-def short(name: str, width: int = 40) -> str:
-    """A draft's name for a table or a legend: its path's tail where the whole is long."""
-    return name if len(name) <= width else "..." + name[-(width - 3) :]
-
-
 def mean(part: dict) -> str:
     """A kind's acceptance in a table cell (a dash where the set has none of the kind)."""
     return "-" if part["acceptance"] is None else f"{part['acceptance']:.4f}"
@@ -143,7 +139,7 @@ def format_table(result: dict) -> str:
             for kind in ("all", *KINDS):
                 a, g = row["alpha"][kind], row["greedy"][kind]
                 cells = [f"{part['share']:.3f} | {mean(part)} | {part['lost']:.3f}" for part in (a, g)]
-                lines.append(f"| {questions} | {short(name)} | {kind} | {cells[0]} | {cells[1]} |")
+                lines.append(f"| {questions} | {short(name, 40)} | {kind} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -157,7 +153,9 @@ def plot(result: dict, path: Path) -> None:
         for index, (name, row) in enumerate(drafts.items()):
             values = [row["alpha"][kind]["acceptance"] for kind in KINDS]
             lowest = min([lowest, *(v for v in values if v is not None)])
-            ax.bar([k + index * width for k in range(len(KINDS))], [v or 0.0 for v in values], width, label=short(name))
+            ax.bar(
+                [k + index * width for k in range(len(KINDS))], [v or 0.0 for v in values], width, label=short(name, 40)
+            )
         ax.set_xticks([k + 0.4 - width / 2 for k in range(len(KINDS))], KINDS, fontsize=8)
         ax.set(title=f"test questions {questions}", ylabel="alpha at T = 1 (1 - TVD)")
         ax.grid(alpha=0.3, axis="y")
