@@ -202,3 +202,70 @@ def test_train_top_k_trains_the_last_k_decoder_layers_only():
     assert load_config(None, ["distill.train=top:8"]).distill.train == "top:8"
     with pytest.raises(DistillSpecError, match="distill.train"):
         load_config(None, ["distill.train=top:0"])
+
+
+def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tokenizer, task):
+    """``distill.train=lora:R``: the gradients of A and B are those of an explicit LoRA forward (W0 + B A through
+    ``functional_call``), each step moves the adapted weights by B A alone (rank <= R, everything else as it was),
+    the draft keeps its parameter names, and a resumed learner carries on as the one that never stopped."""
+    import copy
+
+    from torch.func import functional_call
+
+    from distillspec.config import load_config
+
+    target, base = text_pair
+    draft = copy.deepcopy(base)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    cfg = DistillConfig(recipe="supkd", divergence="fkl", train="lora:2", lr=1e-2, warmup_steps=0, steps=10)
+    learner = Learner(draft, target, cfg, bf16=False)
+    assert len(learner.lora.weights) == 7  # q, k, v, o, gate, up, down of the one decoder layer
+    batch = encode_examples(tokenizer, task.train[:4], max_len=64)
+    with torch.no_grad():  # B starts at 0: the draft is as it was; give B a value so dA is not 0 either
+        for b in learner.lora.b:
+            b.normal_(0, 0.01)
+        learner.lora.merge()
+    names = {id(w): n for n, w in draft.named_parameters()}
+    recipe = resolve_recipe(cfg)
+
+    def explicit_loss(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+        weights = {names[id(w)]: w0 + bi @ ai for w, (a0, b0), ai, bi in
+                   zip(learner.lora.weights, learner.lora.merged, a, b) for w0 in [w.detach() - b0 @ a0]}  # fmt: skip
+        model = lambda **kw: functional_call(draft, weights, args=(), kwargs=kw)
+        model.config = draft.config
+        return kd_loss(model, target, batch, recipe)
+
+    a = [x.detach().clone().requires_grad_() for x in learner.lora.a]
+    b = [x.detach().clone().requires_grad_() for x in learner.lora.b]
+    explicit_loss(a, b).backward()
+    kd_loss(draft, target, batch, recipe).backward()
+    learner.lora.gradients()
+    for mine, theirs in zip(learner.lora.params, [*a, *b]):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
+    assert all(w.grad is None for w in learner.lora.weights)
+    learner.optimizer.zero_grad(set_to_none=True)
+
+    start = {k: v.clone() for k, v in draft.state_dict().items()}
+    record = learner.step(batch)
+    assert set(draft.state_dict()) == set(before)
+    adapted = {names[id(w)] for w in learner.lora.weights}
+    for name, value in draft.state_dict().items():
+        moved = value - before[name]  # W0 + B A: B A of rank 2 at most, and this step moved it
+        if name in adapted:
+            assert not torch.equal(value, start[name]) and torch.linalg.matrix_rank(moved, atol=1e-6) <= 2
+        else:
+            assert torch.equal(moved, torch.zeros_like(moved))
+    losses = [record["loss"]] + [learner.step(batch)["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]
+
+    resumed = Learner(copy.deepcopy(draft), target, cfg, bf16=False)
+    resumed.load_state_dict(copy.deepcopy(learner.state_dict()))
+    learner.step(batch), resumed.step(batch)
+    for (name, mine), theirs in zip(draft.state_dict().items(), resumed.draft.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+
+    assert load_config(None, ["distill.train=lora:16"]).distill.train == "lora:16"
+    with pytest.raises(DistillSpecError, match="distill.train"):
+        load_config(None, ["distill.train=lora:0"])
+    with pytest.raises(DistillSpecError, match="float32"):
+        Learner(copy.deepcopy(base).to(torch.bfloat16), target, cfg)

@@ -14,7 +14,8 @@ from .conftest import garden_overrides
 
 def test_the_trajectory_suite_scores_each_setting_on_fixed_target_samples(tiny_garden, tmp_path):
     overrides = garden_overrides(tiny_garden)
-    settings = ["distill.lr=1e-3", "distill.lr=1e-3 distill.divergence=fkl distill.train=top:1"]
+    settings = ["distill.lr=1e-3", "distill.lr=1e-3 distill.divergence=fkl distill.train=top:1",
+                "distill.lr=1e-2 distill.train=lora:4"]  # fmt: skip
     result = suite_trajectory(overrides, settings, steps=3, every=2, held=4, out=tmp_path, keep_drafts=True)
     assert 0.0 < result["start"]["alpha"] <= 1.0 and 0.0 <= result["start"]["greedy"] <= 1.0
     assert list(result["settings"]) == settings

@@ -41,10 +41,11 @@ Objective = Callable[[torch.nn.Module, Batch, "Tensor | TopKLogprobs | None"], T
 
 
 def make_optimizer(
-    model: torch.nn.Module, lr: float, steps: int, warmup_steps: int
+    model: torch.nn.Module, lr: float, steps: int, warmup_steps: int, params: list[Tensor] | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the weights that train (``requires_grad``), with linear warm-up and cosine decay to 0 at ``steps``."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    """AdamW over the weights that train (``requires_grad``; or ``params``), with linear warm-up and cosine decay to
+    0 at ``steps``."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     return optimizer, get_cosine_schedule_with_warmup(optimizer, min(warmup_steps, steps), steps)
 
@@ -66,6 +67,78 @@ def freeze_all_but_layers(model: torch.nn.Module, top: int | None = None) -> int
         p.requires_grad_(m is not None and int(m.group(1)) >= lowest)
         trained += p.numel() if p.requires_grad else 0
     return trained
+
+
+class LoRA:
+    """Low-rank adaptation (Hu et al., 2021, arXiv 2106.09685) of every linear weight in ``model``'s decoder layers
+    (``distill.train=lora:R``), kept merged: each such weight ``W`` [out, in] is ``W0 + B A`` at every step, with
+    ``A`` [R, in] (Kaiming-uniform, as LoRA starts it) and ``B`` [out, R] (zeros, so the draft starts as it is) the
+    only weights the optimizer holds. The forward pass and the gradients of ``A`` and ``B`` are LoRA's (``dA = B^T
+    dW``, ``dB = dW A^T``, from the weight's own gradient ``dW``), and the draft stays an ordinary model: sampling,
+    publishing and saving see the same weights under the same names, no adapter to merge. The backward pass is that of
+    ``distill.train=layers`` (it computes ``dW`` and drops it); the optimizer's state is ``R * (in + out)`` numbers a
+    weight instead of ``out * in``. Everything else stays frozen."""
+
+    def __init__(self, model: torch.nn.Module, rank: int) -> None:
+        pattern = re.compile(r"(?:^|\.)layers\.\d+\.")
+        self.weights = [
+            m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.search(name + ".")
+        ]
+        if not self.weights:
+            raise DistillSpecError("distill.train=lora: the draft has no linear weights in '...layers.N...' to adapt")
+        if (dtype := self.weights[0].dtype) != torch.float32:
+            raise DistillSpecError(
+                f"distill.train=lora: the draft's weights are {dtype}; LoRA moves them by steps too small for any "
+                f"but float32 to hold (load the draft in float32: bfloat16 autocast, distill.bf16, still computes "
+                f"in bfloat16)"
+            )
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.a: list[Tensor] = []
+        self.b: list[Tensor] = []
+        seed = torch.Generator().manual_seed(0)  # the same A on every DDP worker
+        for w in self.weights:
+            w.requires_grad_(True)  # for dW, which steps A and B and is dropped (the optimizer never holds W)
+            a = torch.empty(rank, w.shape[1])
+            torch.nn.init.kaiming_uniform_(a, a=5**0.5, generator=seed)
+            a = a.to(w.device)
+            self.a.append(torch.nn.Parameter(a))
+            self.b.append(torch.nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device)))
+        self.merged = self.factors()
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [*self.a, *self.b]
+
+    def factors(self) -> list[tuple[Tensor, Tensor]]:
+        return [(a.detach().clone(), b.detach().clone()) for a, b in zip(self.a, self.b)]
+
+    def gradients(self) -> None:
+        """``dA``, ``dB`` from each weight's gradient ``dW`` (the mean over DDP workers, where they are), then
+        ``dW`` dropped."""
+        for w, a, b in zip(self.weights, self.a, self.b):
+            if w.grad is None:
+                continue
+            g = w.grad.float()
+            a.grad, b.grad = b.detach().T @ g, g @ a.detach().T
+            w.grad = None
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Move each weight by ``B A`` less the ``B A`` merged before (after an optimizer step)."""
+        for w, (a0, b0), a, b in zip(self.weights, self.merged, self.a, self.b):
+            w.add_((b @ a - b0 @ a0).to(w.dtype))
+        self.merged = self.factors()
+
+    def state_dict(self) -> dict[str, list[Tensor]]:
+        return {"a": [a.detach().clone() for a in self.a], "b": [b.detach().clone() for b in self.b]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, list[Tensor]]) -> None:
+        """``A`` and ``B`` as saved (the weights they moved come with the checkpoint's draft, already merged)."""
+        for p, saved in zip([*self.a, *self.b], [*state["a"], *state["b"]]):
+            p.copy_(saved)
+        self.merged = self.factors()
 
 
 def freeze_all_but_head(model: PreTrainedModel) -> int:
@@ -102,11 +175,13 @@ class Learner:
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
         self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
+        self.lora = LoRA(draft, int(cfg.train.removeprefix("lora:"))) if cfg.train.startswith("lora:") else None
         if cfg.train == "head":
             freeze_all_but_head(draft)
-        elif cfg.train != "all":
+        elif cfg.train != "all" and self.lora is None:
             freeze_all_but_layers(draft, int(cfg.train.removeprefix("top:")) if cfg.train.startswith("top:") else None)
-        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps)
+        params = None if self.lora is None else self.lora.params
+        self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps, params)
         self.step_count = 0
         if target is not None:
             target.eval()
@@ -151,10 +226,15 @@ class Learner:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.objective(self.model, batch, target_logits)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if self.lora is not None:
+            self.lora.gradients()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.lora is not None:
+            self.lora.merge()
         self.model.eval()
         current = self.step_count if current is None else current
         version = current if version is None else version
@@ -174,14 +254,18 @@ class Learner:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler and step (the draft's weights are saved apart, in ``save_pretrained`` format)."""
+        """Optimizer, scheduler, step and LoRA's factors (the draft's weights are saved apart, in
+        ``save_pretrained`` format)."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step_count,
+            **({"lora": self.lora.state_dict()} if self.lora is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.lora is not None:
+            self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
