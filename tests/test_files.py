@@ -96,15 +96,17 @@ else:
         assert read_json(target / "step.json") == {"step": 3}
 
 
-def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, text_pair, tokenizer, task):
-    """The learner's state (weights, optimizer, scheduler, step) comes back as saved, through ``torch.load`` with
-    ``weights_only=True`` (a checkpoint cannot run code when a run resumes from it)."""
+@pytest.mark.parametrize("train", ["all", "lora:2"])
+def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, text_pair, tokenizer, task, train):
+    """The learner's state (weights, optimizer, scheduler, step; LoRA's factors) comes back as saved, through
+    ``torch.load`` with ``weights_only=True`` (a checkpoint cannot run code when a run resumes from it)."""
     from distillspec.training.rollout import encode_examples
 
     target, draft = text_pair
-    cfg = DistillConfig(steps=4, batch_size=2, max_new_tokens=4, recipe="supkd")
+    cfg = DistillConfig(steps=4, batch_size=2, max_new_tokens=4, recipe="supkd", train=train)
     learner = Learner(copy.deepcopy(draft), target, cfg)
-    learner.step(encode_examples(tokenizer, task.train[:2], max_len=32))
+    for _ in range(2):  # the first step's rate is 0 (the warm-up)
+        learner.step(encode_examples(tokenizer, task.train[:2], max_len=32))
     log = RecordLog(tmp_path / "log.jsonl")
     log.append({"step": 1})
     save_checkpoint(tmp_path / "ckpt", learner, tokenizer, log, seconds=1.5, extra={"ledger": {"a": 1}})
@@ -119,6 +121,9 @@ def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, te
         RecordLog(log.path, 5)
     for a, b in zip(learner.draft.parameters(), other.draft.parameters(), strict=True):
         assert torch.equal(a, b)
+    if learner.lora is not None:
+        for a, b in zip(learner.lora.params, other.lora.params, strict=True):
+            assert torch.equal(a, b) and torch.count_nonzero(b) > 0
     assert read_json(tmp_path / "ckpt" / "ledger.json") == {"a": 1}
 
 

@@ -329,10 +329,13 @@ def test_resume_step_is_the_checkpoint_ray_train_registered(tmp_path):
 
 
 def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_path):
+    """A killed job reruns from its Ray Train checkpoint (the draft trains as a LoRA: its factors are in the
+    checkpoint too)."""
     out = tmp_path / "run"
     args = [
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
         f"ray.address={ray_cluster}", *PIPELINE_TINY, "distill.steps=60", "distill.checkpoint_every=3",
+        "distill.train=lora:4",
         "evaluator.every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
         "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
     ]  # fmt: skip

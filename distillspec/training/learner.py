@@ -75,14 +75,17 @@ class LoRA:
     ``A`` [R, in] (Kaiming-uniform, as LoRA starts it) and ``B`` [out, R] (zeros, so the draft starts as it is) the
     only weights the optimizer holds. The forward pass and the gradients of ``A`` and ``B`` are LoRA's (``dA = B^T
     dW``, ``dB = dW A^T``, from the weight's own gradient ``dW``), and the draft stays an ordinary model: sampling,
-    publishing and saving see the same weights under the same names, no adapter to merge. The backward pass is that of
-    ``distill.train=layers`` (it computes ``dW`` and drops it); the optimizer's state is ``R * (in + out)`` numbers a
-    weight instead of ``out * in``. Everything else stays frozen."""
+    publishing and saving see the same weights under the same names, no adapter to merge (``peft``'s adapter layers
+    would rename the weights they wrap, for every consumer of a draft version to merge back). The backward pass is
+    that of ``distill.train=layers`` (it computes ``dW`` and drops it); the optimizer's state is ``R * (in + out)``
+    numbers a weight instead of ``out * in``. Everything else stays frozen."""
 
     def __init__(self, model: torch.nn.Module, rank: int) -> None:
         pattern = re.compile(r"(?:^|\.)layers\.\d+\.")
         self.weights = [
-            m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.search(name + ".")
+            m.weight
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and pattern.search(name + ".")
         ]
         if not self.weights:
             raise DistillSpecError("distill.train=lora: the draft has no linear weights in '...layers.N...' to adapt")
