@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from distillspec.config import load_config
+from distillspec.decoding.metrics import position_tvd
 from distillspec.evaluation.report import pyplot
 from distillspec.files import write_folder
 from distillspec.models.draft_vocab import d2t, expand_logits, vocab_size
@@ -48,7 +49,6 @@ from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
-from distillspec.training.divergences import tvd
 from distillspec.training.learner import Learner
 from distillspec.training.losses import forward_logits
 from distillspec.training.rollout import Sampler, generate_batch
@@ -96,12 +96,9 @@ def position_acceptance(
             mask = batch.window_mask[part].float()
             piece = Batch(batch.input_ids[part], batch.attention_mask[part], batch.loss_mask[part])
             logits = expand_logits(forward_logits(draft, piece, start=batch.window).float(), ids, vocab)
-            if temperature == 0:
-                parts[1.0].append((logits.argmax(-1) == target[part]).float() * mask)
-                continue
             for t in temperatures:  # t = 1 scores the logits as they are, without a copy
                 scaled = logits if t == 1.0 else logits / t
-                parts[t].append((1.0 - tvd(scaled, target[part], reduction="none")) * mask)
+                parts[t].append((1.0 - position_tvd(scaled, target[part], temperature)) * mask)
         out[temperature] = {t: torch.cat(values) for t, values in parts.items()}
     return out
 

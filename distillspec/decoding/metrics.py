@@ -14,19 +14,24 @@ from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.training.divergences import reduce, tvd
 
 
+def position_tvd(draft_logits: Tensor, target_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """TVD(p, q) at each position ``[B, T]``: the probability that a draft token proposed there is rejected.
+
+    At ``temperature == 0`` both distributions are one-hot argmaxes, so it is 1 where the argmaxes differ, else 0;
+    there the target may come as its argmax token ids alone (an integer tensor without the vocabulary axis).
+    """
+    if temperature == 0:
+        target_ids = target_logits if not target_logits.is_floating_point() else target_logits.argmax(-1)
+        return (draft_logits.argmax(-1) != target_ids).float()
+    return tvd(draft_logits, target_logits, temperature=temperature, reduction="none")
+
+
 def alpha_from_tvd(
     draft_logits: Tensor, target_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0
 ) -> float:
-    """alpha = 1 - E[TVD(p, q)] over the positions of target samples (Eq. 3).
-
-    At ``temperature == 0`` both distributions are one-hot argmaxes, so alpha is the argmax agreement; there the
-    target may come as its argmax token ids alone (an integer tensor without the vocabulary axis).
-    """
-    if temperature == 0:  # the TVD of two one-hot distributions is 1 where the argmaxes differ, else 0
-        target_ids = target_logits if not target_logits.is_floating_point() else target_logits.argmax(-1)
-        disagree = (draft_logits.argmax(-1) != target_ids).float()
-        return 1.0 - float(reduce(disagree, mask, "token"))
-    return 1.0 - float(tvd(draft_logits, target_logits, mask, temperature=temperature, reduction="token"))
+    """alpha = 1 - E[TVD(p, q)] over the positions of target samples (Eq. 3; :func:`position_tvd`); at
+    ``temperature == 0`` the argmax agreement."""
+    return 1.0 - float(reduce(position_tvd(draft_logits, target_logits, temperature), mask, "token"))
 
 
 @dataclass(frozen=True)
