@@ -14,6 +14,7 @@ import json
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,26 +70,45 @@ def freeze_all_but_layers(model: torch.nn.Module, top: int | None = None) -> int
     return trained
 
 
+class LoRAGradients(torch.autograd.Function):
+    """The identity on a linear layer's output ``y``, whose backward pass adds LoRA's gradients to ``A`` and ``B``
+    from ``g = dL/dy`` and the layer's input ``x``: ``dB = g^T (x A^T)`` and ``dA = (g B)^T x``, which are ``dW A^T``
+    and ``B^T dW`` for the weight's ``dW = g^T x``, computed without ``dW``. ``g`` goes on to ``x`` through the merged
+    weight alone, which holds ``B A``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(x, a, b)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, Tensor, Tensor]:
+        x, a, b = ctx.saved_tensors
+        x2, g2 = x.reshape(-1, x.shape[-1]).to(a.dtype), g.reshape(-1, g.shape[-1]).to(a.dtype)
+        return g, None, (g2 @ b).T @ x2, g2.T @ (x2 @ a.T)
+
+
 class LoRA:
     """Low-rank adaptation (Hu et al., 2021, arXiv 2106.09685) of every linear weight in ``model``'s decoder layers
     (``distill.train=lora:R``), kept merged: each such weight ``W`` [out, in] is ``W0 + B A`` at every step, with
     ``A`` [R, in] (Kaiming-uniform, as LoRA starts it) and ``B`` [out, R] (zeros, so the draft starts as it is) the
-    only weights the optimizer holds. The forward pass and the gradients of ``A`` and ``B`` are LoRA's (``dA = B^T
-    dW``, ``dB = dW A^T``, from the weight's own gradient ``dW``), and the draft stays an ordinary model: sampling,
-    publishing and saving see the same weights under the same names, no adapter to merge (``peft``'s adapter layers
-    would rename the weights they wrap, for every consumer of a draft version to merge back). The backward pass is
-    that of ``distill.train=layers`` (it computes ``dW`` and drops it); the optimizer's state is ``R * (in + out)``
-    numbers a weight instead of ``out * in``. Everything else stays frozen."""
+    only weights the optimizer holds. The forward pass is the merged weight's; a hook on each adapted layer gives
+    ``A`` and ``B`` LoRA's gradients (:class:`LoRAGradients`), and no weight of the draft has a gradient: the backward
+    pass carries ``dL/dx`` down through the layers and never forms a ``dW`` [out, in]. The draft stays an ordinary
+    model: sampling, publishing and saving see the same weights under the same names, no adapter to merge
+    (``peft``'s adapter layers would rename the weights they wrap, for every consumer of a draft version to merge
+    back). The optimizer's state is ``R * (in + out)`` numbers a weight instead of ``out * in``. Everything else stays
+    frozen. Under DDP the model is not wrapped (none of its weights train): :meth:`gradients` averages the factors'
+    gradients over the workers."""
 
     def __init__(self, model: torch.nn.Module, rank: int) -> None:
         pattern = re.compile(r"(?:^|\.)layers\.\d+\.")
-        self.weights = [
-            m.weight
-            for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and pattern.search(name + ".")
+        layers = [
+            m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.search(name + ".")
         ]
-        if not self.weights:
+        if not layers:
             raise DistillSpecError("distill.train=lora: the draft has no linear weights in '...layers.N...' to adapt")
+        self.weights = [m.weight for m in layers]
         if (dtype := self.weights[0].dtype) != torch.float32:
             raise DistillSpecError(
                 f"distill.train=lora: the draft's weights are {dtype}; LoRA moves them by steps too small for any "
@@ -100,14 +120,19 @@ class LoRA:
         self.a: list[Tensor] = []
         self.b: list[Tensor] = []
         seed = torch.Generator().manual_seed(0)  # the same A on every DDP worker
-        for w in self.weights:
-            w.requires_grad_(True)  # for dW, which steps A and B and is dropped (the optimizer never holds W)
+        for layer, w in zip(layers, self.weights):
             a = torch.empty(rank, w.shape[1])
             torch.nn.init.kaiming_uniform_(a, a=5**0.5, generator=seed)
-            a = a.to(w.device)
-            self.a.append(torch.nn.Parameter(a))
-            self.b.append(torch.nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device)))
+            a = torch.nn.Parameter(a.to(w.device))
+            b = torch.nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device))
+            self.a.append(a)
+            self.b.append(b)
+            layer.register_forward_hook(partial(self._hook, a, b))
         self.merged = self.factors()
+
+    @staticmethod
+    def _hook(a: Tensor, b: Tensor, layer: torch.nn.Module, inputs: tuple[Tensor, ...], y: Tensor) -> Tensor | None:
+        return LoRAGradients.apply(y, inputs[0].detach(), a, b) if torch.is_grad_enabled() else None
 
     @property
     def params(self) -> list[Tensor]:
@@ -117,14 +142,12 @@ class LoRA:
         return [(a.detach().clone(), b.detach().clone()) for a, b in zip(self.a, self.b)]
 
     def gradients(self) -> None:
-        """``dA``, ``dB`` from each weight's gradient ``dW`` (the mean over DDP workers, where they are), then
-        ``dW`` dropped."""
-        for w, a, b in zip(self.weights, self.a, self.b):
-            if w.grad is None:
-                continue
-            g = w.grad.float()
-            a.grad, b.grad = b.detach().T @ g, g @ a.detach().T
-            w.grad = None
+        """Under DDP, the factors' gradients averaged over the workers (after the backward pass)."""
+        if torch.distributed.is_initialized() and (world := torch.distributed.get_world_size()) > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
 
     @torch.no_grad()
     def merge(self) -> None:
