@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from pathlib import Path
 
 
@@ -75,7 +76,7 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
         ax.text(i + 0.2, a["tau"], f"{100 * (a['tau'] / b['tau'] - 1):+.0f}%", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("block efficiency τ (tokens / target call)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, int(13 * fig.get_figwidth())), fontsize=10)  # wrapped to the figure
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -106,7 +107,7 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
         twin.set_ylabel("block efficiency tau")
         ax.legend(loc="lower left", fontsize=8)
         twin.legend(loc="lower right", fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
