@@ -57,6 +57,11 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _wrapped(title: str, fig) -> str:
+    """``title`` in lines as wide as ``fig`` holds at font size 10 (about 13 characters an inch)."""
+    return textwrap.fill(title, int(13 * fig.get_figwidth()))
+
+
 def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
     """Grouped bars of tau before / after per (gamma, temperature), with the gamma + 1 ceiling."""
     import matplotlib  # noqa: PLC0415 (matplotlib, optional)
@@ -76,7 +81,7 @@ def plot_tau(records: list[dict], path: str | Path, title: str = "") -> None:
         ax.text(i + 0.2, a["tau"], f"{100 * (a['tau'] / b['tau'] - 1):+.0f}%", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("block efficiency τ (tokens / target call)")
-    ax.set_title(textwrap.fill(title, int(13 * fig.get_figwidth())), fontsize=10)  # wrapped to the figure
+    ax.set_title(_wrapped(title, fig), fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -107,7 +112,7 @@ def plot_training(train_log: list[dict], evaluations: list[dict], path: str | Pa
         twin.set_ylabel("block efficiency tau")
         ax.legend(loc="lower left", fontsize=8)
         twin.legend(loc="lower right", fontsize=8)
-    fig.suptitle(textwrap.fill(title, int(13 * fig.get_figwidth())), fontsize=10)
+    fig.suptitle(_wrapped(title, fig), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
