@@ -207,7 +207,8 @@ def test_train_top_k_trains_the_last_k_decoder_layers_only():
 def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tokenizer, task):
     """``distill.train=lora:R``: the gradients of A and B are those of an explicit LoRA forward (W0 + B A through
     ``functional_call``), each step moves the adapted weights by B A alone (rank <= R, everything else as it was),
-    the draft keeps its parameter names, and a resumed learner carries on as the one that never stopped."""
+    the draft keeps its parameter names (a copy of it is an ordinary model), and a resumed learner carries on as the one
+    that never stopped."""
     import copy
 
     from torch.func import functional_call
@@ -258,6 +259,12 @@ def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tok
             assert torch.equal(moved, torch.zeros_like(moved))
     losses = [record["loss"]] + [learner.step(batch)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0]
+
+    # A copy of the trained draft is an ordinary model: the same outputs, and no factor of its own takes gradients.
+    copied, ids = copy.deepcopy(draft), batch.input_ids[:1]
+    assert draft(input_ids=ids).logits.requires_grad and not copied(input_ids=ids).logits.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(copied(input_ids=ids).logits, draft(input_ids=ids).logits)
 
     resumed = Learner(copy.deepcopy(draft), target, cfg, bf16=False)
     resumed.load_state_dict(copy.deepcopy(learner.state_dict()))

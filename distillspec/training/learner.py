@@ -14,7 +14,6 @@ import json
 import re
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +87,23 @@ class LoRAGradients(torch.autograd.Function):
         return g, None, (g2 @ b).T @ x2, g2.T @ (x2 @ a.T)
 
 
+class LoRAHook:
+    """The forward hook of one adapted layer: :class:`LoRAGradients` on its output while gradients are on. A copy of
+    the draft (``copy.deepcopy``, pickling) is an ordinary model: its copy of the hook holds no factors and passes the
+    layer's output through, where a copy of the factors would take gradients no optimizer steps."""
+
+    def __init__(self, a: Tensor | None = None, b: Tensor | None = None) -> None:
+        self.a, self.b = a, b
+
+    def __call__(self, layer: torch.nn.Module, inputs: tuple[Tensor, ...], y: Tensor) -> Tensor | None:
+        if self.a is None or not torch.is_grad_enabled():
+            return None
+        return LoRAGradients.apply(y, inputs[0].detach(), self.a, self.b)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return LoRAHook, ()
+
+
 class LoRA:
     """Low-rank adaptation (Hu et al., 2021, arXiv 2106.09685) of every linear weight in ``model``'s decoder layers
     (``distill.train=lora:R``), kept merged: each such weight ``W`` [out, in] is ``W0 + B A`` at every step, with
@@ -127,12 +143,8 @@ class LoRA:
             b = torch.nn.Parameter(torch.zeros(w.shape[0], rank, device=w.device))
             self.a.append(a)
             self.b.append(b)
-            layer.register_forward_hook(partial(self._hook, a, b))
+            layer.register_forward_hook(LoRAHook(a, b))
         self.merged = self.factors()
-
-    @staticmethod
-    def _hook(a: Tensor, b: Tensor, layer: torch.nn.Module, inputs: tuple[Tensor, ...], y: Tensor) -> Tensor | None:
-        return LoRAGradients.apply(y, inputs[0].detach(), a, b) if torch.is_grad_enabled() else None
 
     @property
     def params(self) -> list[Tensor]:
