@@ -11,6 +11,10 @@ alpha. The whole vocabulary is the first row.
     python -m benchmarks.suites.draft_vocab target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --sizes 32768 49152 --samples 0 64 256 --held 32
 
+The vocabulary is counted on the held-out questions' own data set (its training split), or with ``--vocab-from`` on
+each data set named there: what a draft vocabulary made for one task costs on another (``dataset=`` the other task,
+``--vocab-from`` the task the draft was made for, and the other task itself beside it).
+
 Writes ``draft_vocab.json`` and ``draft_vocab.md``.
 """
 
@@ -28,7 +32,7 @@ from distillspec.config import load_config
 from distillspec.decoding.metrics import alpha_from_tvd, expected_tau
 from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import draft_vocab_ids, prepare_pair
-from distillspec.tasks.data import load_task
+from distillspec.tasks.data import chat_prompts, load_task
 from distillspec.training.losses import forward_logits
 
 GAMMA = 5  #: the gamma of the expected-tau column
@@ -52,9 +56,17 @@ def measure(logits: dict[float, tuple], keep: torch.Tensor | None) -> dict[str, 
 
 
 def suite_draft_vocab(
-    overrides: list[str], *, sizes: list[int], samples: list[int], held: int, max_new_tokens: int, out: Path
+    overrides: list[str],
+    *,
+    sizes: list[int],
+    samples: list[int],
+    held: int,
+    max_new_tokens: int,
+    out: Path,
+    vocab_from: list[str] | None = None,
 ) -> dict:
-    """The whole suite (see the module docstring)."""
+    """The whole suite (see the module docstring); ``vocab_from``: the data sets to count vocabularies on (None: the
+    held-out questions' own)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, [*overrides, "draft_vocab=0"])
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
@@ -65,16 +77,21 @@ def suite_draft_vocab(
         logits = {t: (forward_logits(draft, b).float(), tl, b.window_mask) for t, (b, tl) in sets.items()}
     del target, sets
     print(f"held-out target samples and both models' logits: {time.perf_counter() - start:.0f} s")
-    rows = [{"size": logits[1.0][0].shape[-1], "samples": None, **measure(logits, None)}]
-    for size in sizes:
-        for n in samples:
-            start = time.perf_counter()
-            ids = draft_vocab_ids(cfg.draft, task, tokenizer, size, samples=n, seed=cfg.seed)
-            keep = torch.zeros(rows[0]["size"], dtype=torch.bool)
-            keep[ids] = True
-            rows.append({"size": size, "samples": n, "seconds": time.perf_counter() - start, **measure(logits, keep)})
-            print(format_row(rows[-1], rows[0]), flush=True)
+    prompted = lambda d: chat_prompts(load_task(d, seed=cfg.seed), tokenizer, cfg.chat_template)
+    sources = {Path(d).name: task if d == cfg.dataset else prompted(d) for d in vocab_from or [cfg.dataset]}
+    rows = [{"size": logits[1.0][0].shape[-1], "samples": None, "counted_on": None, **measure(logits, None)}]
+    for name, source in sources.items():
+        for size in sizes:
+            for n in samples:
+                start = time.perf_counter()
+                ids = draft_vocab_ids(cfg.draft, source, tokenizer, size, samples=n, seed=cfg.seed)
+                keep = torch.zeros(rows[0]["size"], dtype=torch.bool)
+                keep[ids] = True
+                row = {"size": size, "samples": n, "counted_on": name, "seconds": time.perf_counter() - start}
+                rows.append({**row, **measure(logits, keep)})
+                print(format_row(rows[-1], rows[0]), flush=True)
     result = {"config": {"target": cfg.target, "draft": cfg.draft, "held_out": held, "tokens": max_new_tokens}}
+    result["config"]["dataset"] = Path(cfg.dataset).name
     result["rows"] = rows
     (out / "draft_vocab.json").write_text(json.dumps(result, indent=1))
     (out / "draft_vocab.md").write_text(format_table(result) + "\n")
@@ -85,7 +102,9 @@ def suite_draft_vocab(
 def format_row(row: dict, whole: dict) -> str:
     source = "whole vocabulary" if row["samples"] is None else f"text + samples of {row['samples']} prompts"
     if row["samples"] == 0:
-        source = "the data set's text"
+        source = "the text"
+    if row.get("counted_on"):
+        source = f"{row['counted_on']}: {source}"
     return (
         f"| {row['size']:,} | {source} | {row['alpha']:.4f} | {row['alpha'] - whole['alpha']:+.4f} | "
         f"{row['greedy']:.4f} | {row['greedy'] - whole['greedy']:+.4f} | {row['outside']:.4f} | {row['tau']:.3f} |"
@@ -95,7 +114,8 @@ def format_row(row: dict, whole: dict) -> str:
 def format_table(result: dict) -> str:
     cfg = result["config"]
     lines = [
-        f"{cfg['held_out']} held-out questions x {cfg['tokens']} target-sampled tokens; tau expected at gamma {GAMMA}",
+        f"{cfg['held_out']} held-out questions of {cfg['dataset']} x {cfg['tokens']} "
+        f"target-sampled tokens; tau expected at gamma {GAMMA}",
         "",
         "| tokens kept | chosen from | alpha (T = 1) | change | greedy (T = 0) | change | target mass outside | tau |",
         "|---|---|---|---|---|---|---|---|",
@@ -112,6 +132,9 @@ def main() -> None:
     )
     parser.add_argument("--held", type=int, default=32, help="held-out test questions")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens of each held-out target sample")
+    parser.add_argument(
+        "--vocab-from", nargs="+", metavar="DATASET", help="count vocabularies on these data sets (default: dataset=)"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/draft-vocab"))
     args = parser.parse_args()
     suite_draft_vocab(
@@ -121,6 +144,7 @@ def main() -> None:
         held=args.held,
         max_new_tokens=args.max_new_tokens,
         out=args.out,
+        vocab_from=args.vocab_from,
     )
 
 
