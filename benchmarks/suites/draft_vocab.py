@@ -90,8 +90,9 @@ def suite_draft_vocab(
                 row = {"size": size, "samples": n, "counted_on": name, "seconds": time.perf_counter() - start}
                 rows.append({**row, **measure(logits, keep)})
                 print(format_row(rows[-1], rows[0]), flush=True)
-    result = {"config": {"target": cfg.target, "draft": cfg.draft, "held_out": held, "tokens": max_new_tokens}}
-    result["config"]["dataset"] = Path(cfg.dataset).name
+    dataset = Path(cfg.dataset).name
+    result = {"config": {"target": cfg.target, "draft": cfg.draft, "dataset": dataset, "held_out": held,
+                         "tokens": max_new_tokens}}  # fmt: skip
     result["rows"] = rows
     (out / "draft_vocab.json").write_text(json.dumps(result, indent=1))
     (out / "draft_vocab.md").write_text(format_table(result) + "\n")
@@ -103,7 +104,7 @@ def format_row(row: dict, whole: dict) -> str:
     source = "whole vocabulary" if row["samples"] is None else f"text + samples of {row['samples']} prompts"
     if row["samples"] == 0:
         source = "the text"
-    if row.get("counted_on"):
+    if row["counted_on"]:
         source = f"{row['counted_on']}: {source}"
     return (
         f"| {row['size']:,} | {source} | {row['alpha']:.4f} | {row['alpha'] - whole['alpha']:+.4f} | "
