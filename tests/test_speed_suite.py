@@ -30,6 +30,8 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
     assert all(row["same_text"] == 1.0 for row in greedy)  # greedy SD is the target's greedy
     for row in result["rows"]:
         assert row["c"] > 0 and row["v"] > 0 and row["tokens_per_s"] > 0 and 0 <= row["alpha"] <= 1
+        assert row["ttft_s"] > 0 and row["decode_speedup"] > 0  # split at each call's first block
+    assert all(alone["ttft_s"] > 0 and alone["decode_tokens_per_s"] > 0 for alone in result["target_alone"].values())
     assert json.loads((tmp_path / "speed.json").read_text())["config"]["prepack"] is False
     assert "1 seeded" in (tmp_path / "speed.md").read_text()
 

@@ -175,14 +175,15 @@ def measure_speeds(
         )
         for row in raced["sd"]:
             cost = costs[(row["draft"], row["gamma"])]
-            record = speed_record(row, raced["target"]["tokens_per_s"], cost, repeats)
+            record = speed_record(row, raced["target"], cost, repeats)
             speeds[(row["draft"], row["gamma"], temperature)] = record
     return speeds
 
 
-def speed_record(row: dict, target_tokens_per_s: float, cost: CostRatio, repeats: int) -> dict:
-    """One decoder's speed figures: a :func:`race` row, the target alone's tokens/s, and the measured costs ``c``
-    and ``v`` with the speedups they predict from the measured tau, ``tau / (c gamma + 1)`` and with ``v``."""
+def speed_record(row: dict, target: dict, cost: CostRatio, repeats: int) -> dict:
+    """One decoder's speed figures: a :func:`race` row, the target alone's (its ``"target"``), and the measured costs
+    ``c`` and ``v`` with the speedups they predict from the measured tau, ``tau / (c gamma + 1)`` and with ``v``
+    (decoding only: the ratios compare them with the speedup after the first block)."""
     predicted = predicted_speedup(row["tau"], cost.c, row["gamma"])
     predicted_v = predicted_speedup(row["tau"], cost.c, row["gamma"], cost.v)
     return {
@@ -191,17 +192,22 @@ def speed_record(row: dict, target_tokens_per_s: float, cost: CostRatio, repeats
         "target_ms": cost.target_ms,
         "draft_ms": cost.draft_ms,
         "verify_ms": cost.verify_ms,
-        "target_tokens_per_s": target_tokens_per_s,
+        "target_tokens_per_s": target["tokens_per_s"],
         "sd_tokens_per_s": row["tokens_per_s"],
+        "target_ttft_s": target["ttft_s"],
+        "sd_ttft_s": row["ttft_s"],
         "speedup_tau": row["tau"],
         "measured_speedup": row["speedup"],
         "speedup_min": row["speedup_min"],
         "speedup_max": row["speedup_max"],
+        "decode_speedup": row["decode_speedup"],
+        "decode_speedup_min": row["decode_speedup_min"],
+        "decode_speedup_max": row["decode_speedup_max"],
         "speedup_repeats": repeats,
         "predicted_speedup": predicted,
-        "measured_over_predicted": row["speedup"] / predicted,
+        "measured_over_predicted": row["decode_speedup"] / predicted,
         "predicted_speedup_with_v": predicted_v,
-        "measured_over_predicted_with_v": row["speedup"] / predicted_v,
+        "measured_over_predicted_with_v": row["decode_speedup"] / predicted_v,
     }
 
 
@@ -223,14 +229,18 @@ def race(
     """Tokens/s at batch 1 of the target alone and of SD with each of ``drafts`` at each of ``gammas``, measured side
     by side: each prompt is decoded by every decoder in turn (a drift in the machine's speed hits them all alike),
     and the whole is repeated ``repeats`` times. A decoder's speedup is its tokens/s over the target alone's in the
-    same repeat; the mean and the spread (min, max) over repeats are reported. ``compile``: every decoder's steps
+    same repeat; the mean and the spread (min, max) over repeats are reported. Each call is also split at its first
+    block (:class:`FirstBlock`): the time to the first tokens (``ttft_s``, per prompt: the target's prompt, and in SD
+    also the draft's and the first block) and the rate after them, whose ratio (``decode_speedup``) is what a long
+    answer approaches and what the step costs predict. ``compile``: every decoder's steps
     compiled (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
     ``seeded``: prompt ``i`` decoded with the seed ``seed + i`` by every decoder
     (:class:`~distillspec.decoding.speculative.SeededNoise`), so each emits the target alone's text; ``same_text``
     counts the prompts where it did.
 
-    Returns ``{"target": {"tokens_per_s"}, "sd": [{"draft", "gamma", "tokens_per_s", "speedup", "speedup_min",
-    "speedup_max", "alpha", "tau", "same_text"}, ...]}``."""
+    Returns ``{"target": {"tokens_per_s", "decode_tokens_per_s", "ttft_s"}, "sd": [{"draft", "gamma",
+    "tokens_per_s", "speedup", "speedup_min", "speedup_max", "decode_tokens_per_s", "decode_speedup",
+    "decode_speedup_min", "decode_speedup_max", "ttft_s", "alpha", "tau", "same_text"}, ...]}``."""
     common = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -244,8 +254,7 @@ def race(
         autoregressive_generate(target, ids, **common)
         for name, gamma in cells:
             speculative_generate(target, drafts[name], ids, gamma=gamma, **common)
-    seconds = {cell: [0.0] * repeats for cell in [None, *cells]}
-    tokens = {cell: [0] * repeats for cell in [None, *cells]}
+    timings = {cell: [FirstBlock() for _ in range(repeats)] for cell in [None, *cells]}
     counts = {cell: AcceptanceCounts(0, 0, 0) for cell in cells}
     same = dict.fromkeys(cells, 0)
     generators = {cell: torch.Generator(device=target.device).manual_seed(seed) for cell in [None, *cells]}
@@ -254,32 +263,96 @@ def race(
             ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
             seeds = {"seeds": [seed + i]} if seeded else {}
             for cell in [None, *cells]:
-                start = time.perf_counter()
+                timing = timings[cell][r]
+                timing.start()
                 if cell is None:
-                    out = alone = autoregressive_generate(target, ids, generator=generators[cell], **common, **seeds)
+                    out = alone = autoregressive_generate(
+                        target, ids, generator=generators[cell], on_block=timing.on_block, **common, **seeds
+                    )
                 else:
                     out = speculative_generate(
-                        target, drafts[cell[0]], ids, gamma=cell[1], generator=generators[cell], **common, **seeds
+                        target,
+                        drafts[cell[0]],
+                        ids,
+                        gamma=cell[1],
+                        generator=generators[cell],
+                        on_block=timing.on_block,
+                        **common,
+                        **seeds,
                     )
                     counts[cell] = counts[cell] + out.stats.counts
                     same[cell] += int(torch.equal(out.sequences, alone.sequences))
-                seconds[cell][r] += time.perf_counter() - start
-                tokens[cell][r] += int(out.num_new_tokens.sum())
-    rate = {cell: [n / s for n, s in zip(tokens[cell], seconds[cell])] for cell in seconds}
+                timing.stop(int(out.num_new_tokens.sum()))
     rows = []
     for cell in cells:
-        speedups = [sd / alone for sd, alone in zip(rate[cell], rate[None])]
+        ours, theirs = timings[cell], timings[None]
+        speedups = [sd.tokens_per_s / alone.tokens_per_s for sd, alone in zip(ours, theirs)]
+        decode = [sd.decode_tokens_per_s / alone.decode_tokens_per_s for sd, alone in zip(ours, theirs)]
         rows.append(
             {
                 "draft": cell[0],
                 "gamma": cell[1],
-                "tokens_per_s": sum(tokens[cell]) / sum(seconds[cell]),
                 "speedup": sum(speedups) / len(speedups),
                 "speedup_min": min(speedups),
                 "speedup_max": max(speedups),
+                "decode_speedup": sum(decode) / len(decode),
+                "decode_speedup_min": min(decode),
+                "decode_speedup_max": max(decode),
                 "alpha": counts[cell].alpha,
                 "tau": counts[cell].tau,
                 "same_text": same[cell] / (repeats * len(prompts)),
             }
+            | FirstBlock.pooled(ours)
         )
-    return {"target": {"tokens_per_s": sum(tokens[None]) / sum(seconds[None])}, "sd": rows}
+    return {"target": FirstBlock.pooled(timings[None]), "sd": rows}
+
+
+class FirstBlock:
+    """The wall-clock of decoding calls, split at each call's first block (its ``on_block`` callback): the time to
+    the first tokens, which holds the prompt's prefill, and the tokens and time after them. ``start()`` before a call,
+    ``stop(new_tokens)`` after it; a call with one block counts whole as its time to the first tokens."""
+
+    def __init__(self) -> None:
+        self.calls, self.tokens, self.seconds = 0, 0, 0.0
+        self.first_seconds, self.first_tokens = 0.0, 0
+        self._start: float | None = None
+        self._first: tuple[float, int] | None = None
+
+    def start(self) -> None:
+        self._start, self._first = time.perf_counter(), None
+
+    def on_block(self, tokens: torch.Tensor, counts: torch.Tensor, scores: object) -> None:
+        if self._first is None:
+            self._first = (time.perf_counter(), int(counts.sum()))
+
+    def stop(self, new_tokens: int) -> None:
+        end = time.perf_counter()
+        first_at, first_tokens = self._first or (end, new_tokens)
+        self.calls += 1
+        self.tokens += new_tokens
+        self.seconds += end - self._start
+        self.first_seconds += first_at - self._start
+        self.first_tokens += first_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each call's first block over the time after it (nan where no call had a second block)."""
+        after = self.seconds - self.first_seconds
+        return (self.tokens - self.first_tokens) / after if after > 0 else float("nan")
+
+    @staticmethod
+    def pooled(timings: Sequence[FirstBlock]) -> dict:
+        """Tokens/s, tokens/s after the first block, and the mean seconds to the first tokens, over ``timings``."""
+        whole = FirstBlock()
+        for t in timings:
+            for name in ("calls", "tokens", "seconds", "first_seconds", "first_tokens"):
+                setattr(whole, name, getattr(whole, name) + getattr(t, name))
+        return {
+            "tokens_per_s": whole.tokens_per_s,
+            "decode_tokens_per_s": whole.decode_tokens_per_s,
+            "ttft_s": whole.first_seconds / whole.calls,
+        }

@@ -44,14 +44,16 @@ def format_table(records: list[dict]) -> str:
     if repeats:
         lines.append(
             f"speedups: tokens/s of SD over the target alone's, both drafts and the target alone decoding each prompt "
-            f"in turn, {max(r or 1 for r in repeats)} passes: mean (min-max over passes)"
+            f"in turn, {max(r or 1 for r in repeats)} passes: mean (min-max over passes); after the first block: "
+            "the same without each call's time to its first tokens (the prompt's prefill)"
         )
     for r in records:
         if "measured_speedup" in r:
+            decode = f"{r['decode_speedup']:.2f}x" if "decode_speedup" in r else "-"
             lines.append(
                 f"{r['phase']:>6} gamma={r['gamma']} T={r['temperature']:g}: c={r['c']:.3f}, "
-                f"speedup measured {r['measured_speedup']:.2f}x / predicted tau/(c*gamma+1) "
-                f"{r['predicted_speedup']:.2f}x = {r['measured_over_predicted']:.2f}; "
+                f"speedup {r['measured_speedup']:.2f}x, after the first block {decode} / predicted "
+                f"tau/(c*gamma+1) {r['predicted_speedup']:.2f}x = {r['measured_over_predicted']:.2f}; "
                 f"with the verify cost v={r['v']:.2f}: {r['measured_over_predicted_with_v']:.2f}"
             )
     return "\n".join(lines)
