@@ -232,8 +232,8 @@ def race(
     same repeat; the mean and the spread (min, max) over repeats are reported. Each call is also split at its first
     block (:class:`FirstBlock`): the time to the first tokens (``ttft_s``, per prompt: the target's prompt, and in SD
     also the draft's and the first block) and the rate after them, whose ratio (``decode_speedup``) is what a long
-    answer approaches and what the step costs predict. ``compile``: every decoder's steps
-    compiled (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
+    answer approaches and what the step costs predict. ``compile``: every decoder's steps compiled
+    (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
     ``seeded``: prompt ``i`` decoded with the seed ``seed + i`` by every decoder
     (:class:`~distillspec.decoding.speculative.SeededNoise`), so each emits the target alone's text; ``same_text``
     counts the prompts where it did.
