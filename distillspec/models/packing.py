@@ -14,6 +14,7 @@ the packed model takes no more memory than the plain one, has no gradients and c
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -80,23 +81,40 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
     return replace_linears(model, pack)
 
 
-#: Up to this many rows an :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step); more rows
-#: (a prompt) are multiplied by the weight dequantized on the fly: the int8 kernel does not use the CPU's matrix
-#: units, and for a 150-token prompt it ran 5x slower than dequantizing first (4864 x 896, bfloat16, AMX).
+#: Up to this many rows an :class:`Int8Linear` in bfloat16 multiplies by its int8 weight directly (a decoding step);
+#: more rows (a prompt) are multiplied by the weight dequantized on the fly: the int8 kernel does not use the CPU's
+#: matrix units, and for a 150-token prompt it ran 5x slower than dequantizing first (4864 x 896, bfloat16, AMX).
 INT8_ROWS = 16
 
 
-class Int8Linear(nn.Module):
-    """A frozen ``nn.Linear`` whose weight is held as int8 with one scale per output row (weight-only quantization,
-    as gpt-fast's int8 mode): a decoding step of a few rows reads half the bytes of bfloat16, and on a CPU the
-    product runs through ``torch.ops.aten._weight_int8pack_mm``. For a draft that only proposes: speculative decoding
-    stays exact whatever the draft computes; a draft rounded this way is accepted about as often as before."""
+def dynamic_int8(dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
+    """Whether an :class:`Int8Linear` of a ``dtype`` model on ``device`` multiplies through fbgemm's int8 GEMM
+    (``quantized::linear_dynamic``, activations quantized per call) rather than the weight-only kernel: a float32
+    model on an x86 CPU. There the weight-only kernel has no vectorised float32 path (on an AVX2-only CPU it ran
+    3-5x slower than the float32 product it replaces, where fbgemm ran 3-9x faster:
+    ``python benchmarks/benchmark.py int8``)."""
+    engines = torch.backends.quantized.supported_engines
+    return dtype == torch.float32 and torch.device(device).type == "cpu" and ("x86" in engines or "fbgemm" in engines)
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class Int8Linear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is held as int8 with one scale per output row, for a draft that only
+    proposes: speculative decoding stays exact whatever the draft computes; a draft rounded this way is accepted
+    about as often as before. A step reads a quarter of float32's bytes, half of bfloat16's.
+
+    In bfloat16 the product is weight-only, as gpt-fast's int8 mode (``torch.ops.aten._weight_int8pack_mm``). In
+    float32 on an x86 CPU (:func:`dynamic_int8`) it runs through fbgemm's int8 GEMM, which also rounds the
+    activations to 8 bits, with one scale for all the rows of a call (so a row's product depends slightly on the
+    rows beside it), as ``torch.ao``'s dynamic quantization does."""
+
+    def __init__(self, linear: nn.Linear, dynamic: bool | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype  #: activations, scales and bias: the model's dtype
+        #: fbgemm's int8 GEMM (None: :func:`dynamic_int8`), else the weight-only kernel
+        self.dynamic = dynamic_int8(self.dtype, weight.device) if dynamic is None else dynamic
+        self.packed = None  #: fbgemm's packed weight where :attr:`dynamic`
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
@@ -112,9 +130,18 @@ class Int8Linear(nn.Module):
         self.scales.copy_(scales.to(self.dtype))
         if bias is not None and self.bias is not None:
             self.bias.copy_(torch.as_tensor(bias).to(self.bias))
+        if self.dynamic:
+            with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; its int8 GEMM is not
+                warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+                zero = torch.zeros(len(scales), dtype=torch.long)
+                quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
+                self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
+        if self.packed is not None:  # float32 on x86: fbgemm, its bias inside
+            out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
+            return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None])
         else:
@@ -124,18 +151,20 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
+        kernel = "fbgemm" if self.dynamic else "weight-only"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"{shape}, int8 ({kernel})"
 
 
-def quantize_int8(model: nn.Module) -> int:
+def quantize_int8(model: nn.Module, dynamic: bool | None = None) -> int:
     """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
-    an :class:`Int8Linear` in the model's dtype; the model is frozen. Returns how many were replaced."""
-    return replace_linears(model, _int8_like)
+    an :class:`Int8Linear` in the model's dtype (``dynamic``: its kernel, None: :func:`dynamic_int8`); the model is
+    frozen. Returns how many were replaced."""
 
+    def int8_like(linear: nn.Linear) -> nn.Module:  # a draft vocabulary's head keeps its d2t map
+        quantized = Int8Linear(linear, dynamic)
+        if hasattr(linear, "d2t"):
+            quantized.register_buffer("d2t", linear.d2t)
+        return quantized
 
-def _int8_like(linear: nn.Linear) -> nn.Module:
-    """An :class:`Int8Linear` of ``linear``; a draft vocabulary's head keeps its ``d2t`` map."""
-    quantized = Int8Linear(linear)
-    if hasattr(linear, "d2t"):
-        quantized.register_buffer("d2t", linear.d2t)
-    return quantized
+    return replace_linears(model, int8_like)
