@@ -73,7 +73,7 @@ SUITES = {
     "online": Suite("online", "suite_online", distilled=True),
     "latency": Suite("latency", "suite_latency", distilled=True),
     "precision": Suite("precision", "suite_precision"),
-    "int8": Suite("int8", "suite_int8"),
+    "int8": Suite("int8", "main", "command"),
     "integrity": Suite("transport", "suite_integrity"),
     "trace": Suite("transport", "suite_trace"),
     "vllm": Suite("vllm_engine", "suite_vllm", distilled=True),

@@ -531,9 +531,10 @@ class JobConfig:
     )
     draft_int8: bool = knob(
         False,
-        "decode the draft with int8 weights (weight-only, a scale per row) wherever it only proposes: the evaluator, "
-        "the endpoint and the speed measurements (it trains in float32). A drafting step reads half the bytes of "
-        "bfloat16; speculative decoding stays exact",
+        "decode the draft with int8 weights (a scale per row) wherever it only proposes: the evaluator, the endpoint "
+        "and the speed measurements (it trains in float32). A drafting step reads a quarter of float32's bytes, half "
+        "of bfloat16's (weight-only in bfloat16; in float32 on x86, fbgemm's int8 GEMM); speculative decoding stays "
+        "exact",
     )
     prepack: bool | Literal["auto"] = knob(
         "auto",

@@ -6,9 +6,7 @@ and greedily; a draft vocabulary keeps rows of the same head, so the draft restr
 logits renormalised over the kept tokens. For each vocabulary: ``alpha`` = 1 - E[TVD(p, q)] at T = 1 (the acceptance
 rate at T = 1), ``greedy`` = the share of positions where the argmaxes agree (the acceptance rate at T = 0), the
 target's probability outside the vocabulary (mass the draft can never propose), and tau at gamma 5 expected from
-alpha. The whole vocabulary is the first row. With ``--int8`` the whole draft again with int8 weights through each
-kernel this CPU has (:class:`distillspec.models.packing.Int8Linear`: fbgemm's int8 GEMM on x86 in float32, the
-weight-only kernel): what ``draft_int8`` costs in acceptance.
+alpha. The whole vocabulary is the first row.
 
     python -m benchmarks.suites.draft_vocab target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --sizes 32768 49152 --samples 0 64 256 --held 32
@@ -23,7 +21,6 @@ Writes ``draft_vocab.json`` and ``draft_vocab.md``.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -34,7 +31,6 @@ from benchmarks.suites.trajectory import held_out
 from distillspec.config import load_config
 from distillspec.decoding.metrics import alpha_from_tvd, expected_tau
 from distillspec.models.loading import load_pair
-from distillspec.models.packing import dynamic_int8, quantize_int8
 from distillspec.models.pretrained import draft_vocab_ids, prepare_pair
 from distillspec.tasks.data import chat_prompts, load_task
 from distillspec.training.losses import forward_logits
@@ -68,10 +64,9 @@ def suite_draft_vocab(
     max_new_tokens: int,
     out: Path,
     vocab_from: list[str] | None = None,
-    int8: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); ``vocab_from``: the data sets to count vocabularies on (None: the
-    held-out questions' own); ``int8``: also the whole draft with int8 weights, by kernel."""
+    held-out questions' own)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, [*overrides, "draft_vocab=0"])
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
@@ -80,21 +75,11 @@ def suite_draft_vocab(
     sets = held_out(target, draft, tokenizer, task.test[:held], max_new_tokens=max_new_tokens, seed=cfg.seed)
     with torch.inference_mode():
         logits = {t: (forward_logits(draft, b).float(), tl, b.window_mask) for t, (b, tl) in sets.items()}
-    del target
+    del target, sets
     print(f"held-out target samples and both models' logits: {time.perf_counter() - start:.0f} s")
     prompted = lambda d: chat_prompts(load_task(d, seed=cfg.seed), tokenizer, cfg.chat_template)
     sources = {Path(d).name: task if d == cfg.dataset else prompted(d) for d in vocab_from or [cfg.dataset]}
     rows = [{"size": logits[1.0][0].shape[-1], "samples": None, "counted_on": None, **measure(logits, None)}]
-    for dynamic in ([False, True] if dynamic_int8(draft.dtype) else [False]) if int8 else []:
-        quantized = copy.deepcopy(draft)
-        quantize_int8(quantized, dynamic)
-        with torch.inference_mode():
-            int8_logits = {t: (forward_logits(quantized, b).float(), *logits[t][1:]) for t, (b, _) in sets.items()}
-        kernel = "fbgemm" if dynamic else "weight-only"
-        rows.append({**rows[0], "int8": kernel, **measure(int8_logits, None)})
-        print(format_row(rows[-1], rows[0]), flush=True)
-        del quantized, int8_logits
-    del sets
     for name, source in sources.items():
         for size in sizes:
             for n in samples:
@@ -117,8 +102,6 @@ def suite_draft_vocab(
 
 def format_row(row: dict, whole: dict) -> str:
     source = "whole vocabulary" if row["samples"] is None else f"text + samples of {row['samples']} prompts"
-    if row.get("int8"):
-        source += f", int8 weights ({row['int8']})"
     if row["samples"] == 0:
         source = "the text"
     if row["counted_on"]:
@@ -153,7 +136,6 @@ def main() -> None:
     parser.add_argument(
         "--vocab-from", nargs="+", metavar="DATASET", help="count vocabularies on these data sets (default: dataset=)"
     )
-    parser.add_argument("--int8", action="store_true", help="also the whole draft with int8 weights, by kernel")
     parser.add_argument("--out", type=Path, default=Path("outputs/draft-vocab"))
     args = parser.parse_args()
     suite_draft_vocab(
@@ -164,7 +146,6 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         out=args.out,
         vocab_from=args.vocab_from,
-        int8=args.int8,
     )
 
 

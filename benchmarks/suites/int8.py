@@ -1,18 +1,30 @@
-"""Suite ``int8``: which product of a linear layer is fastest on this machine's CPU, by kernel and row count.
+"""Suite ``int8``: what a draft's int8 weights cost and save on this machine's CPU, by kernel.
 
-The layers of the Qwen2.5-Coder pair (random weights, no model needed): the target's MLP projection (1536 -> 8960),
-the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 -> 32768), each at 1 row (a decoding step), 6 rows (a
-verification at gamma 5, or a prompt's worth of a few tokens) and 96 rows (a prompt). Kernels: the eager float32
-product, the float32 weight prepacked for oneDNN (what ``prepack`` does to a target), and the int8 layer a draft
-decodes with (``draft_int8``): through fbgemm's int8 GEMM in float32 on x86, weight-only in float32 (the kernel it
-replaces there) and in bfloat16. Each time is the median of repeated calls; each error the product's relative
-distance from the float32 one.
+Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
+model's dtype, its activations in bfloat16 for a float32 model on a CPU; and fbgemm's int8 GEMM (x86), which rounds
+the activations to 7 bits as well. Beside them, the eager float32 product and the float32 weight prepacked for oneDNN
+(what ``prepack`` does to a target).
+
+1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
+   target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
+   32768), each at 1 row (a drafting step), 6 rows (a verification at gamma 5) and 96 rows (a prompt); each time
+   the median of repeated calls, each error the product's relative distance from the float32 one.
+2. With ``--held N``, the job's draft itself on N held-out examples of its data set, each prompt followed by its
+   reference, decoded as a speculative decoder's draft decodes (the prompt prefilled, then one token a step): its
+   step time, and for each kernel the mean TVD between the int8 draft's distribution and the draft's own at each
+   position (the acceptance at T = 1 can change by at most this much: ``|TVD(p, q) - TVD(p, q')| <= TVD(q, q')``)
+   and how often their argmaxes agree (what greedy acceptance can keep).
 
     python benchmarks/benchmark.py int8
+    python -m benchmarks.suites.int8 target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
+        dataset=../shared/data/gsm8k --held 8
+
+Writes ``int8.json`` into ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import json
@@ -23,7 +35,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distillspec.models.packing import Int8Linear, PackedLinear, can_prepack, dynamic_int8
+from benchmarks.suites.speed import step_ms
+from distillspec.config import load_config
+from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
+from distillspec.models.loading import encode_prompts, load_model
+from distillspec.models.packing import Int8Linear, PackedLinear, can_prepack, fbgemm_available, quantize_int8
+from distillspec.models.pretrained import prepare_pair
+from distillspec.tasks.data import load_task
 
 SHAPES = {"target MLP": (1536, 8960), "draft MLP": (896, 4864), "draft head, 32,768 tokens": (896, 32768)}
 ROWS = (1, 6, 96)
@@ -40,13 +58,14 @@ def median_ms(fn, reps: int = 15) -> float:
     return statistics.median(times) * 1e3
 
 
+def int8_kernels() -> dict[str, bool]:
+    """``{name: fbgemm}`` of the int8 kernels this CPU has."""
+    return {"weight-only": False} | ({"fbgemm": True} if fbgemm_available() else {})
+
+
 @torch.inference_mode()
-def suite_int8(
-    overrides: list[str], budget: float, out: Path, shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15
-) -> dict:
-    """Milliseconds of one product by layer shape (``{name: (in, out)}``), kernel and row count (see the module
-    docstring; the median of ``reps`` calls), with each kernel's ratio to the eager float32 product and its relative
-    error; writes ``int8.json`` into ``out``."""
+def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) -> list[dict]:
+    """Part 1 (see the module docstring): a row per layer shape (``{name: (in, out)}``), row count and kernel."""
     torch.manual_seed(0)
     rows_out = []
     for name, (fan_in, fan_out) in shapes.items():
@@ -55,10 +74,9 @@ def suite_int8(
         kernels = {"float32": linear}
         if can_prepack():
             kernels["float32 prepacked"] = PackedLinear(linear)
-        if dynamic_int8(torch.float32):
-            kernels["int8, fbgemm (float32)"] = Int8Linear(linear, dynamic=True)
-        kernels["int8 weight-only (float32)"] = Int8Linear(linear, dynamic=False)
-        kernels["int8 weight-only (bfloat16)"] = Int8Linear(copy.deepcopy(linear).bfloat16(), dynamic=False)
+        for kernel, fbgemm in int8_kernels().items():
+            kernels[f"int8 {kernel} (float32 model)"] = Int8Linear(linear, fbgemm)
+        kernels["int8 weight-only (bfloat16 model)"] = Int8Linear(copy.deepcopy(linear).bfloat16())
         for rows in ROWS:
             x = torch.randn(rows, fan_in)
             exact = linear(x)
@@ -68,10 +86,75 @@ def suite_int8(
                 error = ((layer(x).float() - exact).norm() / exact.norm()).item()
                 rows_out.append({"layer": name, "rows": rows, "kernel": kernel, "ms": ms, "over_float32": ms / base,
                                  "relative_error": error})  # fmt: skip
-                print(f"{name:26s} {rows:3d} rows  {kernel:28s} {ms:8.2f} ms  {ms / base:5.2f}x float32  "
-                      f"error {error:.4f}")  # fmt: skip
+                print(f"{name:26s} {rows:3d} rows  {kernel:34s} {ms:8.2f} ms  {ms / base:5.2f}x float32  "
+                      f"error {error:.4f}", flush=True)  # fmt: skip
+    return rows_out
+
+
+@torch.inference_mode()
+def stepwise_probs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The next-token distributions [positions, V] of ``model`` over ``ids`` [1, L] after its first ``prompt_len``
+    tokens, decoded as a draft decodes: the prompt prefilled, then one token a step."""
+    lm = CachedLM(model, capacity=bucketed_capacity(ids.shape[1] + 1))
+    logits = [lm.prefill(ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]))]
+    logits += [lm.step(ids[:, t : t + 1])[:, -1] for t in range(prompt_len, ids.shape[1] - 1)]
+    return torch.cat(logits).float().softmax(-1)
+
+
+def draft_closeness(overrides: list[str], held: int) -> dict:
+    """Part 2 (see the module docstring) on the job's draft (``overrides``: its config keys)."""
+    cfg = load_config(None, overrides)
+    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
+    draft, tokenizer = load_model(cfg.draft, device=cfg.device, dtype=getattr(torch, cfg.dtype))
+    variants = {"float": draft}
+    for kernel, fbgemm in int8_kernels().items():
+        variants[kernel] = copy.deepcopy(draft)
+        quantize_int8(variants[kernel], fbgemm)
+    result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: step_ms(m, [1])[1] for k, m in variants.items()}}
+    tvd = {kernel: [] for kernel in variants if kernel != "float"}
+    agree = {kernel: [] for kernel in tvd}
+    for example in task.test[:held]:
+        prompt = encode_prompts(tokenizer, [example.prompt])[0]
+        ids = torch.cat(
+            [prompt, tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids], 1
+        )
+        q = stepwise_probs(draft, ids, prompt.shape[1])
+        for kernel in tvd:
+            q8 = stepwise_probs(variants[kernel], ids, prompt.shape[1])
+            tvd[kernel] += (0.5 * (q - q8).abs().sum(-1)).tolist()
+            agree[kernel] += (q.argmax(-1) == q8.argmax(-1)).float().tolist()
+    result["positions"] = len(next(iter(tvd.values()), []))
+    result["kernels"] = {
+        k: {"tvd": statistics.fmean(tvd[k]), "argmax_agreement": statistics.fmean(agree[k])} for k in tvd
+    }
+    for kernel, row in result["kernels"].items():
+        print(f"{Path(cfg.draft).name}, int8 {kernel}: step {result['step_ms'][kernel]:.1f} ms "
+              f"(float {result['step_ms']['float']:.1f}), mean TVD from the float draft {row['tvd']:.4f}, "
+              f"argmax agreement {row['argmax_agreement']:.4f} over {result['positions']} positions")  # fmt: skip
+    return result
+
+
+def suite_int8(
+    overrides: list[str], out: Path, *, held: int = 0, shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15
+) -> dict:
+    """The whole suite (see the module docstring); writes ``int8.json`` into ``out``."""
     result = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-    result |= {"rows": rows_out}
+    result["rows"] = kernel_times(shapes, reps)
+    if held:
+        result["draft"] = draft_closeness(overrides, held)
     out.mkdir(parents=True, exist_ok=True)
     (out / "int8.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="job config keys (target=..., draft=..., dataset=...)")
+    parser.add_argument("--held", type=int, default=0, help="held-out examples to compare the int8 drafts on (0: none)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/int8"))
+    args = parser.parse_args()
+    suite_int8(args.overrides, args.out, held=args.held)
+
+
+if __name__ == "__main__":
+    main()

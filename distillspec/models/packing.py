@@ -87,14 +87,9 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
 INT8_ROWS = 16
 
 
-def dynamic_int8(dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
-    """Whether an :class:`Int8Linear` of a ``dtype`` model on ``device`` multiplies through fbgemm's int8 GEMM
-    (``quantized::linear_dynamic``, activations quantized per call) rather than the weight-only kernel: a float32
-    model on an x86 CPU. There the weight-only kernel has no vectorised float32 path (on an AVX2-only CPU it ran
-    3-5x slower than the float32 product it replaces, where fbgemm ran 3-9x faster:
-    ``python benchmarks/benchmark.py int8``)."""
-    engines = torch.backends.quantized.supported_engines
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and ("x86" in engines or "fbgemm" in engines)
+def fbgemm_available() -> bool:
+    """Whether this build of torch has fbgemm's int8 GEMM (x86 CPUs), which :class:`Int8Linear` can run through."""
+    return any(engine in torch.backends.quantized.supported_engines for engine in ("x86", "fbgemm"))
 
 
 class Int8Linear(nn.Module):
@@ -102,19 +97,23 @@ class Int8Linear(nn.Module):
     proposes: speculative decoding stays exact whatever the draft computes; a draft rounded this way is accepted
     about as often as before. A step reads a quarter of float32's bytes, half of bfloat16's.
 
-    In bfloat16 the product is weight-only, as gpt-fast's int8 mode (``torch.ops.aten._weight_int8pack_mm``). In
-    float32 on an x86 CPU (:func:`dynamic_int8`) it runs through fbgemm's int8 GEMM, which also rounds the
-    activations to 8 bits, with one scale for all the rows of a call (so a row's product depends slightly on the
-    rows beside it), as ``torch.ao``'s dynamic quantization does."""
+    The product is weight-only, as gpt-fast's int8 mode (``torch.ops.aten._weight_int8pack_mm``), its activations in
+    bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
+    ran 1.7-3.7x slower than the float32 product it replaces, and 1.3-3x faster with bfloat16 activations, which
+    round a step's inputs to bfloat16 and cost no acceptance measured: ``python benchmarks/benchmark.py int8``).
+    ``fbgemm=True`` runs it through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86): faster
+    still, but it rounds the activations to 7 bits with one scale per call, and a model with outlying activation
+    channels (Qwen2.5's) loses acceptance to it; the suites use it to say how much."""
 
-    def __init__(self, linear: nn.Linear, dynamic: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, fbgemm: bool = False) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.dtype = linear.weight.dtype  #: activations, scales and bias: the model's dtype
-        #: fbgemm's int8 GEMM (None: :func:`dynamic_int8`), else the weight-only kernel
-        self.dynamic = dynamic_int8(self.dtype, weight.device) if dynamic is None else dynamic
-        self.packed = None  #: fbgemm's packed weight where :attr:`dynamic`
+        self.dtype = linear.weight.dtype  #: the model's dtype: its activations, the scales and bias
+        cpu_float32 = self.dtype == torch.float32 and weight.device.type == "cpu"
+        self.step_dtype = torch.bfloat16 if cpu_float32 else self.dtype  #: the int8 kernel's activations
+        self.fbgemm = fbgemm
+        self.packed = None  #: fbgemm's packed weight, with ``fbgemm``
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
@@ -128,9 +127,10 @@ class Int8Linear(nn.Module):
         scales = weight.abs().amax(1).clamp(min=1e-12) / 127
         self.weight.copy_((weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
         self.scales.copy_(scales.to(self.dtype))
+        self.step_scales = scales.to(self.step_dtype)
         if bias is not None and self.bias is not None:
             self.bias.copy_(torch.as_tensor(bias).to(self.bias))
-        if self.dynamic:
+        if self.fbgemm:
             with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; its int8 GEMM is not
                 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
                 zero = torch.zeros(len(scales), dtype=torch.long)
@@ -139,30 +139,31 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.packed is not None:  # float32 on x86: fbgemm, its bias inside
+        if self.packed is not None:  # fbgemm, its bias inside
             out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
             return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None])
         else:
-            out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
+            steps = rows.to(self.step_dtype).contiguous()
+            out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "fbgemm" if self.dynamic else "weight-only"
+        kernel = "fbgemm" if self.fbgemm else f"weight-only, {str(self.step_dtype).removeprefix('torch.')} activations"
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         return f"{shape}, int8 ({kernel})"
 
 
-def quantize_int8(model: nn.Module, dynamic: bool | None = None) -> int:
+def quantize_int8(model: nn.Module, fbgemm: bool = False) -> int:
     """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
-    an :class:`Int8Linear` in the model's dtype (``dynamic``: its kernel, None: :func:`dynamic_int8`); the model is
-    frozen. Returns how many were replaced."""
+    an :class:`Int8Linear` in the model's dtype (through fbgemm's int8 GEMM with ``fbgemm``); the model is frozen.
+    Returns how many were replaced."""
 
     def int8_like(linear: nn.Linear) -> nn.Module:  # a draft vocabulary's head keeps its d2t map
-        quantized = Int8Linear(linear, dynamic)
+        quantized = Int8Linear(linear, fbgemm)
         if hasattr(linear, "d2t"):
             quantized.register_buffer("d2t", linear.d2t)
         return quantized
