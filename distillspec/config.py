@@ -533,7 +533,7 @@ class JobConfig:
         False,
         "decode the draft with int8 weights (a scale per row) wherever it only proposes: the evaluator, the endpoint "
         "and the speed measurements (it trains in float32). A drafting step reads a quarter of float32's bytes, half "
-        "of bfloat16's (weight-only in bfloat16; in float32 on x86, fbgemm's int8 GEMM); speculative decoding stays "
+        "of bfloat16's (weight-only; a float32 draft's activations in bfloat16 on a CPU); speculative decoding stays "
         "exact",
     )
     prepack: bool | Literal["auto"] = knob(

@@ -1,4 +1,4 @@
-"""Suite ``int8``: what a draft's int8 weights cost and save on this machine's CPU, by kernel.
+"""What int8 weights cost a draft and save it on this CPU, kernel by kernel.
 
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
 model's dtype, its activations in bfloat16 for a float32 model on a CPU; and fbgemm's int8 GEMM (x86), which rounds

@@ -81,9 +81,9 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
     return replace_linears(model, pack)
 
 
-#: Up to this many rows an :class:`Int8Linear` in bfloat16 multiplies by its int8 weight directly (a decoding step);
-#: more rows (a prompt) are multiplied by the weight dequantized on the fly: the int8 kernel does not use the CPU's
-#: matrix units, and for a 150-token prompt it ran 5x slower than dequantizing first (4864 x 896, bfloat16, AMX).
+#: Up to this many rows an :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step); more rows
+#: (a prompt) are multiplied by the weight dequantized on the fly: the int8 kernel does not use the CPU's matrix
+#: units, and for a 150-token prompt it ran 5x slower than dequantizing first (4864 x 896, bfloat16, AMX).
 INT8_ROWS = 16
 
 
@@ -99,8 +99,8 @@ class Int8Linear(nn.Module):
 
     The product is weight-only, as gpt-fast's int8 mode (``torch.ops.aten._weight_int8pack_mm``), its activations in
     bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
-    ran 1.7-3.7x slower than the float32 product it replaces, and 1.3-3x faster with bfloat16 activations, which
-    round a step's inputs to bfloat16 and cost no acceptance measured: ``python benchmarks/benchmark.py int8``).
+    ran 1.7-3.7x slower than the float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which
+    moved the 0.5B Qwen draft's distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``).
     ``fbgemm=True`` runs it through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86): faster
     still, but it rounds the activations to 7 bits with one scale per call, and a model with outlying activation
     channels (Qwen2.5's) loses acceptance to it; the suites use it to say how much."""
