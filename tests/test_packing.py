@@ -149,7 +149,7 @@ def test_draft_int8_is_refused_with_vllm_backends():
 
 def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt():
     """Weight-only: a few rows go through the int8 kernel (a float32 layer's activations rounded to bfloat16 there),
-    many (a prompt) through the weight dequantized: nearly the same product, and the same in bfloat16. fbgemm's
+    many (a prompt) through the weight dequantized: nearly the same product, in float32 and in bfloat16. fbgemm's
     int8 GEMM rounds each call's rows with one scale: a row's product moves a little with the rows beside it."""
     from distillspec.models.packing import INT8_ROWS, Int8Linear, fbgemm_available
 
@@ -171,14 +171,16 @@ def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt
             assert 0 < (product - exact).norm() / exact.norm() < 0.03
 
 
-def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel(dtype):
     from distillspec.models.packing import Int8Linear, fbgemm_available
 
     for fbgemm in [False, True] if fbgemm_available() else [False]:
-        layer, newer = Int8Linear(torch.nn.Linear(32, 16), fbgemm), torch.nn.Linear(32, 16)
+        layer, newer = Int8Linear(torch.nn.Linear(32, 16).to(dtype), fbgemm), torch.nn.Linear(32, 16)
         layer.load_dense(newer.weight, newer.bias.detach())
         x = torch.randn(3, 32)
-        assert (layer(x) - newer(x)).norm() / newer(x).norm() < 0.03
+        product = layer(x.to(dtype))
+        assert product.dtype == dtype and (product.float() - newer(x)).norm() / newer(x).norm() < 0.03
 
 
 def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):

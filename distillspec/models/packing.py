@@ -135,12 +135,13 @@ class Int8Linear(nn.Module):
                 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
                 zero = torch.zeros(len(scales), dtype=torch.long)
                 quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
-                self.packed = torch.ops.quantized.linear_prepack(quantized, self.bias)
+                bias = None if self.bias is None else self.bias.float()
+                self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.packed is not None:  # fbgemm, its bias inside
-            out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
+        if self.packed is not None:  # fbgemm (float32 in and out), its bias inside
+            out = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True).to(self.dtype)
             return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None])
