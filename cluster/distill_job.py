@@ -18,7 +18,7 @@ from actors.learner import RUN_DIR, checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
 from distillspec.cli import sigterm_held
-from distillspec.config import JobConfig, resolve_recipe, to_dict
+from distillspec.config import DraftInt8, JobConfig, resolve_recipe, to_dict
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import format_table, plot_tau, plot_training
 from distillspec.evaluation.study import measure_phase, merge_baseline_speed
@@ -107,11 +107,12 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     }
 
 
-def decoding_copy(draft, dtype: torch.dtype, int8: bool):
-    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights if ``int8``."""
+def decoding_copy(draft, dtype: torch.dtype, int8: DraftInt8):
+    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights if ``int8``
+    (``draft_int8``: ``fbgemm`` through fbgemm's int8 GEMM)."""
     model = copy.deepcopy(draft).to(dtype)
     if int8:
-        quantize_int8(model)
+        quantize_int8(model, fbgemm=int8 == "fbgemm")
     return model
 
 

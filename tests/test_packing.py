@@ -115,20 +115,24 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(fbgemm):
     assert fit_to_target(out, small_target, prompt) > 1e-3
 
 
-def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer):
+@pytest.mark.parametrize("draft_int8", [True, "fbgemm"], ids=["weight-only", "fbgemm"])
+def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer, draft_int8):
     """The endpoint's swap: a new draft version travels as float arrays (state_arrays) and an int8 draft quantizes
-    them in place; load_pair makes the decode-only draft int8 and refuses it for a draft that trains."""
+    them in place, through either kernel; load_pair makes the decode-only draft int8 and refuses it for a draft
+    that trains."""
     from distillspec.models.loading import load_arrays
-    from distillspec.models.packing import Int8Linear
+    from distillspec.models.packing import Int8Linear, fbgemm_available
     from distillspec.versions import state_arrays
 
+    if draft_int8 == "fbgemm" and not fbgemm_available():
+        pytest.skip("fbgemm's int8 GEMM is torch's on x86 CPUs only")
     folders = []
     for name, model in zip(("target", "draft"), text_pair):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
         folders.append(str(tmp_path / name))
-    _, draft, _ = load_pair(*folders, dtype="float32", decode_only=True, draft_int8=True)
-    assert isinstance(draft.lm_head, Int8Linear)
+    _, draft, _ = load_pair(*folders, dtype="float32", decode_only=True, draft_int8=draft_int8)
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (draft_int8 == "fbgemm")
     newer = perturbed(text_pair[1], 0.05, seed=3)
     load_arrays(draft, state_arrays(newer))
     ids = torch.randint(1, 100, (2, 9))
@@ -136,21 +140,26 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
         assert torch.allclose(draft(ids).logits, newer(ids).logits, atol=0.05)
         assert not torch.allclose(draft(ids).logits, text_pair[1](ids).logits, atol=0.05)
     with pytest.raises(DistillSpecError, match="draft_int8"):
-        load_pair(*folders, dtype="float32", draft_int8=True)
+        load_pair(*folders, dtype="float32", draft_int8=draft_int8)
 
 
 def test_draft_int8_is_refused_with_vllm_backends():
     from distillspec.config import load_config
 
     assert load_config(None, ["draft_int8=true"]).draft_int8 is True
-    with pytest.raises(DistillSpecError, match="draft_int8=true"):
-        load_config(None, ["draft_int8=true", "serve.backend=vllm"])
+    assert load_config(None, ["draft_int8=fbgemm"]).draft_int8 == "fbgemm"
+    for choice in ("true", "fbgemm"):
+        with pytest.raises(DistillSpecError, match=f"draft_int8={choice}"):
+            load_config(None, [f"draft_int8={choice}", "serve.backend=vllm"])
+    with pytest.raises(DistillSpecError, match="did you mean 'fbgemm'"):
+        load_config(None, ["draft_int8=fbgem"])
 
 
 def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt():
     """Weight-only: a few rows go through the int8 kernel (a float32 layer's activations rounded to bfloat16 there),
     many (a prompt) through the weight dequantized: nearly the same product, in float32 and in bfloat16. fbgemm's
-    int8 GEMM rounds each call's rows with one scale: a row's product moves a little with the rows beside it."""
+    int8 GEMM rounds each call's rows with one scale, so a step's product moves a little with the rows beside it; a
+    prompt takes the dequantized weight there too, the same product as the weight-only layer's."""
     from distillspec.models.packing import INT8_ROWS, Int8Linear, fbgemm_available
 
     torch.manual_seed(0)
@@ -167,8 +176,9 @@ def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt
     if fbgemm_available():
         fbgemm = Int8Linear(dense, fbgemm=True)
         assert "fbgemm" in repr(fbgemm)
-        for product in (fbgemm(x), torch.cat([fbgemm(x[:1]), fbgemm(x[1:6]), fbgemm(x[6:])])):
+        for product in (fbgemm(x), torch.cat([fbgemm(x[:1]), fbgemm(x[1:6]), fbgemm(x[6:12]), fbgemm(x[12:])])):
             assert 0 < (product - exact).norm() / exact.norm() < 0.03
+        assert torch.equal(fbgemm(x), layer(x)) and not torch.equal(fbgemm(x[:6]), layer(x[:6]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,6 +37,9 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
 
 
 def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_garden, tmp_path):
+    from distillspec.models.packing import fbgemm_available
+
+    kernels = ("weight-only", "fbgemm") if fbgemm_available() else ("weight-only",)
     overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
     result = suite_speed(
         overrides,
@@ -49,8 +52,12 @@ def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_ga
         repeats=1,
         out=tmp_path,
         int8="only",
+        int8_kernels=kernels,
     )
-    assert {row["draft"] for row in result["rows"]} == {"draft int8", "draft V=64 int8"}
+    names = {"draft int8", "draft V=64 int8"} | (
+        {"draft int8 fbgemm", "draft V=64 int8 fbgemm"} if len(kernels) > 1 else set()
+    )
+    assert {row["draft"] for row in result["rows"]} == names
     assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD with int8 drafts is still exact
 
 

@@ -6,7 +6,8 @@ Draft kinds: the draft as named; with ``--draft-vocab V`` the same draft with it
 frequent tokens of the task's training data (:mod:`distillspec.models.draft_vocab`); with ``--pruned SPEC`` a draft
 made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
 those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
-``--int8 only``: instead of its own).
+``--int8 only``: instead of its own), once per kernel of ``--int8-kernels`` (``weight-only``, as ``draft_int8=true``
+decodes; ``fbgemm``, as ``draft_int8=fbgemm`` does).
 Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
@@ -109,6 +110,7 @@ def suite_speed(
     seeded: bool = False,
     compile: bool = False,
     int8: str | None = None,
+    int8_kernels: tuple[str, ...] = ("weight-only",),
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -120,15 +122,20 @@ def suite_speed(
     dtype = getattr(torch, cfg.dtype)
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
-    for kind in list(drafts) if int8 else []:  # each draft again with int8 weights (weight-only, per row)
-        drafts[f"{kind} int8"] = drafts.pop(kind) if int8 == "only" else copy.deepcopy(drafts[kind])
-        quantize_int8(drafts[f"{kind} int8"])
+    for kind in list(drafts) if int8 else []:  # each draft again with int8 weights, per kernel
+        for kernel in int8_kernels:
+            name = f"{kind} int8" + (" fbgemm" if kernel == "fbgemm" else "")
+            drafts[name] = copy.deepcopy(drafts[kind])
+            quantize_int8(drafts[name], fbgemm=kernel == "fbgemm")
+        if int8 == "only":
+            del drafts[kind]
     ks = sorted({1, *(g + 1 for g in gammas)})
     target_ms = step_ms(target, ks, compile=compile)
     draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
     config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}
+    config |= {"int8_kernels": list(int8_kernels)} if int8 else {}
     config |= {"compile": compile, "threads": torch.get_num_threads(), "prompts": len(texts), "repeats": repeats}
     result = {
         "config": config | {"max_new_tokens": max_new_tokens},
@@ -294,7 +301,14 @@ def main() -> None:
         nargs="?",
         const="also",
         choices=["also", "only"],
-        help="each draft with int8 weights (weight-only) too (also), or instead of its own (only)",
+        help="each draft with int8 weights too (also), or instead of its own (only)",
+    )
+    parser.add_argument(
+        "--int8-kernels",
+        nargs="+",
+        default=["weight-only"],
+        choices=["weight-only", "fbgemm"],
+        help="with --int8: an int8 copy of each draft per kernel (draft_int8=true: weight-only; draft_int8=fbgemm)",
     )
     parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
@@ -318,6 +332,7 @@ def main() -> None:
         seeded=args.seeded,
         compile=args.compile,
         int8=args.int8,
+        int8_kernels=tuple(args.int8_kernels),
     )
 
 

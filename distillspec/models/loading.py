@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import Models
+from distillspec.config import DraftInt8, Models
 from distillspec.decoding.kvcache import LEAN_MODEL_TYPES
 from distillspec.decoding.speculative import check_pair
 from distillspec.errors import DistillSpecError
@@ -336,12 +336,13 @@ def load_pair(
     dtype: torch.dtype | str = torch.float32,
     decode_only: bool = False,
     prepack: bool | str = "auto",
-    draft_int8: bool = False,
+    draft_int8: DraftInt8 = False,
     shared_target: SharedWeights | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedTokenizerBase]:
     """The target in ``dtype`` (it is frozen; ``auto``: :func:`resolve_dtype`), its weights prepacked as ``prepack``
     says (:func:`resolve_prepack`), and the draft in float32, to be trained, or in ``dtype`` too where it only decodes
-    (``decode_only``), then with int8 weights if ``draft_int8`` (:func:`~distillspec.models.packing.quantize_int8`);
+    (``decode_only``), then with int8 weights if ``draft_int8`` (:func:`~distillspec.models.packing.quantize_int8`,
+    through fbgemm's int8 GEMM if ``fbgemm``);
     checked to share a tokenizer. ``shared_target``: the target's weights shared on this node (:func:`load_model`)."""
     if dtype == "auto":
         dtype = resolve_dtype(dtype, target, device)[0]
@@ -366,13 +367,14 @@ def load_pair(
 
 
 def load_decoding_draft(
-    draft: str, *, device: str, dtype: torch.dtype, int8: bool
+    draft: str, *, device: str, dtype: torch.dtype, int8: DraftInt8
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """:func:`load_model` of a draft as the decoders run it beside a target: in the target's ``dtype``, with int8
-    weights if ``int8`` (``draft_int8``; :func:`~distillspec.models.packing.quantize_int8`)."""
+    weights if ``int8`` (``draft_int8``; :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
+    GEMM if ``fbgemm``)."""
     model, tokenizer = load_model(draft, device=device, dtype=dtype)
     if int8:
-        quantize_int8(model)
+        quantize_int8(model, fbgemm=int8 == "fbgemm")
         release_memory()
     return model, tokenizer
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from distillspec.errors import DistillSpecError
 from distillspec.models.draft_vocab import DraftHead
 
 
@@ -82,8 +83,9 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
 
 
 #: Up to this many rows an :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step); more rows
-#: (a prompt) are multiplied by the weight dequantized on the fly: the int8 kernel does not use the CPU's matrix
-#: units, and for a 150-token prompt it ran 5x slower than dequantizing first (4864 x 896, bfloat16, AMX).
+#: (a prompt) are multiplied by the weight dequantized on the fly: the weight-only kernel does not use the CPU's
+#: matrix units (for a 150-token prompt it ran 5x slower than dequantizing first: 4864 x 896, bfloat16, AMX), and
+#: fbgemm's one activation scale would span the whole prompt.
 INT8_ROWS = 16
 
 
@@ -101,9 +103,14 @@ class Int8Linear(nn.Module):
     bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
     ran 1.7-3.7x slower than the float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which
     moved the 0.5B Qwen draft's distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``).
-    ``fbgemm=True`` runs it through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86): faster
-    still, but it rounds the activations to 7 bits with one scale per call, and a model with outlying activation
-    channels (Qwen2.5's) loses acceptance to it; the suites use it to say how much."""
+    ``fbgemm=True`` runs a step through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
+    ``draft_int8=fbgemm`` setting): twice as fast again on such a CPU, but it rounds the activations to 7 bits with
+    one scale per call, which moves the draft's distribution further.
+
+    Either way more than :data:`INT8_ROWS` rows (a prompt) are multiplied by the weight dequantized: the weight-only
+    kernel does not use the CPU's matrix units, and fbgemm's one scale would span every token of the prompt, whose
+    first takes the outlying activations of Qwen2.5-like models (the attention sink): through fbgemm the 0.5B Qwen
+    draft's prompts alone tripled its TVD from the float draft."""
 
     def __init__(self, linear: nn.Linear, fbgemm: bool = False) -> None:
         super().__init__()
@@ -140,16 +147,15 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.packed is not None:  # fbgemm (float32 in and out), its bias inside
-            out = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True).to(self.dtype)
-            return out.reshape(*x.shape[:-1], self.out_features)
         if rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
-            out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None])
+            out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None], self.bias)
+        elif self.packed is not None:  # fbgemm (float32 in and out), its bias inside
+            out = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True).to(self.dtype)
         else:
             steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
-        if self.bias is not None:
-            out = out + self.bias
+            if self.bias is not None:
+                out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -162,6 +168,10 @@ def quantize_int8(model: nn.Module, fbgemm: bool = False) -> int:
     """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
     an :class:`Int8Linear` in the model's dtype (through fbgemm's int8 GEMM with ``fbgemm``); the model is frozen.
     Returns how many were replaced."""
+    if fbgemm and not fbgemm_available():
+        raise DistillSpecError(
+            "draft_int8=fbgemm: this build of torch has no fbgemm int8 GEMM (x86 CPUs only): use draft_int8=true"
+        )
 
     def int8_like(linear: nn.Linear) -> nn.Module:  # a draft vocabulary's head keeps its d2t map
         quantized = Int8Linear(linear, fbgemm)
