@@ -571,6 +571,11 @@ class JobConfig:
                 f"draft_int8={str(self.draft_int8).lower()}: vLLM's draft_model drafts load the draft's own "
                 "weights: set rollout.backend=hf and serve.backend=hf, or draft_int8=false"
             )
+        if self.draft_int8 == "fbgemm" and self.device != "cpu":
+            raise DistillSpecError(
+                f"draft_int8=fbgemm runs fbgemm's int8 GEMM, an x86 CPU's, but device={self.device}: use "
+                "draft_int8=true"
+            )
         if self.draft_vocab and "vllm" in (self.rollout.backend, self.serve.backend):
             raise DistillSpecError(
                 f"draft_vocab={self.draft_vocab}: vLLM's draft_model drafts take no draft vocabulary (vLLM restricts "

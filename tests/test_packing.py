@@ -153,6 +153,12 @@ def test_draft_int8_is_refused_with_vllm_backends():
             load_config(None, [f"draft_int8={choice}", "serve.backend=vllm"])
     with pytest.raises(DistillSpecError, match="did you mean 'fbgemm'"):
         load_config(None, ["draft_int8=fbgem"])
+    with pytest.raises(DistillSpecError, match="device=cuda: use draft_int8=true"):
+        load_config(None, ["draft_int8=fbgemm", "device=cuda"])
+    from distillspec.models.packing import quantize_int8
+
+    with pytest.raises(DistillSpecError, match="not on the CPU"):  # fbgemm's GEMM is a CPU's
+        quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta")), fbgemm=True)
 
 
 def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt():

@@ -1,9 +1,10 @@
 """What int8 weights cost a draft and save it on this CPU, kernel by kernel.
 
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
-model's dtype, its activations in bfloat16 for a float32 model on a CPU; and fbgemm's int8 GEMM (x86), which rounds
-the activations to 7 bits as well. Beside them, the eager float32 product and the float32 weight prepacked for oneDNN
-(what ``prepack`` does to a target).
+model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); and fbgemm's int8 GEMM
+(x86), which rounds the activations to 7 bits as well (``draft_int8=fbgemm``). Over 16 rows (a prompt) either takes
+the weight dequantized. Beside them, the eager float32 product and the float32 weight prepacked for oneDNN (what
+``prepack`` does to a target).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
