@@ -123,12 +123,11 @@ def suite_speed(
     target, tokenizer = load_model(cfg.target, device=cfg.device, dtype=dtype, prepack=cfg.prepack)
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
     for kind in list(drafts) if int8 else []:  # each draft again with int8 weights, per kernel
-        for kernel in int8_kernels:
+        for i, kernel in enumerate(int8_kernels):
             name = f"{kind} int8" + (" fbgemm" if kernel == "fbgemm" else "")
-            drafts[name] = copy.deepcopy(drafts[kind])
+            last = i == len(int8_kernels) - 1  # with "only" the last kernel takes the float draft itself, no copy
+            drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_int8(drafts[name], fbgemm=kernel == "fbgemm")
-        if int8 == "only":
-            del drafts[kind]
     ks = sorted({1, *(g + 1 for g in gammas)})
     target_ms = step_ms(target, ks, compile=compile)
     draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
