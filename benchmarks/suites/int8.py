@@ -2,9 +2,9 @@
 
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
 model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); and fbgemm's int8 GEMM
-(x86), which rounds the activations to 7 bits as well (``draft_int8=fbgemm``). Over 16 rows (a prompt) either takes
-the weight dequantized. Beside them, the eager float32 product and the float32 weight prepacked for oneDNN (what
-``prepack`` does to a target).
+(x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``). Over 16 rows (a
+prompt) the weight-only kernel takes the weight dequantized. Beside them, the eager float32 product and the float32
+weight prepacked for oneDNN (what ``prepack`` does to a target).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -12,9 +12,9 @@ the weight dequantized. Beside them, the eager float32 product and the float32 w
    the median of repeated calls, each error the product's relative distance from the float32 one.
 2. With ``--held N``, the job's draft itself on N held-out examples of its data set, each prompt followed by its
    reference, decoded as a speculative decoder's draft decodes (the prompt prefilled, then one token a step): its
-   step time, and for each kernel the mean TVD between the int8 draft's distribution and the draft's own at each
-   position (the acceptance at T = 1 can change by at most this much: ``|TVD(p, q) - TVD(p, q')| <= TVD(q, q')``)
-   and how often their argmaxes agree (what greedy acceptance can keep).
+   step time, the median time it takes to read a prompt, and for each kernel the mean TVD between the int8 draft's
+   distribution and the draft's own at each position (the acceptance at T = 1 can change by at most this much:
+   ``|TVD(p, q) - TVD(p, q')| <= TVD(q, q')``) and how often their argmaxes agree (what greedy acceptance can keep).
 
     python benchmarks/benchmark.py int8
     python -m benchmarks.suites.int8 target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
@@ -93,6 +93,18 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
 
 
 @torch.inference_mode()
+def prefill_ms(model, prompt: torch.Tensor, reps: int = 2) -> float:
+    """Median milliseconds ``model`` takes to read ``prompt`` [1, L] into a fresh cache (after one untimed read)."""
+    times = []
+    for _ in range(reps + 1):
+        lm = CachedLM(model, capacity=bucketed_capacity(prompt.shape[1] + 1))
+        start = time.perf_counter()
+        lm.prefill(prompt, torch.ones_like(prompt))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+@torch.inference_mode()
 def stepwise_probs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
     """The next-token distributions [positions, V] of ``model`` over ``ids`` [1, L] after its first ``prompt_len``
     tokens, decoded as a draft decodes: the prompt prefilled, then one token a step."""
@@ -114,8 +126,12 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
     result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: step_ms(m, [1])[1] for k, m in variants.items()}}
     tvd = {kernel: [] for kernel in variants if kernel != "float"}
     agree = {kernel: [] for kernel in tvd}
+    prompt_ms, prompt_tokens = {kernel: [] for kernel in variants}, []
     for example in task.test[:held]:
         prompt = encode_prompts(tokenizer, [example.prompt])[0]
+        prompt_tokens.append(prompt.shape[1])
+        for kernel, model in variants.items():
+            prompt_ms[kernel].append(prefill_ms(model, prompt))
         ids = torch.cat(
             [prompt, tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids], 1
         )
@@ -125,12 +141,15 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
             tvd[kernel] += (0.5 * (q - q8).abs().sum(-1)).tolist()
             agree[kernel] += (q.argmax(-1) == q8.argmax(-1)).float().tolist()
     result["positions"] = len(next(iter(tvd.values()), []))
+    result["prompt_ms"] = {k: statistics.median(v) for k, v in prompt_ms.items()}
+    result["prompt_tokens"] = statistics.median(prompt_tokens)
     result["kernels"] = {
         k: {"tvd": statistics.fmean(tvd[k]), "argmax_agreement": statistics.fmean(agree[k])} for k in tvd
     }
     for kernel, row in result["kernels"].items():
         print(f"{Path(cfg.draft).name}, int8 {kernel}: step {result['step_ms'][kernel]:.1f} ms "
-              f"(float {result['step_ms']['float']:.1f}), mean TVD from the float draft {row['tvd']:.4f}, "
+              f"(float {result['step_ms']['float']:.1f}), prompt {result['prompt_ms'][kernel]:.0f} ms "
+              f"(float {result['prompt_ms']['float']:.0f}), mean TVD from the float draft {row['tvd']:.4f}, "
               f"argmax agreement {row['argmax_agreement']:.4f} over {result['positions']} positions")  # fmt: skip
     return result
 

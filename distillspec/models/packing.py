@@ -82,10 +82,10 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
     return replace_linears(model, pack)
 
 
-#: Up to this many rows an :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step); more rows
-#: (a prompt) are multiplied by the weight dequantized on the fly: the weight-only kernel does not use the CPU's
-#: matrix units (for a 150-token prompt it ran 5x slower than dequantizing first: 4864 x 896, bfloat16, AMX), and
-#: fbgemm's one activation scale would span the whole prompt.
+#: Up to this many rows a weight-only :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step);
+#: more rows (a prompt) are multiplied by the weight dequantized on the fly: the weight-only kernel does not use the
+#: CPU's matrix units (for a 150-token prompt it ran 5x slower than dequantizing first: 4864 x 896, bfloat16, AMX).
+#: fbgemm's GEMM is a matrix kernel: it takes every row count.
 INT8_ROWS = 16
 
 
@@ -103,14 +103,15 @@ class Int8Linear(nn.Module):
     bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
     ran 1.7-3.7x slower than the float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which
     moved the 0.5B Qwen draft's distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``).
-    ``fbgemm=True`` runs a step through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
-    ``draft_int8=fbgemm`` setting): on such a CPU its products ran 2-3x faster again and the 0.5B draft's step 1.5x,
-    but it rounds the activations to 7 bits with one scale per call (a mean TVD of 0.030 from the float draft).
+    More than :data:`INT8_ROWS` rows (a prompt) are multiplied by the weight dequantized, the weight-only kernel not
+    using the CPU's matrix units.
 
-    Either way more than :data:`INT8_ROWS` rows (a prompt) are multiplied by the weight dequantized: the weight-only
-    kernel does not use the CPU's matrix units, and fbgemm's one scale would span every token of the prompt, whose
-    first takes the outlying activations of Qwen2.5-like models (the attention sink): with its prompts through
-    fbgemm the 0.5B Qwen draft's mean TVD from the float draft was 0.073, with them dequantized 0.030."""
+    ``fbgemm=True`` runs every product through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
+    ``draft_int8=fbgemm`` setting): on such a CPU its products ran 2-3x faster again, the 0.5B draft's step 1.5x and
+    its prompt 2.3x, but it rounds the activations to 7 bits. The GEMM takes one scale per call, so each row is
+    divided by its largest magnitude first (and the product multiplied back): in effect one scale per token. With one
+    scale spanning a prompt, whose first token takes the outlying activations of Qwen2.5-like models (the attention
+    sink), the 0.5B Qwen draft's mean TVD from the float draft was 0.073; with a scale per token 0.035."""
 
     def __init__(self, linear: nn.Linear, fbgemm: bool = False) -> None:
         super().__init__()
@@ -142,15 +143,22 @@ class Int8Linear(nn.Module):
                 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
                 zero = torch.zeros(len(scales), dtype=torch.long)
                 quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
-                bias = None if self.bias is None else self.bias.float()
-                self.packed = torch.ops.quantized.linear_prepack(quantized, bias)
+                self.packed = torch.ops.quantized.linear_prepack(quantized, None)  # the bias: after the row scales
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
+        if self.packed is not None:  # fbgemm, float32 in and out; one scale per row (token), as above
+            rows = rows.float()
+            if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
+                out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
+            else:
+                peaks = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)
+                out = torch.ops.quantized.linear_dynamic((rows / peaks).contiguous(), self.packed, True) * peaks
+            out = out.to(self.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        elif rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None], self.bias)
-        elif self.packed is not None:  # fbgemm (float32 in and out), its bias inside
-            out = torch.ops.quantized.linear_dynamic(rows.float().contiguous(), self.packed, True).to(self.dtype)
         else:
             steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
