@@ -534,9 +534,9 @@ class JobConfig:
         False,
         "decode the draft with int8 weights (a scale per row) wherever it only proposes: the evaluator, the endpoint "
         "and the speed measurements (it trains in float32). true: weight-only, a drafting step reads a quarter of "
-        "float32's bytes, half of bfloat16's (a float32 draft's activations in bfloat16 on a CPU); fbgemm: a step "
-        "through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too, faster still on CPUs without "
-        "bfloat16 hardware at some cost in acceptance. Speculative decoding stays exact",
+        "float32's bytes, half of bfloat16's (a float32 draft's activations in bfloat16 on a CPU); fbgemm: steps "
+        "and prompts through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too (a scale per token), "
+        "faster still on CPUs without bfloat16 hardware at some cost in acceptance. Speculative decoding stays exact",
     )
     prepack: bool | Literal["auto"] = knob(
         "auto",

@@ -4,7 +4,6 @@ there. Skipped, saying so, where no GPU is present (the rest of the suite runs t
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from distillspec import autoregressive_generate, speculative_generate
 from distillspec.config import DistillConfig, ModelSize
@@ -13,7 +12,7 @@ from distillspec.models.garden import make_model, train_lm
 from distillspec.training.learner import Learner
 from distillspec.training.rollout import encode_examples
 
-from .conftest import perturbed, tiny_llama
+from .conftest import exact_joint, perturbed, pooled_chisquare, tiny_llama
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: the CUDA paths are not run")
 
@@ -24,15 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def on_cuda(model, dtype):
     return model.to(device=CUDA, dtype=dtype).eval()
-
-
-def exact_joint(target, prompt: torch.Tensor) -> torch.Tensor:
-    """The target's distribution of the next two tokens at temperature 1 [V*V] (float64 from its logits)."""
-    with torch.no_grad():
-        p1 = torch.softmax(target(prompt).logits[0, -1].double(), -1)
-        ext = torch.cat([prompt.repeat(V, 1), torch.arange(V, device=prompt.device)[:, None]], 1)
-        p2 = torch.softmax(target(ext).logits[:, -1].double(), -1)
-    return (p1[:, None] * p2).flatten().cpu()
 
 
 @pytest.mark.parametrize("vocab", ["full", "restricted"])
@@ -57,8 +47,7 @@ def test_sd_on_cuda_follows_the_target_distribution(dtype, vocab, gamma):
         generator=torch.Generator(device=CUDA).manual_seed(gamma),
     )
     observed = torch.bincount((out.sequences[:, 3] * V + out.sequences[:, 4]).cpu(), minlength=V * V).double()
-    expected = exact_joint(target, prompt)
-    pvalue = chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+    pvalue = pooled_chisquare(observed, exact_joint(target, prompt))
     print(f"\nchi-square {dtype} {vocab} gamma={gamma}: p = {pvalue:.3f}, alpha = {out.stats.alpha:.3f}")
     assert 0.0 < out.stats.alpha < 1.0
     assert pvalue > 1e-3

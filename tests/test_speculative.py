@@ -2,12 +2,11 @@ import copy
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
 
-from .conftest import perturbed, tiny_llama
+from .conftest import exact_joint, perturbed, pooled_chisquare, tiny_llama
 
 V = 8
 
@@ -17,20 +16,10 @@ def small_vocab_pair():
     return tiny_llama(V, d=16, seed=3, sharpness=30.0), tiny_llama(V, d=16, seed=4, sharpness=30.0)
 
 
-def exact_joint(target, prompt):
-    """The target's exact distribution of the next two tokens at temperature 1, flattened [V*V]."""
-    with torch.no_grad():
-        p1 = torch.softmax(target(prompt).logits[0, -1].double(), -1)
-        ext = torch.cat([prompt.repeat(V, 1), torch.arange(V)[:, None]], 1)
-        p2 = torch.softmax(target(ext).logits[:, -1].double(), -1)
-    return (p1[:, None] * p2).flatten()
-
-
 def fit_to_target(out, target, prompt) -> float:
     """Chi-square p-value of the two tokens each row sampled after ``prompt`` against the target's exact joint."""
     observed = torch.bincount(out.sequences[:, 3] * V + out.sequences[:, 4], minlength=V * V).double()
-    expected = exact_joint(target, prompt)
-    return chisquare(observed.numpy(), (expected * observed.sum() / expected.sum()).numpy()).pvalue
+    return pooled_chisquare(observed, exact_joint(target, prompt))
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
@@ -322,11 +311,34 @@ def test_gamma_per_block_stays_exact_greedy(close_pair):
     assert sd.stats.gammas == [schedule.gammas[i % 6] for i in range(len(sd.stats.gammas))]
     assert int(sd.stats.drafted.sum()) == sum(b * g for b, g, *_ in schedule.seen)
     assert int(sd.stats.accepted.sum()) == sum(sum(a) for _, _, a, _, _ in schedule.seen) > 0
-    # Costs of a shape come from every block but the first (emitted from the prompt's logits, no target call) and
-    # the third (the draft reads the prompt); the target ran once per block but the first.
-    assert schedule.timed[:4] == [False, True, False, True] and all(schedule.timed[4:])
+    # The first token comes from the prompt's logits, before the schedule chooses; costs of a shape come from every
+    # block it chose but the third (the draft reads the prompt), each a target call.
+    assert schedule.timed[:4] == [True, True, False, True] and all(schedule.timed[4:])
     assert schedule.explore[:4] == [False, False, False, True] and all(schedule.explore[3:])  # once the draft has read
-    assert sd.stats.target_calls == len(sd.stats.gammas) - 1
+    assert sd.stats.target_calls == len(sd.stats.gammas) == int(sd.stats.blocks.max())
+
+
+def test_the_first_token_comes_from_the_prompt_alone(close_pair):
+    """As the target alone's: the first block emits one token, from the target's prefill, before the draft runs or
+    the target is called again; the stats count target calls (blocks) after it."""
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    calls = {"draft": 0}
+    hook = draft.register_forward_hook(lambda *_: calls.__setitem__("draft", calls["draft"] + 1))
+    seen = []
+    try:
+        sd = speculative_generate(
+            target, draft, ids, gamma=3, max_new_tokens=10, temperature=0, attention_mask=mask,
+            on_block=lambda tokens, counts, scores: seen.append((counts.clone(), calls["draft"])),
+        )  # fmt: skip
+    finally:
+        hook.remove()
+    assert seen[0][0].tolist() == [1] * len(ids) and seen[0][1] == 0
+    stats = sd.stats
+    assert (stats.new_tokens <= stats.blocks + stats.accepted.sum(1) + 1).all()  # the last block may overshoot
+    assert stats.target_calls == len(stats.gammas) and set(stats.gammas) == {3}
+    one = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=1, temperature=0, attention_mask=mask)
+    assert one.stats.target_calls == one.stats.draft_calls == 0 and one.num_new_tokens.tolist() == [1] * len(ids)
 
 
 def test_rows_leave_before_the_draft_has_read_anything(close_pair):
@@ -341,8 +353,9 @@ def test_rows_leave_before_the_draft_has_read_anything(close_pair):
     )
     own = autoregressive_generate(target, ids, max_new_tokens=budgets, temperature=0, attention_mask=mask)
     assert torch.equal(sd.sequences, own.sequences) and sd.num_new_tokens.tolist() == budgets
-    assert [b for b, *_ in schedule.seen][:4] == [5, 4, 3, 2] and int(sd.stats.drafted.sum()) > 0
-    assert schedule.left[:3] == [budgets, [2, 8, 1, 6], [1, 7, 5]]  # the schedule is told what each row has left
+    # The first token comes before the schedule chooses: the row of budget 1 has left by then.
+    assert [b for b, *_ in schedule.seen][:3] == [4, 3, 2] and int(sd.stats.drafted.sum()) > 0
+    assert schedule.left[:3] == [[2, 8, 1, 6], [1, 7, 5], [6, 4]]  # the schedule is told what each row has left
 
 
 @pytest.mark.parametrize("gammas", [[0, 2], [2, 0], [1, 0, 3]])

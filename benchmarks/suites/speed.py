@@ -20,8 +20,9 @@ copy, the rest of its head the draft's (:func:`distillspec.models.pretrained.who
 
 Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with ``E[tau]`` from the alpha measured
 (``(1 - alpha^(gamma+1)) / (1 - alpha)``, which assumes acceptance independent of the position in the block). They
-leave out the prompt: compare them with the speedup after each call's first tokens (the target's prefill, and in SD
-the draft's and the first block too; the table gives both decoders' seconds to them), which a long answer approaches.
+leave out the prompt: compare them with the speedup after each call's first tokens (the target's prefill and the token
+it gives, in SD as in the target alone; the table gives both decoders' seconds to them), which a long answer
+approaches. In SD the draft reads the prompt after that, with its first drafts.
 """
 
 from __future__ import annotations

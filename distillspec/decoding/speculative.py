@@ -386,10 +386,10 @@ def _prefill(lm: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None) -> tu
 def _start(
     tgt: CachedLM, drf: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None
 ) -> tuple[Tensor, Logprobs | None]:
-    """The target reads the whole prompt now: its last logits [B, 1, V] score the first block's first position (a
-    block that drafts nothing emits from them without a target call, as plain decoding does); with ``k``, the prompt's
-    scores too (:func:`_prefill`). The draft reads it lazily, with its first drafts: a call whose blocks all draft
-    nothing never runs the draft."""
+    """The target reads the whole prompt now: its last logits [B, 1, V] give the first token, as plain decoding's
+    do (the call's first block drafts nothing and needs no target call, so the first token comes as soon as the
+    target alone's would); with ``k``, the prompt's scores too (:func:`_prefill`). The draft reads the prompt lazily,
+    with its first drafts: a call whose blocks all draft nothing never runs the draft."""
     first_logits, prompt = _prefill(tgt, input_ids, mask, k)
     drf.mask, drf.next_pos = input_ids.new_zeros(len(input_ids), 0), input_ids.new_zeros(len(input_ids))
     tgt.calls = drf.calls = 0
@@ -589,6 +589,7 @@ class _Tally:
     def add(self, rows: Tensor, g: int, n: Tensor) -> None:
         """A block of ``g`` drafts, ``n`` accepted, on rows ``rows``. Every draft the target judged counts, also past
         the row's budget in its last block (as vLLM counts them)."""
+        self.gammas.append(g)
         self.blocks[rows] += 1
         self.drafted[rows] += g
         self.accepted[rows, :g] += (torch.arange(g, device=n.device)[None, :] < n[:, None]).long()
@@ -618,14 +619,16 @@ class _Blocks:
         self.typical = False
 
     def choose(self, rows: Tensor, emitter: _Emitter, *, first_block: bool, draft_calls: int) -> int:
+        if first_block:  # the first token, from the prompt's last logits: no drafts, no target call, nothing to time
+            self.typical = False
+            return 0
         if self.schedule is None:
             return self.gamma
         # the tokens each row may still emit: a row near its budget gains nothing from more drafts
         left = (emitter.limit[rows] - emitter.count[rows]).tolist()
         g = self.schedule.choose(len(rows), explore=draft_calls > 0, left=left)
-        # What a block of this shape costs, but for the first block (no target call when it drafts nothing) and the
-        # one whose draft reads the prompt.
-        self.typical = not first_block and (g == 0 or draft_calls > 0)
+        # What a block of this shape costs, but for the one whose draft reads the prompt.
+        self.typical = g == 0 or draft_calls > 0
         self.start = step_clock(self.device)
         return g
 
@@ -633,8 +636,8 @@ class _Blocks:
         if self.schedule is not None:
             self.drafted_at = step_clock(self.device)
 
-    def observe(self, batch: int, g: int, n: Tensor) -> None:
-        if self.schedule is None:
+    def observe(self, batch: int, g: int, n: Tensor, first_block: bool) -> None:
+        if self.schedule is None or first_block:
             return
         took = n.tolist()
         seconds = (
@@ -708,8 +711,8 @@ def speculative_generate(
     draft_in, draft_valid, finished = input_ids, mask.long(), False
 
     while not finished:
-        g = blocks.choose(rows, emitter, first_block=first_logits is not None, draft_calls=drf.calls)
-        tally.gammas.append(g)
+        first_block = first_logits is not None  # its token from the prompt's last logits (see _start)
+        g = blocks.choose(rows, emitter, first_block=first_block, draft_calls=drf.calls)
         # 1. Draft g tokens autoregressively (seeded rows: with the draws of the block's g + 1 positions).
         drafts, q, race = _draft(
             drf, draft_in, draft_valid, g, emitter, rows, noise, history, temperature, generator, compile
@@ -719,8 +722,10 @@ def speculative_generate(
         raw, target_logits = _score(tgt, first_logits, target_in, drafts, history, rows, temperature)  # [b, g+1, V]
         first_logits = None
         n, new = verify(target_logits, drafts, q, temperature, lenience, epsilon, generator, race)
-        # 5. Emit d_1..d_n and the new token, count the block; both caches forget the drafts not accepted.
-        tally.add(rows, g, n)
+        # 5. Emit d_1..d_n and the new token, count the block (a target call); both caches forget the drafts not
+        # accepted.
+        if not first_block:
+            tally.add(rows, g, n)
         done = emitter.emit(rows, _emitted(drafts, n, new), n + 1, raw)
         if on_block is not None and on_block(emitter.out, emitter.count, emitter.scores):
             done = torch.ones_like(done)
@@ -728,6 +733,6 @@ def speculative_generate(
         finished = bool(done.all())
         if not finished and bool(done.any()):
             rows, target_in, draft_in, draft_valid = _retire(done, (tgt, drf), rows, target_in, draft_in, draft_valid)
-        blocks.observe(len(drafts), g, n)  # the whole block: drafting, then verifying and its bookkeeping
+        blocks.observe(len(drafts), g, n, first_block)  # the whole block: drafting, then verifying, bookkeeping
 
     return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt)

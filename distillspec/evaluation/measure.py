@@ -230,8 +230,8 @@ def race(
     by side: each prompt is decoded by every decoder in turn (a drift in the machine's speed hits them all alike),
     and the whole is repeated ``repeats`` times. A decoder's speedup is its tokens/s over the target alone's in the
     same repeat; the mean and the spread (min, max) over repeats are reported. Each call is also split at its first
-    block (:class:`FirstBlock`): the time to the first tokens (``ttft_s``, per prompt: the target's prompt, and in SD
-    also the draft's and the first block) and the rate after them, whose ratio (``decode_speedup``) is what a long
+    block (:class:`FirstBlock`): the time to the first tokens (``ttft_s``, per prompt: the target reads the prompt and
+    gives the first token, in SD as alone) and the rate after them, whose ratio (``decode_speedup``) is what a long
     answer approaches and what the step costs predict. ``compile``: every decoder's steps compiled
     (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
     ``seeded``: prompt ``i`` decoded with the seed ``seed + i`` by every decoder

@@ -319,7 +319,7 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     packed = f"; the target's weights prepacked ({packing})" if prepack else ""
     bf16 = dtype == "bfloat16" if cfg.distill.bf16 is None else cfg.distill.bf16
     trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
-    int8 = {True: "weight-only", "fbgemm": "its steps through fbgemm's int8 GEMM"}.get(cfg.draft_int8)
+    int8 = {True: "weight-only", "fbgemm": "through fbgemm's int8 GEMM"}.get(cfg.draft_int8)
     decodes = f", decodes with int8 weights ({int8})" if int8 else ""
     log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}{decodes}")
     if bf16 and not native_bf16(cfg.device):
