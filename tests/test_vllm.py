@@ -179,9 +179,8 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
     weights (alpha near 0), the target with noise (in between). Per request and per draft, vLLM's counters equal this
     project's decoder's on the same blocks (T = 0), and the greedy output is the target's throughout.
 
-    vLLM makes a request's first token in its prefill and drafts from there; this project's decoder drafts from the
-    prompt. So the same blocks are the evaluator's on the prompt plus the target's first token, with one token less
-    of budget. Both count every draft token the target judged, also past the budget in a request's last block."""
+    vLLM makes a request's first token in its prefill and drafts from there, as this project's decoder does: the same
+    blocks. Both count every draft token the target judged, also past the budget in a request's last block."""
     target, _, tokenizer = models
     llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.target), gamma=4)
     from vllm import SamplingParams
@@ -209,14 +208,12 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
                 )
                 theirs = acceptance_counts(llm.get_metrics()) - before
                 assert tokenizer.decode(out[0].outputs[0].token_ids, skip_special_tokens=True) == text
-                with torch.no_grad():
-                    first = target(ids).logits[:, -1].argmax(-1, keepdim=True)
                 s = speculative_generate(
                     target,
                     draft,
-                    torch.cat([ids, first], 1),
+                    ids,
                     gamma=4,
-                    max_new_tokens=15,
+                    max_new_tokens=16,
                     temperature=0.0,
                     eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id,
@@ -225,9 +222,10 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
                 assert theirs == ours, (name, prompt, theirs, ours)
                 theirs_all, ours_all = theirs_all + theirs, ours_all + ours
             total[name] = theirs_all
-            # The evaluator on the request as given (its own schedule): the same counting, one block less or equal.
+            # The evaluator on the same requests, batched.
             record = evaluate_sd(target, draft, tokenizer, prompts, gamma=4, temperature=0.0, max_new_tokens=16)
             print(f"{name}: vLLM {theirs_all}, alpha {theirs_all.alpha:.3f} vs evaluator alpha {record['alpha']:.3f}")
+            assert record["alpha"] == pytest.approx(theirs_all.alpha)
     finally:
         shutdown(llm)
     assert total["target"].alpha == 1.0 and total["target"].tau == 5.0
