@@ -48,8 +48,8 @@ SHAPES = {"target MLP": (1536, 8960), "draft MLP": (896, 4864), "draft head, 32,
 ROWS = (1, 6, 96)
 
 
-def median_ms(fn, reps: int = 15) -> float:
-    for _ in range(3):  # warm-up
+def median_ms(fn, reps: int = 15, warmup: int = 3) -> float:
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
@@ -95,13 +95,8 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
 @torch.inference_mode()
 def prefill_ms(model, prompt: torch.Tensor, reps: int = 2) -> float:
     """Median milliseconds ``model`` takes to read ``prompt`` [1, L] into a fresh cache (after one untimed read)."""
-    times = []
-    for _ in range(reps + 1):
-        lm = CachedLM(model, capacity=bucketed_capacity(prompt.shape[1] + 1))
-        start = time.perf_counter()
-        lm.prefill(prompt, torch.ones_like(prompt))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3
+    capacity = bucketed_capacity(prompt.shape[1] + 1)
+    return median_ms(lambda: CachedLM(model, capacity=capacity).prefill(prompt, torch.ones_like(prompt)), reps, 1)
 
 
 @torch.inference_mode()

@@ -618,10 +618,7 @@ class _Blocks:
         self.start = self.drafted_at = 0.0
         self.typical = False
 
-    def choose(self, rows: Tensor, emitter: _Emitter, *, first_block: bool, draft_calls: int) -> int:
-        if first_block:  # the first token, from the prompt's last logits: no drafts, no target call, nothing to time
-            self.typical = False
-            return 0
+    def choose(self, rows: Tensor, emitter: _Emitter, *, draft_calls: int) -> int:
         if self.schedule is None:
             return self.gamma
         # the tokens each row may still emit: a row near its budget gains nothing from more drafts
@@ -636,8 +633,8 @@ class _Blocks:
         if self.schedule is not None:
             self.drafted_at = step_clock(self.device)
 
-    def observe(self, batch: int, g: int, n: Tensor, first_block: bool) -> None:
-        if self.schedule is None or first_block:
+    def observe(self, batch: int, g: int, n: Tensor) -> None:
+        if self.schedule is None:
             return
         took = n.tolist()
         seconds = (
@@ -711,8 +708,9 @@ def speculative_generate(
     draft_in, draft_valid, finished = input_ids, mask.long(), False
 
     while not finished:
-        first_block = first_logits is not None  # its token from the prompt's last logits (see _start)
-        g = blocks.choose(rows, emitter, first_block=first_block, draft_calls=drf.calls)
+        # The first block drafts nothing: its token comes from the prompt's last logits (see _start), no target call.
+        first_block = first_logits is not None
+        g = 0 if first_block else blocks.choose(rows, emitter, draft_calls=drf.calls)
         # 1. Draft g tokens autoregressively (seeded rows: with the draws of the block's g + 1 positions).
         drafts, q, race = _draft(
             drf, draft_in, draft_valid, g, emitter, rows, noise, history, temperature, generator, compile
@@ -733,6 +731,7 @@ def speculative_generate(
         finished = bool(done.all())
         if not finished and bool(done.any()):
             rows, target_in, draft_in, draft_valid = _retire(done, (tgt, drf), rows, target_in, draft_in, draft_valid)
-        blocks.observe(len(drafts), g, n, first_block)  # the whole block: drafting, then verifying, bookkeeping
+        if not first_block:
+            blocks.observe(len(drafts), g, n)  # the whole block: drafting, then verifying and its bookkeeping
 
     return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt)
