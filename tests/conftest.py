@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -212,6 +214,29 @@ def run_job(*args: str, job: str = "distill.py", env: dict | None = None) -> sub
             proc.kill()
             raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_here(script: Callable[[], object], capsys, monkeypatch, argv: list[str] | None = None):
+    """A script's entry point (``jobs/*.py``'s ``cli``, ``run_main(main)``) run in this process, with ``sys.argv`` set
+    to ``argv`` where given: its exit status, output and errors, as :func:`run_job` gives them, without the seconds a
+    new interpreter takes to import torch and Ray. What only a new process shows (environment read at import, output
+    below Python's) stays with :func:`run_job`."""
+    from distillspec.cli import QUIET
+
+    for key in QUIET:  # run_main sets these; the test's end undoes them
+        monkeypatch.setenv(key, os.environ.get(key, QUIET[key]))
+    if argv is not None:
+        monkeypatch.setattr(sys, "argv", argv)
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_main's handler, undone too
+    try:
+        script()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv or [], code, captured.out, captured.err)
 
 
 def finished_run(garden, folder: Path, *extra: str) -> Path:

@@ -93,76 +93,42 @@ class NodeWatch:
         return False
 
 
-def test_the_cluster_job_scales_gpu_nodes_from_zero_and_back(autoscaling, tiny_garden, tmp_path, monkeypatch):
-    from ray.util.state import list_actors
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the CLI sends Ray's auth token
-    watch = NodeWatch(autoscaling)
-    assert watch.wait_for(lambda: watch.timeline[-1][1].get(HEAD_TYPE) == 1, 60), (watch.timeline, watch.error)
-    assert watch.workers() == 0  # no GPU worker at the start
-    out = tmp_path / "run"
-    job = [
-        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", autoscaling.dashboard,
-        "--", sys.executable, str(ROOT / "jobs" / "distill.py"),
-        "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft),
-        "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5", "rollout.cpus=0.25",
-        "evaluator.cpus=0.25", "distill.steps=16", "evaluator.every=8", "distill.batch_size=4",
-        "distill.max_new_tokens=8", "eval.max_new_tokens=8", "eval.batch_size=4", "eval.num_prompts=4",
-        "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0", "evaluator.prompts=4",
-        "learner.take_timeout_s=300",
-    ]  # fmt: skip
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    for _ in range(10):  # the head's job agent takes a moment after the cluster starts
-        done = subprocess.run(job, capture_output=True, text=True, timeout=900, env=env, check=False)
-        if "No available agent to submit job" not in done.stderr:
-            break
-        time.sleep(2)
-    assert done.returncode == 0 and "succeeded" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
-    assert (out / "results.json").exists() and (out / "draft" / "config.json").exists()
-    peak = max(sum(n for kind, n in c.items() if kind != HEAD_TYPE) for _, c in watch.timeline)
-    assert peak >= 1, watch.timeline
-
-    placed: dict[str, set[str]] = {}
-    for actor in list_actors(address=autoscaling.dashboard, detail=True, limit=1000):
-        placed.setdefault(actor.class_name, set()).add(watch.types.get(actor.node_id, "?"))
-    for name in ("RolloutActor", "EvalActor", "RayTrainWorker"):
-        assert placed.get(name) and HEAD_TYPE not in placed[name] and "?" not in placed[name], placed
-
-    idle = watch.wait_for(lambda: watch.workers() == 0, 180)
-    watch.stopping.set()
-    print("\nnodes by type over time (seconds since the watch began):")
-    for t, counts in watch.timeline:
-        print(f"  {t:7.1f} s  {counts}")
-    print("the autoscaler's events:\n  " + "\n  ".join(autoscaling.events()))
-    print(f"actors by node type: { {k: sorted(v) for k, v in placed.items()} }")
-    assert idle, watch.timeline  # the idle GPU nodes were removed
-    events = autoscaling.events()
-    assert any("Adding" in e for e in events) and any("Removing" in e for e in events), events
-
-
-def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscaling, tiny_garden, tmp_path, monkeypatch):
-    """A lost node is replaced by the autoscaler: rollout actors are recreated, and the learner resumes from its last
-    checkpoint; the ledger balances and the train log has every step once."""
+def test_the_cluster_job_scales_gpu_nodes_from_zero_survives_losing_nodes_and_scales_back(
+    autoscaling, tiny_garden, tmp_path, monkeypatch
+):
+    """The job, submitted as users submit it, gets GPU nodes from zero and places its actors there. A lost node is
+    replaced by the autoscaler: rollout actors are recreated, and the learner resumes from its last checkpoint; the
+    ledger balances and the train log has every step once. Idle, the GPU nodes go away. (One job for all of it: a job
+    on fresh nodes takes minutes to start here.)"""
     from ray.job_submission import JobStatus, JobSubmissionClient
     from ray.util.state import list_actors
 
     from actors.learner import latest_step
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # the CLI sends Ray's auth token
     watch = NodeWatch(autoscaling)
+    assert watch.wait_for(lambda: watch.timeline[-1][1].get(HEAD_TYPE) == 1, 60), (watch.timeline, watch.error)
+    assert watch.workers() == 0  # no GPU worker at the start
+    out, steps, job = tmp_path / "run", 48, "autoscaling-test"
+    submit = [
+        sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", autoscaling.dashboard,
+        "--submission-id", job, "--no-wait",
+        "--", sys.executable, str(ROOT / "jobs" / "distill.py"),
+        "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft),
+        "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5", "rollout.cpus=0.25",
+        "evaluator.cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4", "evaluator.every=8",
+        "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8", "eval.batch_size=4",
+        "eval.num_prompts=4", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0",
+        "evaluator.prompts=4", "learner.take_timeout_s=300", "ray.log_to_driver=true",
+    ]  # fmt: skip
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    for _ in range(10):  # the head's job agent takes a moment after the cluster starts
+        done = subprocess.run(submit, capture_output=True, text=True, timeout=300, env=env, check=False)
+        if "No available agent to submit job" not in done.stderr:
+            break
+        time.sleep(2)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     client = JobSubmissionClient(autoscaling.dashboard)
-    out, steps = tmp_path / "run", 48
-    entrypoint = " ".join(
-        [
-            sys.executable, str(ROOT / "jobs" / "distill.py"), "--target", str(tiny_garden.target),
-            "--draft", str(tiny_garden.draft), "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5",
-            "rollout.cpus=0.25", "evaluator.cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4",
-            "evaluator.every=0", "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8",
-            "eval.batch_size=4", "eval.num_prompts=4", "eval.gammas=[2]", "eval.temperatures=[0]",
-            "eval.speedup_prompts=0", "learner.take_timeout_s=300", "ray.log_to_driver=true",
-        ]
-    )  # fmt: skip
-    job = client.submit_job(entrypoint=entrypoint, runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
 
     def node_of(class_name: str) -> str | None:
         alive = list_actors(address=autoscaling.dashboard, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
@@ -176,7 +142,7 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
             assert time.monotonic() < deadline, client.get_job_logs(job)[-4000:]
             time.sleep(1.0)
 
-    wait(lambda: (latest_step(out) or 0) >= 4)
+    wait(lambda: (latest_step(out) or 0) >= 4, 600)
     rollout_node = node_of("RolloutActor")
     learner_node = node_of("RayTrainWorker")
     assert rollout_node and learner_node and rollout_node != learner_node
@@ -186,7 +152,16 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
     killed["learner"] = (learner_node, autoscaling.kill_node(learner_node), latest_step(out))
     wait(lambda: client.get_job_status(job) == JobStatus.SUCCEEDED, 600)
     logs = client.get_job_logs(job)
-    watch.stopping.set()
+    assert (out / "results.json").exists() and (out / "draft" / "config.json").exists()
+    peak = max(sum(n for kind, n in c.items() if kind != HEAD_TYPE) for _, c in watch.timeline)
+    assert peak >= 1, watch.timeline
+
+    placed: dict[str, set[str]] = {}
+    for actor in list_actors(address=autoscaling.dashboard, detail=True, limit=1000):
+        placed.setdefault(actor.class_name, set()).add(watch.types.get(actor.node_id, "?"))
+    for name in ("RolloutActor", "EvalActor", "RayTrainWorker"):
+        assert placed.get(name) and HEAD_TYPE not in placed[name] and "?" not in placed[name], placed
+
     for role, (node, processes, step) in killed.items():
         print(f"\nkilled the {role}'s node {node[-5:]} ({processes} processes) at checkpoint step {step}")
     ledger = re.search(r"pipeline: .*", logs)
@@ -194,7 +169,6 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
     refusals = json.loads((out / "results.json").read_text())["training"]["ledger"]["refusals"]
     print(ledger[0] if ledger else "no ledger line", f"\nthe learner resumed at steps {resumed}")
     print(f"refused batches: {refusals}")
-    print("the autoscaler's events:\n  " + "\n  ".join(autoscaling.events()))
     assert ledger and "(balanced)" in ledger[0], logs[-3000:]
     # The store owns every version's bytes: a rollout actor recreated on a new node loads the version current then,
     # not its initial weights. A batch may still go stale while a new process samples its first one (the learner
@@ -206,3 +180,14 @@ def test_the_job_survives_losing_a_rollout_node_and_the_learners_node(autoscalin
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log] == list(range(1, steps + 1))  # every step once
     assert node_of("RolloutActor") is None  # the job ended; its actors are gone
+
+    idle = watch.wait_for(lambda: watch.workers() == 0, 180)
+    watch.stopping.set()
+    print("\nnodes by type over time (seconds since the watch began):")
+    for t, counts in watch.timeline:
+        print(f"  {t:7.1f} s  {counts}")
+    print("the autoscaler's events:\n  " + "\n  ".join(autoscaling.events()))
+    print(f"actors by node type: { {k: sorted(v) for k, v in placed.items()} }")
+    assert idle, watch.timeline  # the idle GPU nodes were removed
+    events = autoscaling.events()
+    assert any("Adding" in e for e in events) and any("Removing" in e for e in events), events

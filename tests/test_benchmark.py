@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from benchmarks.benchmark import GROUPS, SUITES
+from benchmarks.benchmark import GROUPS, SUITES, main
+from distillspec.cli import run_main
 
-from .conftest import ROOT
+from .conftest import ROOT, run_here
 
 
 @pytest.mark.parametrize("name", sorted(SUITES))
@@ -31,21 +32,24 @@ def run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_runner_lists_explains_and_refuses_in_one_line():
-    listed = run("--list")
+def test_the_runner_lists_explains_and_refuses_in_one_line(capsys, monkeypatch):
+    def here(*args: str) -> subprocess.CompletedProcess:  # the script's entry point, in this process
+        return run_here(lambda: run_main(main), capsys, monkeypatch, argv=["benchmarks/benchmark.py", *args])
+
+    listed = here("--list")
     assert listed.returncode == 0 and all(name in listed.stdout for name in SUITES)
-    helped = run("trace", "--help")
+    helped = here("trace", "--help")
     assert helped.returncode == 0 and "benchmarks/suites/transport.py" in helped.stdout
     assert "Suite ``trace``" in helped.stdout
-    unknown = run("nosuch")
+    unknown = here("nosuch")
     assert unknown.returncode == 2 and "unknown suite(s) ['nosuch']" in unknown.stderr
-    mixed = run("async", "speed")
+    mixed = here("async", "speed")
     assert mixed.returncode == 2 and "suite speed takes options of its own" in mixed.stderr
-    own = run("speed", "--help")  # passed on to the suite's own command line
+    own = here("speed", "--help")  # passed on to the suite's own command line
     assert own.returncode == 0 and "--draft-vocab" in own.stdout
-    empty = run("online", "--distinct", "0")  # refused before a model loads or Ray starts
+    # The suite's own distill job is online, so rollout.online_mix passes validation and the next check speaks
+    mixed_online = here("online", "rollout.online_mix=0.5", "dataset=/nonexistent")
+    assert mixed_online.returncode != 0 and "dataset path '/nonexistent' does not exist" in mixed_online.stderr
+    empty = run("online", "--distinct", "0")  # as a user runs it: refused before a model loads or Ray starts
     assert empty.returncode != 0 and "--clients and --distinct: at least 1" in empty.stderr
     assert "Traceback" not in empty.stderr
-    # The suite's own distill job is online, so rollout.online_mix passes validation and the next check speaks
-    mixed_online = run("online", "rollout.online_mix=0.5", "dataset=/nonexistent")
-    assert mixed_online.returncode != 0 and "dataset path '/nonexistent' does not exist" in mixed_online.stderr

@@ -1,4 +1,5 @@
-"""End-to-end smoke tests of jobs/distill.py, run as a user runs it (a subprocess)."""
+"""End-to-end smoke tests of jobs/distill.py, run as a user runs it (a subprocess; its refusals of bad input in this
+process, through the script's entry point)."""
 
 import json
 import subprocess
@@ -10,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from distillspec import DistillSpecError
 from distillspec.models.loading import load_model, load_pair
+from jobs import distill
 
-from .conftest import run_job
+from .conftest import run_here, run_job
 
 TINY = [
     "garden.vocab_size=300",
@@ -131,8 +133,8 @@ def test_mismatched_tokenizers_are_refused(job_run, tmp_path):
         (["rollout.workers=0"], "rollout.workers=0: input should be greater than or equal to 1"),
     ],
 )
-def test_bad_input_is_one_line(args, message, tmp_path):
-    proc = run_job("--output-dir", str(tmp_path), *args)
+def test_bad_input_is_one_line(args, message, tmp_path, capsys, monkeypatch):
+    proc = run_here(lambda: distill.cli(["--output-dir", str(tmp_path), *args]), capsys, monkeypatch)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr and "Traceback" not in proc.stderr
 

@@ -92,7 +92,7 @@ def test_gguf_imports_once_with_its_tokenizer_and_chat_template(real):
     assert target.config.vocab_size == len(tokenizer) == 49152
     assert 130e6 < sum(p.numel() for p in target.parameters()) < 140e6
     assert tokenizer.chat_template and tokenizer.eos_token_id == tokenizer.pad_token_id == 2
-    assert json.loads((folder / DONE).read_text())["source"] == str(packaged_file(REAL))
+    assert json.loads((folder / DONE).read_text())["source"] == str(packaged_file(REAL).resolve())  # links followed
     stamp = (folder / DONE).stat().st_mtime_ns
     assert resolve_model(REAL) == str(folder) == resolve_model(str(packaged_file(REAL)))  # cached: not made again
     assert (folder / DONE).stat().st_mtime_ns == stamp

