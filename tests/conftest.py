@@ -216,7 +216,9 @@ def run_job(*args: str, job: str = "distill.py", env: dict | None = None) -> sub
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_here(script: Callable[[], object], capsys, monkeypatch, argv: list[str] | None = None):
+def run_here(
+    script: Callable[[], object], capsys, monkeypatch, argv: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """A script's entry point (``jobs/*.py``'s ``cli``, ``run_main(main)``) run in this process, with ``sys.argv`` set
     to ``argv`` where given: its exit status, output and errors, as :func:`run_job` gives them, without the seconds a
     new interpreter takes to import torch and Ray. What only a new process shows (environment read at import, output
