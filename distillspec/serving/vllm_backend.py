@@ -119,11 +119,14 @@ def engine_args(
     gamma: int = 5,
     seed: int = 0,
     live_gamma: str | None = None,
+    request_metrics: Literal["none", "summary", "detailed"] = "none",
 ) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` / ``AsyncEngineArgs`` for ``model``, decoding speculatively with
     ``draft`` (``gamma`` tokens per block) when one is given; the draft's weights can be replaced in place.
     ``live_gamma``: 0 to ``gamma`` tokens, chosen for each step by :mod:`distillspec.serving.vllm_scheduler`, which
-    exchanges its news through that folder (:class:`~distillspec.serving.vllm_scheduler.GammaMailbox`)."""
+    exchanges its news through that folder (:class:`~distillspec.serving.vllm_scheduler.GammaMailbox`).
+    ``request_metrics``: each finished request's own acceptance counts (``spec_decode_metrics`` of its output), the
+    histogram of accepted tokens per block (``summary``) or also the per-step lists (``detailed``)."""
     kwargs: dict[str, Any] = {
         "model": model,
         "dtype": cfg.dtype,
@@ -134,6 +137,7 @@ def engine_args(
         "seed": seed,
         "disable_log_stats": False,  # the speculative-decoding counters
         "worker_extension_cls": WORKER_EXTENSION,
+        "per_request_spec_decode_metrics": request_metrics,
     }
     if draft is not None:
         # The draft samples its tokens at T > 0 and its probabilities q enter the test min(1, p/q), as in the paper
@@ -154,11 +158,19 @@ def engine_args(
     return kwargs
 
 
-def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, gamma: int = 5, seed: int = 0) -> LLM:
+def start_engine(
+    cfg: VLLMConfig,
+    model: str,
+    *,
+    draft: str | None = None,
+    gamma: int = 5,
+    seed: int = 0,
+    request_metrics: Literal["none", "summary", "detailed"] = "none",
+) -> LLM:
     """An offline engine (``vllm.LLM``); see :func:`engine_args`."""
     prepare_environment(cfg)
     check_models(model, *([draft] if draft else []))
-    return LLM(**engine_args(cfg, model, draft=draft, gamma=gamma, seed=seed))
+    return LLM(**engine_args(cfg, model, draft=draft, gamma=gamma, seed=seed, request_metrics=request_metrics))
 
 
 def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -183,7 +195,11 @@ def check_loaded(results: list[int | list[str]]) -> None:
 
 def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
     """vLLM's speculative-decoding counters of this process's engines (``LLM.get_metrics()``; default: a
-    snapshot of the process's metrics, as in a Serve replica that runs an ``AsyncLLM``)."""
+    snapshot of the process's metrics, as in a Serve replica that runs an ``AsyncLLM``).
+
+    These are Prometheus counters in the process's registry, and an engine that starts unregisters those of the
+    engines before it: they count the engine started last. Where a process holds several engines, count requests
+    by their own metrics (``request_metrics`` of :func:`engine_args`), as :class:`VLLMGenerator` does."""
     found = {m.name: m for m in (get_metrics_snapshot() if metrics is None else metrics)}
 
     def value(name: str) -> Any:
@@ -242,13 +258,16 @@ class VLLMGenerator:
         self.engines: dict[str, LLM] = {}
         self.blob: tuple[bytes, dict[str, str]] | None = None  #: the latest weights, for engines started later
         self.loads = 0  #: in-place weight loads so far (both engines count once per version)
+        self.tally = AcceptanceCounts(0, 0, 0)  #: the speculative engine's blocks so far, summed per request
 
     def engine(self, source: str) -> LLM:
         if source not in self.engines:
             if source == "draft":
                 llm = start_engine(self.cfg, self.draft, seed=self.seed)
             else:
-                llm = start_engine(self.cfg, self.target, draft=self.draft, gamma=self.gamma, seed=self.seed)
+                llm = start_engine(
+                    self.cfg, self.target, draft=self.draft, gamma=self.gamma, seed=self.seed, request_metrics="summary"
+                )
             if self.blob is not None:
                 self._load(llm, self.blob)
             self.engines[source] = llm
@@ -270,6 +289,9 @@ class VLLMGenerator:
     def __call__(self, source: str, examples: list[Example]) -> Batch:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.max_prompt_tokens)
         outputs = self.engine(source).generate(_token_prompts(prompt_ids, prompt_mask), self.params, use_tqdm=False)
+        for o in outputs:
+            if (metrics := o.outputs[0].spec_decode_metrics) is not None:
+                self.tally += AcceptanceCounts.from_histogram(metrics.histogram)
         conts = [list(o.outputs[0].token_ids) for o in outputs]
         width = max(1, *(len(c) for c in conts))
         pad = self.tokenizer.pad_token_id
@@ -277,12 +299,10 @@ class VLLMGenerator:
         return make_batch(prompt_ids, prompt_mask, continuation, torch.tensor([len(c) for c in conts]))
 
     def counts(self) -> AcceptanceCounts:
-        """Speculative-decoding counters of the target-sampling engine (zero before it starts)."""
-        return (
-            acceptance_counts(self.engines["target"].get_metrics())
-            if "target" in self.engines
-            else (AcceptanceCounts(0, 0, 0))
-        )
+        """Speculative-decoding counts of the target-sampling engine so far (zero before it starts), summed from each
+        request's own metrics: the process's Prometheus counters follow whichever engine started last (the draft's
+        own engine, or any other in the process), see :func:`acceptance_counts`."""
+        return self.tally
 
     def measure(self, examples: list[Example]) -> AcceptanceCounts:
         """The acceptance counts of the current draft over ``examples``, decoded speculatively by the target's
@@ -361,8 +381,10 @@ class VLLMCompleter:
         #: where the engine's live gamma choice (auto) takes draft versions and reports what it chose
         self.mailbox = GammaMailbox(tempfile.mkdtemp(prefix="distillspec-gamma-")) if self.auto else None
         mailbox = str(self.mailbox.folder) if self.mailbox else None
-        args = engine_args(cfg, target, draft=draft, gamma=self.gamma, seed=seed, live_gamma=mailbox)
-        args["per_request_spec_decode_metrics"] = "detailed" if self.auto else "summary"  # auto: blocks differ
+        metrics = "detailed" if self.auto else "summary"  # auto: blocks differ in length
+        args = engine_args(
+            cfg, target, draft=draft, gamma=self.gamma, seed=seed, live_gamma=mailbox, request_metrics=metrics
+        )
 
         async def start() -> AsyncLLM:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
