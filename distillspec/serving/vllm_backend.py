@@ -158,19 +158,11 @@ def engine_args(
     return kwargs
 
 
-def start_engine(
-    cfg: VLLMConfig,
-    model: str,
-    *,
-    draft: str | None = None,
-    gamma: int = 5,
-    seed: int = 0,
-    request_metrics: Literal["none", "summary", "detailed"] = "none",
-) -> LLM:
-    """An offline engine (``vllm.LLM``); see :func:`engine_args`."""
+def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, **options: Any) -> LLM:
+    """An offline engine (``vllm.LLM``); ``options`` are :func:`engine_args`' (``gamma``, ``seed``, ...)."""
     prepare_environment(cfg)
     check_models(model, *([draft] if draft else []))
-    return LLM(**engine_args(cfg, model, draft=draft, gamma=gamma, seed=seed, request_metrics=request_metrics))
+    return LLM(**engine_args(cfg, model, draft=draft, **options))
 
 
 def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[bytes, dict[str, str]]:
@@ -199,7 +191,7 @@ def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
 
     These are Prometheus counters in the process's registry, and an engine that starts unregisters those of the
     engines before it: they count the engine started last. Where a process holds several engines, count requests
-    by their own metrics (``request_metrics`` of :func:`engine_args`), as :class:`VLLMGenerator` does."""
+    by their own metrics (:func:`request_counts`)."""
     found = {m.name: m for m in (get_metrics_snapshot() if metrics is None else metrics)}
 
     def value(name: str) -> Any:
@@ -211,6 +203,16 @@ def acceptance_counts(metrics: list | None = None) -> AcceptanceCounts:
     return AcceptanceCounts.from_vllm(
         value("num_drafts"), value("num_accepted_tokens"), list(value("num_accepted_tokens_per_pos"))
     )
+
+
+def request_counts(outputs: list) -> AcceptanceCounts:
+    """The acceptance counts of finished requests (``RequestOutput``), from each one's own metrics: an engine started
+    with ``request_metrics="summary"`` (:func:`engine_args`); requests that drafted nothing count nothing."""
+    total = AcceptanceCounts(0, 0, 0)
+    for o in outputs:
+        if (metrics := o.outputs[0].spec_decode_metrics) is not None:
+            total += AcceptanceCounts.from_histogram(metrics.histogram)
+    return total
 
 
 def _request_stats(metrics: Any, completion_tokens: int, gamma: int | str) -> dict:
@@ -289,9 +291,7 @@ class VLLMGenerator:
     def __call__(self, source: str, examples: list[Example]) -> Batch:
         prompt_ids, prompt_mask = encode_prompts(self.tokenizer, [e.prompt for e in examples], self.max_prompt_tokens)
         outputs = self.engine(source).generate(_token_prompts(prompt_ids, prompt_mask), self.params, use_tqdm=False)
-        for o in outputs:
-            if (metrics := o.outputs[0].spec_decode_metrics) is not None:
-                self.tally += AcceptanceCounts.from_histogram(metrics.histogram)
+        self.tally += request_counts(outputs)
         conts = [list(o.outputs[0].token_ids) for o in outputs]
         width = max(1, *(len(c) for c in conts))
         pad = self.tokenizer.pad_token_id
@@ -300,8 +300,8 @@ class VLLMGenerator:
 
     def counts(self) -> AcceptanceCounts:
         """Speculative-decoding counts of the target-sampling engine so far (zero before it starts), summed from each
-        request's own metrics: the process's Prometheus counters follow whichever engine started last (the draft's
-        own engine, or any other in the process), see :func:`acceptance_counts`."""
+        request's own metrics (:func:`request_counts`): the process's Prometheus counters follow whichever engine
+        started last (the draft's own engine, or any other in the process), see :func:`acceptance_counts`."""
         return self.tally
 
     def measure(self, examples: list[Example]) -> AcceptanceCounts:
