@@ -210,8 +210,9 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
 
     result = suite_int8([], tmp_path, shapes={"small": (64, 96)}, reps=2)
     kernels = {row["kernel"] for row in result["rows"]}
-    assert {"float32", "int8 weight-only (float32 model)", "int8 weight-only (bfloat16 model)"} <= kernels
-    assert ("int8 fbgemm (float32 model)" in kernels) is fbgemm_available()
+    assert {"float32", "bfloat16", "int8 weight-only (float32 model)", "int8 weight-only (bfloat16 model)"} <= kernels
+    for model in ("float32", "bfloat16"):
+        assert (f"int8 fbgemm ({model} model)" in kernels) is fbgemm_available()
     assert len(result["rows"]) == len(kernels) * len(ROWS) and all(row["ms"] > 0 for row in result["rows"])
     for row in result["rows"]:
         assert row["relative_error"] < (1e-5 if row["kernel"].startswith("float32") else 0.05), row

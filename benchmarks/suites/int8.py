@@ -3,8 +3,9 @@
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
 model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); and fbgemm's int8 GEMM
 (x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``). Over 16 rows (a
-prompt) the weight-only kernel takes the weight dequantized. Beside them, the eager float32 product and the float32
-weight prepacked for oneDNN (what ``prepack`` does to a target).
+prompt) the weight-only kernel takes the weight dequantized. Each int8 kernel is timed in a float32 and in a bfloat16
+model (taking that model's activations). Beside them, the eager float32 product, the float32 weight prepacked for
+oneDNN (what ``prepack`` does to a target) and the eager bfloat16 product (a model in ``dtype=bfloat16``).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -75,16 +76,19 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         kernels = {"float32": linear}
         if can_prepack():
             kernels["float32 prepacked"] = PackedLinear(linear)
-        for kernel, fbgemm in int8_kernels().items():
-            kernels[f"int8 {kernel} (float32 model)"] = Int8Linear(linear, fbgemm)
-        kernels["int8 weight-only (bfloat16 model)"] = Int8Linear(copy.deepcopy(linear).bfloat16())
+        kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
+        for model_dtype in (torch.float32, torch.bfloat16):
+            for kernel, fbgemm in int8_kernels().items():
+                label = f"int8 {kernel} ({str(model_dtype).removeprefix('torch.')} model)"
+                kernels[label] = Int8Linear(copy.deepcopy(linear).to(model_dtype), fbgemm)
         for rows in ROWS:
             x = torch.randn(rows, fan_in)
             exact = linear(x)
             base = median_ms(functools.partial(linear, x), reps)
             for kernel, layer in kernels.items():
-                ms = base if layer is linear else median_ms(functools.partial(layer, x), reps)
-                error = ((layer(x).float() - exact).norm() / exact.norm()).item()
+                x_in = x.bfloat16() if "bfloat16" in kernel else x  # a layer takes its model's activations
+                ms = base if layer is linear else median_ms(functools.partial(layer, x_in), reps)
+                error = ((layer(x_in).float() - exact).norm() / exact.norm()).item()
                 rows_out.append({"layer": name, "rows": rows, "kernel": kernel, "ms": ms, "over_float32": ms / base,
                                  "relative_error": error})  # fmt: skip
                 print(f"{name:26s} {rows:3d} rows  {kernel:34s} {ms:8.2f} ms  {ms / base:5.2f}x float32  "

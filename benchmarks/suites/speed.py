@@ -159,6 +159,7 @@ def suite_speed(
             seed=cfg.seed,
             seeded=coupled,
             compile=compile,
+            desc=f"race at T = {race_name(temperature, coupled)}",
         )
         result["target_alone"][race_name(temperature, coupled)] = raced["target"]
         result["rows"] += [predicted(row, temperature, coupled, target_ms, draft_ms) for row in raced["sd"]]

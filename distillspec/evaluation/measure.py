@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.decoding.metrics import (
@@ -172,6 +173,7 @@ def measure_speeds(
             repeats=repeats,
             seed=seed,
             compile=compile,
+            desc=f"speedups at T = {temperature:g}",
         )
         for row in raced["sd"]:
             cost = costs[(row["draft"], row["gamma"])]
@@ -225,6 +227,7 @@ def race(
     seed: int = 0,
     compile: bool = False,
     seeded: bool = False,
+    desc: str | None = None,
 ) -> dict:
     """Tokens/s at batch 1 of the target alone and of SD with each of ``drafts`` at each of ``gammas``, measured side
     by side: each prompt is decoded by every decoder in turn (a drift in the machine's speed hits them all alike),
@@ -236,7 +239,7 @@ def race(
     (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
     ``seeded``: prompt ``i`` decoded with the seed ``seed + i`` by every decoder
     (:class:`~distillspec.decoding.speculative.SeededNoise`), so each emits the target alone's text; ``same_text``
-    counts the prompts where it did.
+    counts the prompts where it did. ``desc``: a progress bar of that name, a step per prompt and pass.
 
     Returns ``{"target": {"tokens_per_s", "decode_tokens_per_s", "ttft_s"}, "sd": [{"draft", "gamma",
     "tokens_per_s", "speedup", "speedup_min", "speedup_max", "decode_tokens_per_s", "decode_speedup",
@@ -258,6 +261,7 @@ def race(
     counts = {cell: AcceptanceCounts(0, 0, 0) for cell in cells}
     same = dict.fromkeys(cells, 0)
     generators = {cell: torch.Generator(device=target.device).manual_seed(seed) for cell in [None, *cells]}
+    bar = tqdm(total=repeats * len(prompts), desc=desc, unit="prompt", disable=desc is None)
     for r in range(repeats):
         for i, prompt in enumerate(prompts):
             ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
@@ -283,6 +287,8 @@ def race(
                     counts[cell] = counts[cell] + out.stats.counts
                     same[cell] += int(torch.equal(out.sequences, alone.sequences))
                 timing.stop(int(out.num_new_tokens.sum()))
+            bar.update()
+    bar.close()
     rows = []
     for cell in cells:
         ours, theirs = timings[cell], timings[None]

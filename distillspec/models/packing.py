@@ -157,8 +157,10 @@ class Int8Linear(nn.Module):
             out = out.to(self.dtype)
             if self.bias is not None:
                 out = out + self.bias
-        elif rows.shape[0] > INT8_ROWS:  # a prompt: dequantized, so the product runs on the matrix kernels
-            out = torch.nn.functional.linear(rows, self.weight.to(self.dtype) * self.scales[:, None], self.bias)
+        elif rows.shape[0] > INT8_ROWS:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
+            out = torch.nn.functional.linear(rows, self.weight.to(self.dtype)) * self.scales
+            if self.bias is not None:
+                out = out + self.bias
         else:
             steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
