@@ -150,3 +150,26 @@ def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_p
     check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"))  # eager decoding runs any architecture
     with pytest.raises(DistillSpecError, match="eval.compile=true: .* is a 'gpt2' model"):
         check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"), compile=True)
+
+
+def test_step_times_run_every_model_and_width_in_turn_on_the_same_cache(text_pair, monkeypatch):
+    """One round of every (model, k) per step, warm-up included, each call rolled back: what the costs c and v and
+    the speed suite's predictions rest on."""
+    from distillspec.decoding import kvcache
+    from distillspec.decoding.metrics import measure_cost_ratio, step_times
+
+    target, draft = text_pair
+    calls, step = [], kvcache.CachedLM.step
+
+    def spy(self, tokens, valid=None, last_only=False):
+        calls.append((self.model is target, tokens.shape[1], int(self.next_pos[0])))
+        return step(self, tokens, valid, last_only)
+
+    monkeypatch.setattr(kvcache.CachedLM, "step", spy)
+    ids = torch.randint(10, 100, (1, 12))
+    times = step_times([target, draft], [[1, 4], [1]], ids, steps=3, warmup=1)
+    assert [sorted(t) for t in times] == [[1, 4], [1]] and all(ms > 0 for t in times for ms in t.values())
+    assert calls == [(True, 1, 12), (True, 4, 12), (False, 1, 12)] * 4
+    cost = measure_cost_ratio(target, draft, ids, gamma=3, steps=2, warmup=1)
+    assert cost.c == pytest.approx(cost.draft_ms / cost.target_ms)
+    assert cost.v == pytest.approx(cost.verify_ms / cost.target_ms)

@@ -3,9 +3,10 @@
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
 model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); and fbgemm's int8 GEMM
 (x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``). Over 16 rows (a
-prompt) the weight-only kernel takes the weight dequantized. Each int8 kernel is timed in a float32 and in a bfloat16
-model (taking that model's activations). Beside them, the eager float32 product, the float32 weight prepacked for
-oneDNN (what ``prepack`` does to a target) and the eager bfloat16 product (a model in ``dtype=bfloat16``).
+prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is timed in a
+float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32 product, the
+float32 weight prepacked for oneDNN (what ``prepack`` does to a target) and the eager bfloat16 product (a model in
+``dtype=bfloat16``).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -37,9 +38,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.suites.speed import step_ms
+from benchmarks.suites.speed import context_ids
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
+from distillspec.decoding.metrics import step_times
 from distillspec.models.loading import encode_prompts, load_model
 from distillspec.models.packing import Int8Linear, PackedLinear, can_prepack, fbgemm_available, quantize_int8
 from distillspec.models.pretrained import prepare_pair
@@ -122,7 +124,8 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
     for kernel, fbgemm in int8_kernels().items():
         variants[kernel] = copy.deepcopy(draft)
         quantize_int8(variants[kernel], fbgemm)
-    result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: step_ms(m, [1])[1] for k, m in variants.items()}}
+    steps = step_times(list(variants.values()), [[1]] * len(variants), context_ids(draft), steps=9, warmup=2)
+    result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: ms[1] for k, ms in zip(variants, steps)}}
     tvd = {kernel: [] for kernel in variants if kernel != "float"}
     agree = {kernel: [] for kernel in tvd}
     prompt_ms, prompt_tokens = {kernel: [] for kernel in variants}, []

@@ -31,7 +31,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,8 +38,7 @@ from pathlib import Path
 import torch
 
 from distillspec.config import load_config
-from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
-from distillspec.decoding.metrics import expected_tau, predicted_speedup
+from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
@@ -51,25 +49,16 @@ from distillspec.tasks.data import load_task
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
 
 
-@torch.inference_mode()
+def context_ids(model, context: int = CONTEXT) -> torch.Tensor:
+    """``context`` random tokens [1, context] of ``model``'s vocabulary: the cache the step timings read."""
+    return torch.randint(vocab_size(model), (1, context), device=model.device)
+
+
 def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT, compile: bool = False) -> dict[int, float]:
-    """Median milliseconds of one cached decoding step of k new tokens, for each k (the first two calls untimed; with
-    ``compile``, the step compiled as the decoder compiles it)."""
-    lm = CachedLM(model, capacity=bucketed_capacity(context + max(ks) + 1), compile=compile)
-    vocab = vocab_size(model)
-    ids = torch.randint(vocab, (1, context), device=model.device)
-    lm.prefill(ids, torch.ones_like(ids))
-    times = {}
-    for k in ks:
-        samples = []
-        for _ in range(reps + 2):
-            tokens = torch.randint(vocab, (1, k), device=model.device)
-            start = time.perf_counter()
-            lm.step(tokens)
-            samples.append(time.perf_counter() - start)
-            lm.reject_tail(torch.tensor([k], device=model.device))
-        times[k] = statistics.median(samples[2:]) * 1e3
-    return times
+    """Median milliseconds of one cached decoding step of k new tokens of ``model``, for each k, interleaved
+    (:func:`~distillspec.decoding.metrics.step_times`; two untimed rounds first; with ``compile``, the step compiled
+    as the decoder compiles it)."""
+    return step_times([model], [ks], context_ids(model, context), steps=reps, warmup=2, compile=compile)[0]
 
 
 def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], others: list[str], log=print) -> dict[str, str]:
@@ -129,9 +118,10 @@ def suite_speed(
             last = i == len(int8_kernels) - 1  # with "only" the last kernel takes the float draft itself, no copy
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_int8(drafts[name], fbgemm=kernel == "fbgemm")
-    ks = sorted({1, *(g + 1 for g in gammas)})
-    target_ms = step_ms(target, ks, compile=compile)
-    draft_ms = {kind: step_ms(model, [1], compile=compile)[1] for kind, model in drafts.items()}
+    ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
+    times = step_times([target, *drafts.values()], [ks] + [[1]] * len(drafts), context_ids(target), steps=9, warmup=2,
+                       compile=compile)  # fmt: skip
+    target_ms, draft_ms = times[0], {kind: ms[1] for kind, ms in zip(drafts, times[1:])}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
     config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}

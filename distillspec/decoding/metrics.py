@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,35 @@ class CostRatio:
 
 
 @torch.inference_mode()
+def step_times(
+    models: Sequence[PreTrainedModel],
+    widths: Sequence[Sequence[int]],
+    input_ids: Tensor,
+    *,
+    steps: int = 64,
+    warmup: int = 8,
+    compile: bool = False,
+) -> list[dict[int, float]]:
+    """Median milliseconds of one cached decoding call of ``k`` new tokens, for each model ``models[i]`` and each
+    ``k`` in ``widths[i]``, after a prefill of ``input_ids`` [1, L]: the calls run in turn, a round of every (model,
+    k) per step, so that a drift in the machine's speed hits them all alike; each call's tokens are then rolled back,
+    so every call sees the same cache length. ``compile``: the calls run compiled (see :class:`CachedLM`); the
+    warm-up rounds compile them. Returns ``[{k: ms}]``, one dict per model."""
+    capacity = bucketed_capacity(input_ids.shape[1] + max(max(ks) for ks in widths) + 1)
+    lms = [CachedLM(model, compile=compile, capacity=capacity) for model in models]
+    for lm in lms:
+        lm.prefill(input_ids, torch.ones_like(input_ids))
+    times: dict[tuple[int, int], list[float]] = {(i, k): [] for i, ks in enumerate(widths) for k in ks}
+    for step in range(warmup + steps):
+        for (i, k), samples in times.items():
+            start = time.perf_counter()
+            lms[i].step(input_ids[:, -1:].expand(-1, k))
+            if step >= warmup:
+                samples.append(time.perf_counter() - start)
+            lms[i].reject_tail(torch.full_like(lms[i].next_pos, k))
+    return [{k: statistics.median(times[(i, k)]) * 1e3 for k in ks} for i, ks in enumerate(widths)]
+
+
 def measure_cost_ratio(
     target: PreTrainedModel,
     draft: PreTrainedModel,
@@ -119,25 +149,16 @@ def measure_cost_ratio(
     warmup: int = 8,
     compile: bool = False,
 ) -> CostRatio:
-    """Median times of decoding calls (KV cache, after a prefill), interleaved: a 1-token target call,
-    a 1-token draft call and a (gamma+1)-token target (verify) call. Each call's tokens are then
-    rolled back, so every call sees the same cache length. ``compile``: the calls run compiled (see
-    :class:`CachedLM`); the warm-up calls compile them."""
-    capacity = bucketed_capacity(input_ids.shape[1] + gamma + 1)
-    lms = [CachedLM(m, compile=compile, capacity=capacity) for m in (target, draft, target)]
-    widths = [1, 1, gamma + 1]
-    for lm in lms:
-        lm.prefill(input_ids, torch.ones_like(input_ids))
-    times: list[list[float]] = [[], [], []]
-    for i in range(warmup + steps):
-        for lm, width, t in zip(lms, widths, times):
-            tokens = input_ids[:, -1:].expand(-1, width)
-            start = time.perf_counter()
-            lm.step(tokens)
-            if i >= warmup:
-                t.append(time.perf_counter() - start)
-            lm.reject_tail(torch.full_like(lm.next_pos, width))
-    target_ms, draft_ms, verify_ms = (statistics.median(t) * 1e3 for t in times)
+    """The costs of a pair (:func:`step_times`, interleaved): a 1-token target call, a 1-token draft call and a
+    (gamma+1)-token target (verify) call."""
+    target_ms, draft_ms = step_times(
+        [target, draft], [[1, gamma + 1], [1]], input_ids, steps=steps, warmup=warmup, compile=compile
+    )
+    verify_ms = target_ms[gamma + 1]
     return CostRatio(
-        c=draft_ms / target_ms, target_ms=target_ms, draft_ms=draft_ms, v=verify_ms / target_ms, verify_ms=verify_ms
+        c=draft_ms[1] / target_ms[1],
+        target_ms=target_ms[1],
+        draft_ms=draft_ms[1],
+        v=verify_ms / target_ms[1],
+        verify_ms=verify_ms,
     )

@@ -83,8 +83,9 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
 
 
 #: Up to this many rows a weight-only :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step);
-#: more rows (a prompt) are multiplied by the weight dequantized on the fly: the weight-only kernel does not use the
-#: CPU's matrix units (for a 150-token prompt it ran 5x slower than dequantizing first: 4864 x 896, bfloat16, AMX).
+#: more rows (a prompt) are multiplied by the int8 values as floats, the row scales applied to the product: the
+#: weight-only kernel does not use the CPU's matrix units (for a 150-token prompt it ran 5x slower than dequantizing
+#: first: 4864 x 896, bfloat16, AMX).
 #: fbgemm's GEMM is a matrix kernel: it takes every row count.
 INT8_ROWS = 16
 
@@ -103,8 +104,8 @@ class Int8Linear(nn.Module):
     bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
     ran 1.7-3.7x slower than the float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which
     moved the 0.5B Qwen draft's distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``).
-    More than :data:`INT8_ROWS` rows (a prompt) are multiplied by the weight dequantized, the weight-only kernel not
-    using the CPU's matrix units.
+    More than :data:`INT8_ROWS` rows (a prompt) are multiplied by the int8 values as floats, then the row scales, the
+    weight-only kernel not using the CPU's matrix units.
 
     ``fbgemm=True`` runs every product through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
     ``draft_int8=fbgemm`` setting): on such a CPU its products ran 2-3x faster again, the 0.5B draft's step 1.5x and
