@@ -22,7 +22,9 @@ Predictions: ``tau / (c gamma + v(gamma + 1))`` with the tau measured, and with 
 (``(1 - alpha^(gamma+1)) / (1 - alpha)``, which assumes acceptance independent of the position in the block). They
 leave out the prompt: compare them with the speedup after each call's first tokens (the target's prefill and the token
 it gives, in SD as in the target alone; the table gives both decoders' seconds to them), which a long answer
-approaches. In SD the draft reads the prompt after that, with its first drafts.
+approaches. In SD the draft reads the prompt after that, with its first drafts. The step costs are timed in turn,
+a round of the target's steps (1 and gamma + 1 tokens) and every draft's per timed step, on one 192-token cache
+(:func:`distillspec.decoding.metrics.step_times`), so that a drift in the machine's speed hits them all alike.
 """
 
 from __future__ import annotations
