@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.suites.speed import context_ids
+from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
-from distillspec.decoding.metrics import step_times
 from distillspec.models.loading import encode_prompts, load_model
 from distillspec.models.packing import Int8Linear, PackedLinear, can_prepack, fbgemm_available, quantize_int8
 from distillspec.models.pretrained import prepare_pair
@@ -124,7 +123,7 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
     for kernel, fbgemm in int8_kernels().items():
         variants[kernel] = copy.deepcopy(draft)
         quantize_int8(variants[kernel], fbgemm)
-    steps = step_times(list(variants.values()), [[1]] * len(variants), context_ids(draft), steps=9, warmup=2)
+    steps = suite_step_ms(list(variants.values()), [[1]] * len(variants))
     result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: ms[1] for k, ms in zip(variants, steps)}}
     tvd = {kernel: [] for kernel in variants if kernel != "float"}
     agree = {kernel: [] for kernel in tvd}

@@ -51,16 +51,19 @@ from distillspec.tasks.data import load_task
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
 
 
-def context_ids(model, context: int = CONTEXT) -> torch.Tensor:
-    """``context`` random tokens [1, context] of ``model``'s vocabulary: the cache the step timings read."""
-    return torch.randint(vocab_size(model), (1, context), device=model.device)
+def suite_step_ms(
+    models: list, widths: list[list[int]], reps: int = 9, context: int = CONTEXT, compile: bool = False
+) -> list[dict[int, float]]:
+    """Median milliseconds of one cached decoding step of k new tokens, for each model and each k of its ``widths``,
+    all in turn (:func:`~distillspec.decoding.metrics.step_times`) on a cache of ``context`` random tokens; two
+    untimed rounds first; with ``compile``, the steps compiled as the decoder compiles them."""
+    ids = torch.randint(vocab_size(models[0]), (1, context), device=models[0].device)
+    return step_times(models, widths, ids, steps=reps, warmup=2, compile=compile)
 
 
 def step_ms(model, ks: list[int], reps: int = 9, context: int = CONTEXT, compile: bool = False) -> dict[int, float]:
-    """Median milliseconds of one cached decoding step of k new tokens of ``model``, for each k, interleaved
-    (:func:`~distillspec.decoding.metrics.step_times`; two untimed rounds first; with ``compile``, the step compiled
-    as the decoder compiles it)."""
-    return step_times([model], [ks], context_ids(model, context), steps=reps, warmup=2, compile=compile)[0]
+    """:func:`suite_step_ms` of one model: its step's milliseconds for each k."""
+    return suite_step_ms([model], [ks], reps, context, compile)[0]
 
 
 def draft_kinds(cfg, task, draft_vocab: int, pruned: list[str], others: list[str], log=print) -> dict[str, str]:
@@ -121,8 +124,7 @@ def suite_speed(
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_int8(drafts[name], fbgemm=kernel == "fbgemm")
     ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
-    times = step_times([target, *drafts.values()], [ks] + [[1]] * len(drafts), context_ids(target), steps=9, warmup=2,
-                       compile=compile)  # fmt: skip
+    times = suite_step_ms([target, *drafts.values()], [ks] + [[1]] * len(drafts), compile=compile)
     target_ms, draft_ms = times[0], {kind: ms[1] for kind, ms in zip(drafts, times[1:])}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]

@@ -156,17 +156,13 @@ class Int8Linear(nn.Module):
                 peaks = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)
                 out = torch.ops.quantized.linear_dynamic((rows / peaks).contiguous(), self.packed, True) * peaks
             out = out.to(self.dtype)
-            if self.bias is not None:
-                out = out + self.bias
         elif rows.shape[0] > INT8_ROWS:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype)) * self.scales
-            if self.bias is not None:
-                out = out + self.bias
         else:
             steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
-            if self.bias is not None:
-                out = out + self.bias
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
