@@ -23,8 +23,7 @@ from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import format_table, plot_tau, plot_training
 from distillspec.evaluation.study import measure_phase, merge_baseline_speed
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.models.loading import load_pair
-from distillspec.models.packing import quantize_int8
+from distillspec.models.loading import load_pair, quantize_decoding_draft
 from distillspec.models.pretrained import RUN_CONFIG, prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
@@ -108,12 +107,9 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
 
 
 def decoding_copy(draft, dtype: torch.dtype, int8: DraftInt8):
-    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights if ``int8``
-    (``draft_int8``: ``fbgemm`` through fbgemm's int8 GEMM)."""
-    model = copy.deepcopy(draft).to(dtype)
-    if int8:
-        quantize_int8(model, fbgemm=int8 == "fbgemm")
-    return model
+    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights where ``int8``
+    (``draft_int8``) says (:func:`~distillspec.models.loading.quantize_decoding_draft`)."""
+    return quantize_decoding_draft(copy.deepcopy(draft).to(dtype), int8)
 
 
 def check_rerun(cfg: JobConfig, out: Path) -> None:

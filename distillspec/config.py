@@ -29,7 +29,8 @@ RecipeName = Literal["supkd", "seqkd", "imitkd", "fdistill", "gkd", "distillspec
 Lenience = Literal["lin", "sq", "exp"]
 Backend = Literal["hf", "vllm"]
 DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-DraftInt8 = bool | Literal["fbgemm"]  #: false, true (weight-only int8) or fbgemm (its int8 GEMM, x86)
+#: false, true (weight-only int8), fbgemm (its int8 GEMM, x86) or auto (resolved by ``loading.resolve_draft_int8``)
+DraftInt8 = bool | Literal["fbgemm", "auto"]
 
 PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
@@ -531,12 +532,15 @@ class JobConfig:
         "weights (over 1 GB in float32), else float32",
     )
     draft_int8: DraftInt8 = knob(
-        False,
+        "auto",
         "decode the draft with int8 weights (a scale per row) wherever it only proposes: the evaluator, the endpoint "
         "and the speed measurements (it trains in float32). true: weight-only, a drafting step reads a quarter of "
         "float32's bytes, half of bfloat16's (a float32 draft's activations in bfloat16 on a CPU); fbgemm: steps "
         "and prompts through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too (a scale per token), "
-        "faster still on CPUs without bfloat16 hardware at some cost in acceptance. Speculative decoding stays exact",
+        "faster still on CPUs without bfloat16 hardware at some cost in acceptance; auto = fbgemm (true where torch "
+        "has no fbgemm) for a draft on a CPU that is large enough to be bound by reading its weights (250M "
+        "parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. Speculative decoding "
+        "stays exact",
     )
     prepack: bool | Literal["auto"] = knob(
         "auto",
@@ -566,7 +570,7 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
-        if self.draft_int8 and "vllm" in (self.rollout.backend, self.serve.backend):
+        if self.draft_int8 in (True, "fbgemm") and "vllm" in (self.rollout.backend, self.serve.backend):
             raise DistillSpecError(
                 f"draft_int8={str(self.draft_int8).lower()}: vLLM's draft_model drafts load the draft's own "
                 "weights: set rollout.backend=hf and serve.backend=hf, or draft_int8=false"

@@ -143,6 +143,52 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
         load_pair(*folders, dtype="float32", draft_int8=draft_int8)
 
 
+def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):
+    """draft_int8=auto (the default): fbgemm's int8 for a draft of 250M parameters or more on a CPU (weight-only int8
+    where torch has no fbgemm), the pair's dtype for a smaller draft, a GPU's, or where vLLM decodes; prepare_models
+    resolves it once and says why, and a draft that trains stays float."""
+    from distillspec.config import load_config
+    from distillspec.models import loading, pretrained
+    from distillspec.models.loading import load_decoding_draft, parameter_count, resolve_draft_int8
+    from distillspec.models.packing import Int8Linear, fbgemm_available
+    from distillspec.tasks.data import arith_task
+
+    kernel = "fbgemm" if fbgemm_available() else True
+    assert resolve_draft_int8("auto", 630_000_000)[0] == kernel  # the Qwen2.5-Coder 0.5B
+    assert resolve_draft_int8("auto", None)[0] == kernel  # a hub id: counted as large, as dtype=auto counts it
+    assert resolve_draft_int8("auto", 135_000_000) == (False, "auto: 135M parameters, bound by per-call costs")
+    assert resolve_draft_int8("auto", 630_000_000, "cuda")[0] is False
+    assert resolve_draft_int8(True, 1000) == (True, "set by draft_int8")
+    monkeypatch.setattr(loading, "fbgemm_available", lambda: False)
+    assert resolve_draft_int8("auto", 630_000_000)[0] is True
+    monkeypatch.undo()
+
+    folders = []
+    for name, model in zip(("target", "draft"), text_pair):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        folders.append(str(tmp_path / name))
+    assert parameter_count(folders[1]) == parameter_count(text_pair[1]) > 0
+    assert parameter_count("org/hub-id") is None
+    assert load_config(None, []).draft_int8 == "auto"
+    assert load_config(None, ["serve.backend=vllm"]).draft_int8 == "auto"  # not refused: it resolves to false
+    pair, task, lines = [f"target={folders[0]}", f"draft={folders[1]}"], arith_task(n_train=8, n_test=4), []
+    cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
+    assert cfg.draft_int8 is False and "decodes in float32 (auto: " in lines[-1] and "parameters" in lines[-1]
+    assert not isinstance(load_decoding_draft(folders[1], device="cpu", dtype=torch.float32, int8="auto")[0].lm_head,
+                          Int8Linear)  # fmt: skip
+    monkeypatch.setattr(loading, "AUTO_INT8_PARAMETERS", 1)
+    cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
+    assert cfg.draft_int8 == kernel and "(auto: a weight-bound draft on a CPU" in lines[-1]
+    assert "decodes in weight-only int8" in lines[-1] or "decodes in int8 through fbgemm's GEMM" in lines[-1]
+    cfg = pretrained.prepare_models(load_config(None, [*pair, "serve.backend=vllm"]), task, log=lines.append)
+    assert cfg.draft_int8 is False and "vLLM" in lines[-1]
+    draft = load_decoding_draft(folders[1], device="cpu", dtype=torch.float32, int8="auto")[0]
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (kernel == "fbgemm")
+    _, trains, _ = load_pair(*folders, dtype="float32", draft_int8="auto")  # a draft that trains: float, no error
+    assert not isinstance(trains.lm_head, Int8Linear)
+
+
 def test_draft_int8_is_refused_with_vllm_backends():
     from distillspec.config import load_config
 

@@ -9,7 +9,7 @@ tokens it keeps, and the nearer the score comes to the draft's own (printed too)
     python -m benchmarks.suites.lossy target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k draft_vocab=32768 draft_int8=true --distilled DRAFT_FOLDER
 
-The drafts decode as the job's measurements decode them (the pair's dtype, int8 with ``draft_int8=true``). Latency is
+The drafts decode as the job's measurements decode them (the pair's dtype, int8 where ``draft_int8`` says). Latency is
 reported relative to the target alone, ``(c gamma + v(gamma + 1)) / tau``, from the step costs measured here at batch
 1 (:func:`distillspec.decoding.metrics.measure_cost_ratio`) and each setting's tau; the batched decode's own tokens/s is
 printed beside it. Writes ``lossy.json``, ``lossy.md`` and ``lossy.png``.

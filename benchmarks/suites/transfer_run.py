@@ -1,7 +1,7 @@
 """A distilled run's draft on tasks it never trained on: alpha and tau before -> after distillation on the test
 prompts of the run's own task and of each other data set named (the paper's question of transfer), every task
 through the target's chat template, at each gamma and temperature. The drafts decode as the run's measurements
-decoded them (the pair's dtype, int8 where the run set ``draft_int8=true``).
+decoded them (the pair's dtype, int8 where the run's ``draft_int8`` says).
 
     python -m benchmarks.suites.transfer_run --run outputs/qwen-async --datasets ../shared/data/multi30k \\
         ../shared/data/tinyshakespeare --gammas 5 --temperatures 0 1 --prompts 16 --out outputs/transfer-qwen

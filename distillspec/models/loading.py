@@ -21,7 +21,7 @@ from distillspec.decoding.kvcache import LEAN_MODEL_TYPES
 from distillspec.decoding.speculative import check_pair
 from distillspec.errors import DistillSpecError
 from distillspec.models import draft_vocab, hub
-from distillspec.models.packing import Int8Linear, can_prepack, prepack_linears, quantize_int8
+from distillspec.models.packing import Int8Linear, can_prepack, fbgemm_available, prepack_linears, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +328,60 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     return True, "auto: a weight-bound float32 target on a CPU"
 
 
+#: ``draft_int8=auto`` decodes a draft on a CPU with int8 weights from this many parameters on (1 GB of float32, the
+#: size from which ``dtype=auto`` counts a target as bound by reading its weights). A drafting step of such a draft
+#: reads its weights, which int8 shrinks to a quarter of float32's bytes and half of bfloat16's: with the Qwen2.5-Coder
+#: 0.5B (630M parameters) beside its 1.5B, fbgemm's int8 draft raced 1.8-1.9x the target alone where the float32
+#: draft raced 1.05-1.12x (AVX2), and 2.42x / 1.89x at T = 0 / 1 where the bfloat16 draft raced 1.50x / 1.34x (AMX,
+#: docs/MEASUREMENTS.md). A smaller draft is bound by per-call costs, which int8 does not lower (the garden's drafts,
+#: layer drafts of SmolLM2-135M).
+AUTO_INT8_PARAMETERS = AUTO_BF16_BYTES // 4
+
+
+def parameter_count(model: str | torch.nn.Module) -> int | None:
+    """The parameters of a loaded model, or of a local model folder's safetensors weights (read from their headers);
+    None for a hub id or a folder without them."""
+    if isinstance(model, torch.nn.Module):
+        return sum(p.numel() for p in model.parameters())
+    path = Path(model).expanduser()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    count = 0
+    for file in files:
+        with safetensors.safe_open(file, "pt") as weights:
+            count += sum(int(np.prod(weights.get_slice(key).get_shape())) for key in weights.keys())
+    return count
+
+
+def resolve_draft_int8(draft_int8: DraftInt8, parameters: int | None, device: str = "cpu") -> tuple[DraftInt8, str]:
+    """The int8 kernel (false, true: weight-only, ``fbgemm``) that ``draft_int8`` names for a decoding draft of
+    ``parameters`` (None: unknown, counted as large) on ``device``, and why (one line for the console). ``auto``: on a
+    CPU, a draft of :data:`AUTO_INT8_PARAMETERS` or more decodes through fbgemm's int8 GEMM (weight-only int8 where
+    this build of torch has no fbgemm); a smaller draft, or one on a GPU, in the pair's dtype."""
+    if draft_int8 != "auto":
+        return draft_int8, "set by draft_int8"
+    kind = torch.device(device).type
+    if kind != "cpu":
+        return False, f"auto: the draft decodes on {kind} in the pair's dtype"
+    if parameters is not None and parameters < AUTO_INT8_PARAMETERS:
+        return False, f"auto: {parameters / 1e6:.3g}M parameters, bound by per-call costs"
+    if fbgemm_available():
+        return "fbgemm", "auto: a weight-bound draft on a CPU"
+    return True, "auto: a weight-bound draft on a CPU whose torch has no fbgemm"
+
+
+def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8) -> PreTrainedModel:
+    """``model``, a draft that only decodes, with int8 weights where ``int8`` (``draft_int8``, ``auto`` resolved by
+    :func:`resolve_draft_int8` for it) says: :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
+    GEMM if ``fbgemm``."""
+    int8 = resolve_draft_int8(int8, parameter_count(model), str(next(model.parameters()).device))[0]
+    if int8:
+        quantize_int8(model, fbgemm=int8 == "fbgemm")
+        release_memory()
+    return model
+
+
 def load_pair(
     target: str,
     draft: str,
@@ -354,7 +408,7 @@ def load_pair(
             "than in float32; set dtype=float32 (or auto)",
             str(dtype).removeprefix("torch."),
         )
-    if draft_int8 and not decode_only:
+    if draft_int8 in (True, "fbgemm") and not decode_only:
         raise DistillSpecError("draft_int8=true quantizes a draft that only decodes; the draft that trains stays float")
     target_model, target_tok = load_model(target, device=device, dtype=dtype, prepack=prepack, shared=shared_target)
     if decode_only:
@@ -370,13 +424,9 @@ def load_decoding_draft(
     draft: str, *, device: str, dtype: torch.dtype, int8: DraftInt8
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """:func:`load_model` of a draft as the decoders run it beside a target: in the target's ``dtype``, with int8
-    weights if ``int8`` (``draft_int8``; :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
-    GEMM if ``fbgemm``)."""
+    weights where ``int8`` (``draft_int8``) says (:func:`quantize_decoding_draft`)."""
     model, tokenizer = load_model(draft, device=device, dtype=dtype)
-    if int8:
-        quantize_int8(model, fbgemm=int8 == "fbgemm")
-        release_memory()
-    return model, tokenizer
+    return quantize_decoding_draft(model, int8), tokenizer
 
 
 def load_decoding_pair(
