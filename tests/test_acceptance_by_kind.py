@@ -36,12 +36,16 @@ def test_each_position_is_classed_by_the_token_it_predicts(tiny_garden, task):
 
 
 def test_the_suite_splits_acceptance_by_kind_and_the_parts_add_up(tiny_garden, tmp_path):
+    from distillspec.models.packing import fbgemm_available
+
+    kernels = ["weight-only", "fbgemm"] if fbgemm_available() else ["weight-only"]
     result = suite_acceptance_by_kind(
         garden_overrides(tiny_garden),
         drafts=[str(tiny_garden.target)],
         sets=["0:3", "3:5"],
         max_new_tokens=6,
         out=tmp_path,
+        decoding=["dtype", *kernels],
     )
     assert list(result["sets"]) == ["0:3", "3:5"]
     whole = suite_trajectory(garden_overrides(tiny_garden), [], steps=0, every=1, held=3, out=tmp_path / "t")["start"]
@@ -55,6 +59,14 @@ def test_the_suite_splits_acceptance_by_kind_and_the_parts_add_up(tiny_garden, t
         assert mean == pytest.approx(first[key]["all"]["acceptance"], abs=1e-6)
         if first[key]["all"]["acceptance"] < 1.0:
             assert sum(p["lost"] for p in parts) == pytest.approx(1.0)
+    draft = str(tiny_garden.draft)  # the garden runs in float32: the dtype's copy is the draft; int8 is near it
+    assert list(result["sets"]["0:3"]) == [draft, f"{draft} [float32]", *(f"{draft} [int8 {k}]" for k in kernels),
+                                           str(tiny_garden.target)]  # fmt: skip
+    for key in ("alpha", "greedy"):
+        assert result["sets"]["0:3"][f"{draft} [float32]"][key] == first[key]
+        for kernel in kernels:
+            near = result["sets"]["0:3"][f"{draft} [int8 {kernel}]"][key]["all"]["acceptance"]
+            assert near == pytest.approx(first[key]["all"]["acceptance"], abs=0.1)
     for drafts in result["sets"].values():  # the target as its own draft loses nothing of any kind
         own = drafts[str(tiny_garden.target)]
         assert own["alpha"]["all"]["acceptance"] == pytest.approx(1.0, abs=1e-5)

@@ -13,12 +13,17 @@ through the endpoint: ``--sets`` the questions it served and others) shows what 
         draft=qwen2.5-coder-0.5b-instruct dataset=../shared/data/gsm8k draft_vocab=32768 \\
         --drafts outputs/online-qwen/online/distill/draft --sets 0:32 32:64
 
+``--decoding dtype fbgemm`` also scores the job's draft as a decoder runs it (in the pair's dtype; with int8 weights
+through fbgemm, as ``draft_int8=auto`` decodes a large draft on an x86 CPU) on the same target samples: what a kernel
+costs in acceptance, without the draws of a race.
+
 Writes ``acceptance_by_kind.json``, ``acceptance_by_kind.md`` and ``acceptance_by_kind.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -31,7 +36,7 @@ from benchmarks.suites.trajectory import held_out, position_acceptance
 from distillspec.config import load_config
 from distillspec.evaluation.report import pyplot
 from distillspec.models.draft_vocab import vocab_size
-from distillspec.models.loading import load_model, load_pair
+from distillspec.models.loading import load_model, load_pair, quantize_decoding_draft
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
@@ -85,10 +90,21 @@ def parse_slice(text: str, questions: int) -> tuple[int, int]:
     return start, stop
 
 
+#: ``--decoding``: the job's draft as a decoder runs it, in the pair's dtype and with each ``draft_int8`` kernel.
+DECODING = {"dtype": False, "weight-only": True, "fbgemm": "fbgemm"}
+
+
 def suite_acceptance_by_kind(
-    overrides: list[str], *, drafts: list[str], sets: list[str], max_new_tokens: int, out: Path
+    overrides: list[str],
+    *,
+    drafts: list[str],
+    sets: list[str],
+    max_new_tokens: int,
+    out: Path,
+    decoding: list[str] = (),
 ) -> dict:
-    """The whole suite (see the module docstring): the job's draft first, then each of ``drafts``."""
+    """The whole suite (see the module docstring): the job's draft first (in float32, as it trains), then a copy of
+    it per kind of ``decoding`` (:data:`DECODING`), then each of ``drafts``."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, overrides)
     task = load_task(cfg.dataset, seed=cfg.seed)
@@ -96,7 +112,12 @@ def suite_acceptance_by_kind(
     cfg, task = prepare_pair(cfg, task)
     target, draft, tokenizer = load_pair(cfg.target, cfg.draft, device=cfg.device, dtype=cfg.dtype, prepack=cfg.prepack)
     vocab = vocab_size(target)
-    models = {cfg.draft: draft, **{name: load_model(name, device=cfg.device)[0] for name in drafts}}
+    models = {cfg.draft: draft}
+    for kind in decoding:
+        label = str(target.dtype).removeprefix("torch.") if kind == "dtype" else f"int8 {kind}"
+        copied = copy.deepcopy(draft).to(target.dtype)
+        models[f"{cfg.draft} [{label}]"] = quantize_decoding_draft(copied, DECODING[kind])
+    models.update({name: load_model(name, device=cfg.device)[0] for name in drafts})
     result: dict = {"config": {"target": cfg.target, "max_new_tokens": max_new_tokens}, "sets": {}}
     for start, stop in slices:
         began = time.perf_counter()
@@ -177,10 +198,23 @@ def main() -> None:
         "--sets", nargs="+", default=["0:32"], help="slices of the test split, each scored apart: START:STOP"
     )
     parser.add_argument("--max-new-tokens", type=int, default=64, help="target-sampled tokens per question")
+    parser.add_argument(
+        "--decoding",
+        nargs="*",
+        default=[],
+        choices=list(DECODING),
+        help="also the job's draft as a decoder runs it: in the pair's dtype, with weight-only int8 "
+        "(draft_int8=true), through fbgemm (draft_int8=fbgemm)",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/acceptance-by-kind"))
     args = parser.parse_args()
     suite_acceptance_by_kind(
-        args.overrides, drafts=args.drafts, sets=args.sets, max_new_tokens=args.max_new_tokens, out=args.out
+        args.overrides,
+        drafts=args.drafts,
+        sets=args.sets,
+        max_new_tokens=args.max_new_tokens,
+        out=args.out,
+        decoding=args.decoding,
     )
 
 
