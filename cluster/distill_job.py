@@ -3,7 +3,6 @@ the single-process loop with ``ray.mode=sync``), measure again, write the result
 
 from __future__ import annotations
 
-import copy
 import shutil
 import time
 from dataclasses import replace
@@ -18,12 +17,12 @@ from actors.learner import RUN_DIR, checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
 from distillspec.cli import sigterm_held
-from distillspec.config import DraftInt8, JobConfig, resolve_recipe, to_dict
+from distillspec.config import JobConfig, resolve_recipe, to_dict
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import format_table, plot_tau, plot_training
 from distillspec.evaluation.study import measure_phase, merge_baseline_speed
 from distillspec.files import RecordLog, exclusive, read_json, write_atomic, write_folder, write_json
-from distillspec.models.loading import load_pair, quantize_decoding_draft
+from distillspec.models.loading import decoding_copy, load_pair
 from distillspec.models.pretrained import RUN_CONFIG, prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
@@ -104,12 +103,6 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
         "first_step_s": result.startup.get("first_step_s"),
         "startup": result.startup,
     }
-
-
-def decoding_copy(draft, dtype: torch.dtype, int8: DraftInt8):
-    """The draft as the evaluator decodes it: a copy in the pair's ``dtype``, with int8 weights where ``int8``
-    (``draft_int8``) says (:func:`~distillspec.models.loading.quantize_decoding_draft`)."""
-    return quantize_decoding_draft(copy.deepcopy(draft).to(dtype), int8)
 
 
 def check_rerun(cfg: JobConfig, out: Path) -> None:

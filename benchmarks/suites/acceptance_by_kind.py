@@ -23,7 +23,6 @@ Writes ``acceptance_by_kind.json``, ``acceptance_by_kind.md`` and ``acceptance_b
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from benchmarks.suites.trajectory import held_out, position_acceptance
 from distillspec.config import load_config
 from distillspec.evaluation.report import pyplot
 from distillspec.models.draft_vocab import vocab_size
-from distillspec.models.loading import load_model, load_pair, quantize_decoding_draft
+from distillspec.models.loading import decoding_copy, load_model, load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
@@ -115,8 +114,7 @@ def suite_acceptance_by_kind(
     models = {cfg.draft: draft}
     for kind in decoding:
         label = str(target.dtype).removeprefix("torch.") if kind == "dtype" else f"int8 {kind}"
-        copied = copy.deepcopy(draft).to(target.dtype)
-        models[f"{cfg.draft} [{label}]"] = quantize_decoding_draft(copied, DECODING[kind])
+        models[f"{cfg.draft} [{label}]"] = decoding_copy(draft, target.dtype, DECODING[kind])
     models.update({name: load_model(name, device=cfg.device)[0] for name in drafts})
     result: dict = {"config": {"target": cfg.target, "max_new_tokens": max_new_tokens}, "sets": {}}
     for start, stop in slices:

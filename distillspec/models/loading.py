@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import logging
@@ -380,6 +381,12 @@ def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8) -> PreTrain
         quantize_int8(model, fbgemm=int8 == "fbgemm")
         release_memory()
     return model
+
+
+def decoding_copy(draft: PreTrainedModel, dtype: torch.dtype, int8: DraftInt8) -> PreTrainedModel:
+    """A copy of ``draft`` (one that trains, in float32) as the decoders run it beside a target: in the pair's
+    ``dtype``, with int8 weights where ``int8`` (``draft_int8``) says (:func:`quantize_decoding_draft`)."""
+    return quantize_decoding_draft(copy.deepcopy(draft).to(dtype), int8)
 
 
 def load_pair(
