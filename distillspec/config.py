@@ -570,7 +570,7 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
-        if self.draft_int8 in (True, "fbgemm") and "vllm" in (self.rollout.backend, self.serve.backend):
+        if self.draft_int8 in (True, "fbgemm") and self.vllm_decodes:
             raise DistillSpecError(
                 f"draft_int8={str(self.draft_int8).lower()}: vLLM's draft_model drafts load the draft's own "
                 "weights: set rollout.backend=hf and serve.backend=hf, or draft_int8=false"
@@ -580,7 +580,7 @@ class JobConfig:
                 f"draft_int8=fbgemm runs fbgemm's int8 GEMM, an x86 CPU's, but device={self.device}: use "
                 "draft_int8=true"
             )
-        if self.draft_vocab and "vllm" in (self.rollout.backend, self.serve.backend):
+        if self.draft_vocab and self.vllm_decodes:
             raise DistillSpecError(
                 f"draft_vocab={self.draft_vocab}: vLLM's draft_model drafts take no draft vocabulary (vLLM restricts "
                 "the vocabulary of EAGLE-3 heads only): set rollout.backend=hf and serve.backend=hf, or draft_vocab=0"
@@ -649,6 +649,12 @@ class JobConfig:
                 "learner.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
                 "for the GPUs while computing on CPU"
             )
+
+    @property
+    def vllm_decodes(self) -> bool:
+        """Whether a vLLM engine decodes the draft somewhere in this job (``rollout.backend`` or ``serve.backend``):
+        it loads the draft's own weights, whole."""
+        return "vllm" in (self.rollout.backend, self.serve.backend)
 
     @property
     def models(self) -> Models:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -100,7 +101,7 @@ def suite_acceptance_by_kind(
     sets: list[str],
     max_new_tokens: int,
     out: Path,
-    decoding: list[str] = (),
+    decoding: Sequence[str] = (),
 ) -> dict:
     """The whole suite (see the module docstring): the job's draft first (in float32, as it trains), then a copy of
     it per kind of ``decoding`` (:data:`DECODING`), then each of ``drafts``."""

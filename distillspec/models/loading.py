@@ -355,13 +355,18 @@ def parameter_count(model: str | torch.nn.Module) -> int | None:
     return count
 
 
-def resolve_draft_int8(draft_int8: DraftInt8, parameters: int | None, device: str = "cpu") -> tuple[DraftInt8, str]:
+def resolve_draft_int8(
+    draft_int8: DraftInt8, parameters: int | None, device: str = "cpu", *, vllm: bool = False
+) -> tuple[DraftInt8, str]:
     """The int8 kernel (false, true: weight-only, ``fbgemm``) that ``draft_int8`` names for a decoding draft of
     ``parameters`` (None: unknown, counted as large) on ``device``, and why (one line for the console). ``auto``: on a
     CPU, a draft of :data:`AUTO_INT8_PARAMETERS` or more decodes through fbgemm's int8 GEMM (weight-only int8 where
-    this build of torch has no fbgemm); a smaller draft, or one on a GPU, in the pair's dtype."""
+    this build of torch has no fbgemm); a smaller draft, one on a GPU, or one a vLLM engine decodes (``vllm``), in
+    the pair's dtype."""
     if draft_int8 != "auto":
         return draft_int8, "set by draft_int8"
+    if vllm:
+        return False, "auto: vLLM's drafts load the draft's own weights"
     kind = torch.device(device).type
     if kind != "cpu":
         return False, f"auto: the draft decodes on {kind} in the pair's dtype"
@@ -376,7 +381,8 @@ def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8) -> PreTrain
     """``model``, a draft that only decodes, with int8 weights where ``int8`` (``draft_int8``, ``auto`` resolved by
     :func:`resolve_draft_int8` for it) says: :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
     GEMM if ``fbgemm``."""
-    int8 = resolve_draft_int8(int8, parameter_count(model), str(next(model.parameters()).device))[0]
+    if int8 == "auto":
+        int8 = resolve_draft_int8(int8, parameter_count(model), str(next(model.parameters()).device))[0]
     if int8:
         quantize_int8(model, fbgemm=int8 == "fbgemm")
         release_memory()

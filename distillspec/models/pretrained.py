@@ -321,19 +321,15 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     packed = f"; the target's weights prepacked ({packing})" if prepack else ""
     bf16 = dtype == "bfloat16" if cfg.distill.bf16 is None else cfg.distill.bf16
     trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
-    if cfg.draft_int8 == "auto" and "vllm" in (cfg.rollout.backend, cfg.serve.backend):
-        draft_int8, quantized = False, "auto: vLLM's drafts load the draft's own weights"
-    else:
-        draft_int8, quantized = resolve_draft_int8(cfg.draft_int8, parameter_count(draft), cfg.device)
+    vllm = cfg.vllm_decodes
+    draft_int8, quantized = resolve_draft_int8(cfg.draft_int8, parameter_count(draft), cfg.device, vllm=vllm)
     int8 = {True: "weight-only int8", "fbgemm": "int8 through fbgemm's GEMM"}.get(draft_int8, f"{dtype}")
     log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}, decodes in {int8} ({quantized})")
     if bf16 and not native_bf16(cfg.device):
         log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, about 18x slower")
     distill = replace(cfg.distill, bf16=bf16)
     cfg = replace(cfg, target=target, draft=draft, dtype=dtype, prepack=prepack, draft_int8=draft_int8, distill=distill)
-    check_pair_sources(
-        cfg.target, cfg.draft, compile=cfg.eval.compile, vllm="vllm" in (cfg.rollout.backend, cfg.serve.backend)
-    )
+    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile, vllm=vllm)
     return cfg
 
 
