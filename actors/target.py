@@ -27,11 +27,11 @@ def _load_shared(models: Models) -> SharedWeights:
 def share_target(models: Models) -> list[ray.ObjectRef] | None:
     """``[a reference]`` to the target's weights, being put into the object store by a task (owned by the caller:
     they live as long as it does), for the run's weight store to hand out; None where each actor holds its own: on
-    an accelerator, or with prepacked weights (each process packs its own copy)."""
+    an accelerator, or with prepacked float32 weights (each process packs its own copy)."""
     if models.device != "cpu":
         return None
     dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
-    if resolve_prepack(models.prepack, dtype, models.target, models.device)[0]:
+    if dtype == "float32" and resolve_prepack(models.prepack, dtype, models.target, models.device)[0]:
         return None
     return [_load_shared.remote(models)]
 

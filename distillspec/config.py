@@ -206,7 +206,7 @@ class RayConfig:
         True,
         "load the target's weights once and share them through the object store: every actor that holds the target "
         "(scorers, rollouts sampling it, a scoring learner, the evaluator, the run's Serve replicas) reads one copy "
-        "per node (on a CPU, unless prepacked)",
+        "per node (on a CPU, unless its float32 weights are prepacked)",
     )
     gpu_dry_run: bool = knob(
         False,
@@ -544,9 +544,12 @@ class JobConfig:
     )
     prepack: bool | Literal["auto"] = knob(
         "auto",
-        "lay the frozen target's float32 linear weights out once for the CPU's oneDNN kernels, so that verifying "
-        "gamma + 1 positions costs about one step (eager float32 re-lays them on every call). auto = on for a "
-        "float32 target on a CPU that is large enough to be bound by reading its weights (over 1 GB); true; false",
+        "lay the frozen target's linear weights out for products of a few rows on a CPU, so that a step and a "
+        "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights prepacked once "
+        "for oneDNN (eager float32 re-lays them on every call), bfloat16 ones multiplied as matrix-vector products "
+        "(oneDNN's bfloat16 product of a few rows reads them at half the rate on a CPU with AMX). auto = on for a "
+        "target on a CPU that is large enough to be bound by reading its weights (over 1 GB): float32, or bfloat16 "
+        "on a CPU with AMX; true; false",
     )
     chat_template: bool = knob(
         True,

@@ -1,5 +1,6 @@
-"""Prepacked float32 target weights (distillspec/models/packing.py): the same logits, exact speculative decoding, and
-the choice of when to pack (distillspec.models.loading.resolve_prepack)."""
+"""A target's weights laid out for few-row products (distillspec/models/packing.py: float32 prepacked, bfloat16 as
+matrix-vector products): the same logits, exact speculative decoding, and the choice of when to lay them out
+(distillspec.models.loading.resolve_prepack); and int8 drafts."""
 
 import copy
 
@@ -9,7 +10,7 @@ import torch
 from distillspec import DistillSpecError, speculative_generate
 from distillspec.decoding.kvcache import CachedLM
 from distillspec.models.loading import load_pair, resolve_prepack
-from distillspec.models.packing import PackedLinear, can_prepack, prepack_linears
+from distillspec.models.packing import FEW_ROWS, FewRowLinear, PackedLinear, can_prepack, prepack_linears
 
 from .conftest import perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
@@ -57,17 +58,54 @@ def test_sd_with_a_packed_target_follows_the_targets_distribution():
     assert fit_to_target(out, target, prompt) > 1e-3
 
 
-def test_prepack_is_chosen_for_weight_bound_float32_targets_on_a_cpu(tmp_path):
+def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits():
+    """Over FEW_ROWS rows (a prompt) the same product, bit for bit; a step (one row: torch.mv) and a verification
+    (six rows: torch.mm) within bfloat16's rounding; the same weight tensors."""
+    model = tiny_llama(64, d=64, layers=2, seed=1).bfloat16()
+    few = copy.deepcopy(model)
+    assert prepack_linears(few) == 2 * 7 + 1 and isinstance(few.lm_head, FewRowLinear)
+    assert torch.equal(few.lm_head.weight, model.lm_head.weight) and not any(p.requires_grad for p in few.parameters())
+    layer = torch.nn.Linear(8, 4).bfloat16()
+    assert FewRowLinear(layer).weight is layer.weight  # shared weights stay shared
+    ids, mask = left_padded_prompts()
+    assert ids.numel() > FEW_ROWS
+    plain_lm, few_lm = CachedLM(model), CachedLM(few)
+    with torch.no_grad():
+        assert torch.equal(few_lm.prefill(ids, mask), plain_lm.prefill(ids, mask))
+        one, plain_one = CachedLM(few), CachedLM(model)
+        one.prefill(ids[1:2], mask[1:2])
+        plain_one.prefill(ids[1:2], mask[1:2])
+        for new in (torch.tensor([[5]]), torch.randint(1, 64, (1, 6))):  # a step, a verification at gamma 5
+            fast, plain = one.step(new).float(), plain_one.step(new).float()
+            assert (fast - plain).abs().max() < 0.05 * plain.abs().max(), (fast - plain).abs().max()
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_sd_with_a_few_row_bfloat16_target_equals_the_targets_greedy(gamma):
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0).bfloat16()
+    draft = perturbed(target, 0.01)
+    few = copy.deepcopy(target)
+    prepack_linears(few)
+    assert_greedy_sd_is_target_greedy(few, draft, gamma, reference=target)
+
+
+def test_prepack_is_chosen_for_weight_bound_targets_on_a_cpu(tmp_path):
     small = tmp_path / "small"
     small.mkdir()
     (small / "model.safetensors").write_bytes(b"0" * 1000)
     assert resolve_prepack("auto", "float32", str(small))[0] is False  # bound by per-call costs
     assert resolve_prepack("auto", "float32", "some/hub-id")[0] is True  # size unknown: a real model
-    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is False
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is amx  # matrix-vector products pay with AMX
+    assert resolve_prepack("auto", "bfloat16", str(small))[0] is False
     assert resolve_prepack(True, "float32", str(small)) == (True, "set by prepack")
+    assert resolve_prepack(True, "bfloat16", str(small)) == (True, "set by prepack")
     assert resolve_prepack(False, "float32", "some/hub-id")[0] is False
+    assert resolve_prepack("auto", "float16", "some/hub-id")[0] is False
     with pytest.raises(DistillSpecError, match="prepack=true"):
-        resolve_prepack(True, "bfloat16", str(small))
+        resolve_prepack(True, "float16", str(small))
+    with pytest.raises(DistillSpecError, match="prepack=true"):
+        resolve_prepack(True, "float32", str(small), device="meta")
 
 
 def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
@@ -81,6 +119,9 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
     assert not any(isinstance(m, PackedLinear) for m in draft.modules())
     target, _, _ = load_pair(*folders, dtype="float32")  # auto: a small target is not packed
     assert not any(isinstance(m, PackedLinear) for m in target.modules())
+    target, draft, _ = load_pair(*folders, dtype="bfloat16", prepack=True)
+    assert isinstance(target.lm_head, FewRowLinear) and target.lm_head.weight.dtype == torch.bfloat16
+    assert not any(isinstance(m, FewRowLinear) for m in draft.modules())
 
 
 @pytest.mark.parametrize("fbgemm", [False, True], ids=["weight-only", "fbgemm"])
@@ -256,7 +297,8 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
 
     result = suite_int8([], tmp_path, shapes={"small": (64, 96)}, reps=2)
     kernels = {row["kernel"] for row in result["rows"]}
-    assert {"float32", "bfloat16", "int8 weight-only (float32 model)", "int8 weight-only (bfloat16 model)"} <= kernels
+    plain = {"float32", "bfloat16", "bfloat16 few rows"}
+    assert plain | {"int8 weight-only (float32 model)", "int8 weight-only (bfloat16 model)"} <= kernels
     for model in ("float32", "bfloat16"):
         assert (f"int8 fbgemm ({model} model)" in kernels) is fbgemm_available()
     assert len(result["rows"]) == len(kernels) * len(ROWS) and all(row["ms"] > 0 for row in result["rows"])

@@ -5,8 +5,8 @@ model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft
 (x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``). Over 16 rows (a
 prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is timed in a
 float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32 product, the
-float32 weight prepacked for oneDNN (what ``prepack`` does to a target) and the eager bfloat16 product (a model in
-``dtype=bfloat16``).
+float32 weight prepacked for oneDNN (what ``prepack`` does to a float32 target), the eager bfloat16 product (a model
+in ``dtype=bfloat16``) and the bfloat16 product as matrix-vector ones (what ``prepack`` does to a bfloat16 target).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -42,7 +42,14 @@ from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.models.loading import encode_prompts, load_model
-from distillspec.models.packing import Int8Linear, PackedLinear, can_prepack, fbgemm_available, quantize_int8
+from distillspec.models.packing import (
+    FewRowLinear,
+    Int8Linear,
+    PackedLinear,
+    can_prepack,
+    fbgemm_available,
+    quantize_int8,
+)
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
@@ -78,6 +85,7 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         if can_prepack():
             kernels["float32 prepacked"] = PackedLinear(linear)
         kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
+        kernels["bfloat16 few rows"] = FewRowLinear(copy.deepcopy(linear).bfloat16())
         for model_dtype in (torch.float32, torch.bfloat16):
             for kernel, fbgemm in int8_kernels().items():
                 label = f"int8 {kernel} ({str(model_dtype).removeprefix('torch.')} model)"

@@ -236,9 +236,10 @@ def race_name(temperature: float, seeded: bool) -> str:
 
 def format_table(result: dict) -> str:
     c = result["config"]
+    laid_out = "prepacked" if c["dtype"] == "float32" else "few rows as matrix-vector products"
     lines = [
         f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}"
-        f"{' (target prepacked)' if c.get('prepack') else ''}{', compiled' if c.get('compile') else ''}, "
+        f"{f' (target {laid_out})' if c.get('prepack') else ''}{', compiled' if c.get('compile') else ''}, "
         f"{c['threads']} threads, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",

@@ -168,8 +168,9 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
     dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
-    freezes it with its float32 linear weights prepacked (:func:`~distillspec.models.packing.prepack_linears`): for a
-    target, which only scores and verifies (``auto``: :func:`resolve_prepack`). ``shared``: the weights of this model
+    freezes it with its linear weights laid out for few-row products
+    (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
+    :func:`resolve_prepack`). ``shared``: the weights of this model
     in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
     frozen, instead of read from files."""
     if dtype == "auto":
@@ -309,23 +310,29 @@ def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, st
 
 
 def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool, str]:
-    """Whether the frozen target's linear weights are prepacked (:mod:`distillspec.models.packing`) for ``prepack``
-    (``auto``, true, false) with the resolved ``dtype``, and why. ``auto`` packs a float32 target on a CPU where it is
-    bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it)."""
+    """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
+    ``prepack`` (``auto``, true, false) with the resolved ``dtype``, and why. ``auto`` lays out a target on a CPU that
+    is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one prepacked for oneDNN, a
+    bfloat16 one as matrix-vector products where the CPU has AMX (where they were measured to pay)."""
     if prepack is False:
         return False, "set by prepack"
-    if not can_prepack(device) or dtype != "float32":
+    kind = torch.device(device).type
+    if kind != "cpu" or dtype not in ("float32", "bfloat16") or (dtype == "float32" and not can_prepack(device)):
         if prepack is True:
             raise DistillSpecError(
-                f"prepack=true lays float32 weights out for a CPU's oneDNN kernels; here dtype={dtype} on "
-                f"{torch.device(device).type}: set dtype=float32 on a CPU, or prepack=auto"
+                f"prepack=true lays a CPU's float32 or bfloat16 weights out for few-row products; here dtype={dtype} "
+                f"on {kind}{'' if kind != 'cpu' or dtype != 'float32' else ' without oneDNN'}: set prepack=auto"
             )
-        return False, f"auto: {dtype} on {torch.device(device).type} needs no packing"
+        return False, f"auto: {dtype} on {kind} needs no packing"
     if prepack is True:
         return True, "set by prepack"
     size = _weight_bytes(target)
     if size is not None and size < AUTO_BF16_BYTES:
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
+    if dtype == "bfloat16":
+        if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private, so with a fallback
+            return False, "auto: bfloat16 on a CPU without AMX, whose products of a few rows are laid out well"
+        return True, "auto: a weight-bound bfloat16 target on a CPU with AMX, few rows as matrix-vector products"
     return True, "auto: a weight-bound float32 target on a CPU"
 
 

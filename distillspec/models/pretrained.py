@@ -318,7 +318,8 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
     dtype, why = resolve_dtype(cfg.dtype, target, cfg.device)
     prepack, packing = resolve_prepack(cfg.prepack, dtype, target, cfg.device)
-    packed = f"; the target's weights prepacked ({packing})" if prepack else ""
+    laid_out = "weights prepacked" if dtype == "float32" else "few-row products as matrix-vector ones"
+    packed = f"; the target's {laid_out} ({packing})" if prepack else ""
     bf16 = dtype == "bfloat16" if cfg.distill.bf16 is None else cfg.distill.bf16
     trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
     vllm = cfg.vllm_decodes
