@@ -44,7 +44,7 @@ from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_t
 from distillspec.evaluation.measure import race
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
-from distillspec.models.packing import quantize_int8
+from distillspec.models.packing import layout_name, quantize_int8
 from distillspec.models.pretrained import draft_vocab_ids, prepare_pair, resolve_pair, vocab_draft, whole_vocab_draft
 from distillspec.tasks.data import load_task
 
@@ -236,10 +236,10 @@ def race_name(temperature: float, seeded: bool) -> str:
 
 def format_table(result: dict) -> str:
     c = result["config"]
-    laid_out = "prepacked" if c["dtype"] == "float32" else "few rows as matrix-vector products"
+    layout = f" (the target's {layout_name(c['dtype'])})" if c.get("prepack") else ""
     lines = [
-        f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}"
-        f"{f' (target {laid_out})' if c.get('prepack') else ''}{', compiled' if c.get('compile') else ''}, "
+        f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}{layout}"
+        f"{', compiled' if c.get('compile') else ''}, "
         f"{c['threads']} threads, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",

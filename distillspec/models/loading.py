@@ -170,9 +170,8 @@ def load_model(
     dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
     freezes it with its linear weights laid out for few-row products
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
-    :func:`resolve_prepack`). ``shared``: the weights of this model
-    in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
-    frozen, instead of read from files."""
+    :func:`resolve_prepack`). ``shared``: the weights of this model in this dtype, shared with other processes
+    (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of read from files."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -331,8 +330,8 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
     if dtype == "bfloat16":
         if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private, so with a fallback
-            return False, "auto: bfloat16 on a CPU without AMX, whose products of a few rows are laid out well"
-        return True, "auto: a weight-bound bfloat16 target on a CPU with AMX, few rows as matrix-vector products"
+            return False, "auto: bfloat16 on a CPU without AMX, where matrix-vector products are not known to pay"
+        return True, "auto: a weight-bound bfloat16 target on a CPU with AMX"
     return True, "auto: a weight-bound float32 target on a CPU"
 
 

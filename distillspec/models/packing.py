@@ -80,7 +80,7 @@ FEW_ROWS = 16
 class FewRowLinear(nn.Module):
     """A frozen bfloat16 ``nn.Linear`` whose products of up to :data:`FEW_ROWS` rows run as ``W @ x``:
     ``torch.mv`` for one row, ``torch.mm(W, xᵀ)ᵀ`` for more. On a CPU with AMX, oneDNN's bfloat16 product of one row
-    (``F.linear``) read the 1.5B Qwen target's weights at 5-11 GB/s and these forms at 10-17 GB/s (the 151,936-row
+    (``F.linear``) read the 1.5B Qwen target's weights at 4-13 GB/s and these forms at 10-17 GB/s (the 151,936-row
     head: 91 ms against 42 ms; a six-row product of its MLP's down projection: 6.5 ms against 2.3 ms). The prompt's
     logits are the same to the bit; a step's differ within bfloat16's rounding. It holds the same weight tensors
     (shared ones stay shared)."""
@@ -105,6 +105,11 @@ class FewRowLinear(nn.Module):
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         return f"{shape}, few rows as matrix-vector products"
+
+
+def layout_name(dtype: str) -> str:
+    """What :func:`prepack_linears` does to a target in ``dtype`` (``"float32"``, ``"bfloat16"``), for a console."""
+    return "weights prepacked" if dtype == "float32" else "few-row products as matrix-vector ones"
 
 
 def prepack_linears(model: nn.Module, rows: int = 8) -> int:
