@@ -62,6 +62,12 @@ def _unloadable(name: str, exc: Exception) -> DistillSpecError:
     )
 
 
+def cpu_has(feature: str) -> bool:
+    """Whether this CPU has ``feature`` (``"avx512_bf16"``, ``"amx_tile"``, ``"amx_fp16"``), as torch's private
+    ``torch.cpu._is_<feature>_supported`` says; False where this torch has no such check."""
+    return getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)()
+
+
 def native_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
     AMX. Elsewhere bfloat16 is emulated: on an AVX2-only CPU a bfloat16 forward pass runs 2.5-4x, and a training step
@@ -70,8 +76,7 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
     if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if kind == "cpu":
-        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up with a fallback
-        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+        return cpu_has("avx512_bf16") or cpu_has("amx_tile")
     return False
 
 
@@ -81,7 +86,7 @@ def native_half(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return native_bf16("cpu")
     if dtype == torch.float16:
-        return getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)()
+        return cpu_has("amx_fp16")
     return True
 
 
@@ -329,7 +334,7 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     if size is not None and size < AUTO_BF16_BYTES:
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
     if dtype == "bfloat16":
-        if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():  # private, so with a fallback
+        if not cpu_has("amx_tile"):
             return False, "auto: bfloat16 on a CPU without AMX, where matrix-vector products are not known to pay"
         return True, "auto: a weight-bound bfloat16 target on a CPU with AMX"
     return True, "auto: a weight-bound float32 target on a CPU"
