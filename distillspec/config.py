@@ -29,8 +29,9 @@ RecipeName = Literal["supkd", "seqkd", "imitkd", "fdistill", "gkd", "distillspec
 Lenience = Literal["lin", "sq", "exp"]
 Backend = Literal["hf", "vllm"]
 DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
-#: false, true (weight-only int8), fbgemm (its int8 GEMM, x86) or auto (resolved by ``loading.resolve_draft_int8``)
-DraftInt8 = bool | Literal["fbgemm", "auto"]
+#: false, true (weight-only int8), fbgemm (its int8 GEMM, x86), int4 (fbgemm's prompts, 4-bit steps) or auto
+#: (resolved by ``loading.resolve_draft_int8``)
+DraftInt8 = bool | Literal["fbgemm", "int4", "auto"]
 
 PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
@@ -537,8 +538,10 @@ class JobConfig:
         "and the speed measurements (it trains in float32). true: weight-only, a drafting step reads a quarter of "
         "float32's bytes, half of bfloat16's (a float32 draft's activations in bfloat16 on a CPU); fbgemm: steps "
         "and prompts through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too (a scale per token), "
-        "faster still on CPUs without bfloat16 hardware at some cost in acceptance; auto = fbgemm (true where torch "
-        "has no fbgemm) for a draft on a CPU that is large enough to be bound by reading its weights (250M "
+        "faster still on CPUs without bfloat16 hardware at some cost in acceptance; int4: prompts as fbgemm, "
+        "drafting steps through 4-bit weights (groups of 32, torch's CPU kernel), a step reading half of int8's "
+        "bytes again, at some further cost in acceptance; auto = fbgemm (true where torch has no fbgemm; int4 on "
+        "a CPU with AMX) for a draft on a CPU that is large enough to be bound by reading its weights (250M "
         "parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. Speculative decoding "
         "stays exact",
     )
@@ -573,15 +576,15 @@ class JobConfig:
         """The checks that span fields (each field's own type and range are checked when it is set)."""
         resolve_recipe(self.distill)
         self.serve.validate()
-        if self.draft_int8 in (True, "fbgemm") and self.vllm_decodes:
+        if self.draft_int8 in (True, "fbgemm", "int4") and self.vllm_decodes:
             raise DistillSpecError(
                 f"draft_int8={str(self.draft_int8).lower()}: vLLM's draft_model drafts load the draft's own "
                 "weights: set rollout.backend=hf and serve.backend=hf, or draft_int8=false"
             )
-        if self.draft_int8 == "fbgemm" and self.device != "cpu":
+        if self.draft_int8 in ("fbgemm", "int4") and self.device != "cpu":
             raise DistillSpecError(
-                f"draft_int8=fbgemm runs fbgemm's int8 GEMM, an x86 CPU's, but device={self.device}: use "
-                "draft_int8=true"
+                f"draft_int8={self.draft_int8} runs CPU kernels (fbgemm's int8 GEMM, torch's int4 one), but "
+                f"device={self.device}: use draft_int8=true"
             )
         if self.draft_vocab and self.vllm_decodes:
             raise DistillSpecError(

@@ -9,7 +9,7 @@ import torch
 
 from distillspec import DistillSpecError, speculative_generate
 from distillspec.decoding.kvcache import CachedLM
-from distillspec.models.loading import load_pair, resolve_prepack
+from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft, resolve_prepack
 from distillspec.models.packing import FEW_ROWS, FewRowLinear, PackedLinear, can_prepack, prepack_linears
 
 from .conftest import perturbed, tiny_llama
@@ -124,82 +124,102 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
     assert not any(isinstance(m, FewRowLinear) for m in draft.modules())
 
 
-@pytest.mark.parametrize("fbgemm", [False, True], ids=["weight-only", "fbgemm"])
-def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(fbgemm):
-    """Int8 weights (per-row scales), through either kernel: a distribution close to the float draft's, the draft
-    vocabulary's map kept, greedy SD still the target's greedy, and at T = 1 still the target's distribution
-    (chi-square)."""
+def skip_without(draft_int8) -> None:
+    """Skip a test of a ``draft_int8`` kernel this build of torch lacks."""
+    if draft_int8 in INT8_KERNELS.values() and draft_int8 not in int8_kernels().values():
+        pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
+
+
+@pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
+def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8):
+    """Int8 weights (per-row scales), through each kernel (int4: its steps through 4-bit weights): a distribution
+    close to the float draft's, the draft vocabulary's map kept, greedy SD still the target's greedy, and at T = 1
+    still the target's distribution (chi-square)."""
     from distillspec.models.draft_vocab import d2t, restrict_head
-    from distillspec.models.packing import Int8Linear, fbgemm_available, quantize_int8
+    from distillspec.models.packing import Int8Linear
 
     from .test_speculative import V
 
-    if fbgemm and not fbgemm_available():
-        pytest.skip("fbgemm's int8 GEMM is torch's on x86 CPUs only")
+    skip_without(draft_int8)
+    fbgemm = draft_int8 == "fbgemm" or (draft_int8 == "int4" and "fbgemm" in int8_kernels())
     target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
     draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))
-    int8 = copy.deepcopy(draft)
-    assert quantize_int8(int8, fbgemm) == 2 * 7 + 1 and isinstance(int8.lm_head, Int8Linear)
+    int8 = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
+    layers = [m for m in int8.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * 7 + 1 and isinstance(int8.lm_head, Int8Linear)
     assert int8.lm_head.fbgemm is fbgemm and torch.equal(d2t(int8), d2t(draft))
+    assert all(layer.int4 is (draft_int8 == "int4") for layer in layers)
     ids, mask = left_padded_prompts()
     with torch.no_grad():
         p, q = (m(ids, attention_mask=mask).logits.softmax(-1) for m in (draft, int8))
     assert 0 < (p - q).abs().sum(-1).mean() / 2 < 0.05  # rounded, and still nearly the same distribution
+    if draft_int8 == "int4":  # a step's one row goes through the 4-bit weights
+        with torch.no_grad():
+            p, q = (m(torch.tensor([[5]])).logits.softmax(-1) for m in (draft, int8))
+        assert 0 < (p - q).abs().sum(-1).mean() / 2 < 0.1
     sd = speculative_generate(target, int8, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
     plain = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
     assert torch.equal(sd.sequences, plain.sequences) and abs(sd.stats.alpha - plain.stats.alpha) < 0.1
     small_target, small_draft = tiny_llama(V, d=16, seed=3, sharpness=30.0), tiny_llama(V, d=16, seed=4, sharpness=30.0)
-    quantize_int8(small_draft, fbgemm)
+    quantize_decoding_draft(small_draft, draft_int8)
     prompt = torch.tensor([[1, 2, 3]])
     out = speculative_generate(small_target, small_draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2,
                                generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert fit_to_target(out, small_target, prompt) > 1e-3
 
 
-@pytest.mark.parametrize("draft_int8", [True, "fbgemm"], ids=["weight-only", "fbgemm"])
+@pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
 def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, tokenizer, draft_int8):
     """The endpoint's swap: a new draft version travels as float arrays (state_arrays) and an int8 draft quantizes
     them in place, through either kernel; load_pair makes the decode-only draft int8 and refuses it for a draft
     that trains."""
     from distillspec.models.loading import load_arrays
-    from distillspec.models.packing import Int8Linear, fbgemm_available
+    from distillspec.models.packing import Int8Linear
     from distillspec.versions import state_arrays
 
-    if draft_int8 == "fbgemm" and not fbgemm_available():
-        pytest.skip("fbgemm's int8 GEMM is torch's on x86 CPUs only")
+    skip_without(draft_int8)
     folders = []
     for name, model in zip(("target", "draft"), text_pair):
         model.save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
         folders.append(str(tmp_path / name))
     _, draft, _ = load_pair(*folders, dtype="float32", decode_only=True, draft_int8=draft_int8)
-    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (draft_int8 == "fbgemm")
+    fbgemm = draft_int8 == "fbgemm" or (draft_int8 == "int4" and "fbgemm" in int8_kernels())
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is fbgemm
     newer = perturbed(text_pair[1], 0.05, seed=3)
     load_arrays(draft, state_arrays(newer))
     ids = torch.randint(1, 100, (2, 9))
     with torch.no_grad():
         assert torch.allclose(draft(ids).logits, newer(ids).logits, atol=0.05)
         assert not torch.allclose(draft(ids).logits, text_pair[1](ids).logits, atol=0.05)
+        step = ids[:1, :1]  # one row: through the 4-bit weights with int4, which take the new version too
+        now, new, old = (model(step).logits for model in (draft, newer, text_pair[1]))
+        assert (now - new).norm() < (now - old).norm()
     with pytest.raises(DistillSpecError, match="draft_int8"):
         load_pair(*folders, dtype="float32", draft_int8=draft_int8)
 
 
 def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):
     """draft_int8=auto (the default): fbgemm's int8 for a draft of 250M parameters or more on a CPU (weight-only int8
-    where torch has no fbgemm), the pair's dtype for a smaller draft, a GPU's, or where vLLM decodes; prepare_models
-    resolves it once and says why, and a draft that trains stays float."""
+    where torch has no fbgemm), its steps in int4 on a CPU with AMX, the pair's dtype for a smaller draft, a GPU's,
+    or where vLLM decodes; prepare_models resolves it once and says why, and a draft that trains stays float."""
     from distillspec.config import load_config
     from distillspec.models import loading, pretrained
     from distillspec.models.loading import load_decoding_draft, parameter_count, resolve_draft_int8
     from distillspec.models.packing import Int8Linear, fbgemm_available
     from distillspec.tasks.data import arith_task
 
-    kernel = "fbgemm" if fbgemm_available() else True
+    amx = loading.cpu_has("amx_tile") and "int4" in int8_kernels()
+    kernel = ("int4" if amx else "fbgemm") if fbgemm_available() else True
     assert resolve_draft_int8("auto", 630_000_000)[0] == kernel  # the Qwen2.5-Coder 0.5B
     assert resolve_draft_int8("auto", None)[0] == kernel  # a hub id: counted as large, as dtype=auto counts it
     assert resolve_draft_int8("auto", 135_000_000) == (False, "auto: 135M parameters, bound by per-call costs")
     assert resolve_draft_int8("auto", 630_000_000, "cuda")[0] is False
     assert resolve_draft_int8(True, 1000) == (True, "set by draft_int8")
+    monkeypatch.setattr(loading, "cpu_has", lambda feature: feature == "amx_tile")
+    assert resolve_draft_int8("auto", 630_000_000)[0] == ("int4" if fbgemm_available() else True)
+    monkeypatch.setattr(loading, "cpu_has", lambda feature: False)
+    assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if fbgemm_available() else True)
     monkeypatch.setattr(loading, "fbgemm_available", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] is True
     monkeypatch.undo()
@@ -221,11 +241,13 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     monkeypatch.setattr(loading, "AUTO_INT8_PARAMETERS", 1)
     cfg = pretrained.prepare_models(load_config(None, pair), task, log=lines.append)
     assert cfg.draft_int8 == kernel and "(auto: a weight-bound draft on a CPU" in lines[-1]
-    assert "decodes in weight-only int8" in lines[-1] or "decodes in int8 through fbgemm's GEMM" in lines[-1]
+    assert any(f"decodes in {kind} (auto" in lines[-1] for kind in ("weight-only int8", "int8 through fbgemm's GEMM",
+                                                                    "int4 steps, int8 prompts"))  # fmt: skip
     cfg = pretrained.prepare_models(load_config(None, [*pair, "serve.backend=vllm"]), task, log=lines.append)
     assert cfg.draft_int8 is False and "vLLM" in lines[-1]
     draft = load_decoding_draft(folders[1], device="cpu", dtype=torch.float32, int8="auto")[0]
-    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (kernel == "fbgemm")
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (kernel in ("fbgemm", "int4"))
+    assert any(m.int4 for m in draft.modules() if isinstance(m, Int8Linear)) is (kernel == "int4")
     _, trains, _ = load_pair(*folders, dtype="float32", draft_int8="auto")  # a draft that trains: float, no error
     assert not isinstance(trains.lm_head, Int8Linear)
 
@@ -235,13 +257,15 @@ def test_draft_int8_is_refused_with_vllm_backends():
 
     assert load_config(None, ["draft_int8=true"]).draft_int8 is True
     assert load_config(None, ["draft_int8=fbgemm"]).draft_int8 == "fbgemm"
-    for choice in ("true", "fbgemm"):
+    assert load_config(None, ["draft_int8=int4"]).draft_int8 == "int4"
+    for choice in ("true", "fbgemm", "int4"):
         with pytest.raises(DistillSpecError, match=f"draft_int8={choice}"):
             load_config(None, [f"draft_int8={choice}", "serve.backend=vllm"])
     with pytest.raises(DistillSpecError, match="did you mean 'fbgemm'"):
         load_config(None, ["draft_int8=fbgem"])
-    with pytest.raises(DistillSpecError, match="device=cuda: use draft_int8=true"):
-        load_config(None, ["draft_int8=fbgemm", "device=cuda"])
+    for choice in ("fbgemm", "int4"):
+        with pytest.raises(DistillSpecError, match="device=cuda: use draft_int8=true"):
+            load_config(None, [f"draft_int8={choice}", "device=cuda"])
     from distillspec.models.packing import quantize_int8
 
     with pytest.raises(DistillSpecError, match="not on the CPU"):  # fbgemm's GEMM is a CPU's
@@ -279,6 +303,38 @@ def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt
         assert (fbgemm(sink)[1:] - rest).norm() / rest.norm() < 0.03 < (one_scale[1:] - rest).norm() / rest.norm()
 
 
+def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product():
+    """draft_int8=int4: a weight's 4-bit codes span each group of 32 inputs from its min to its max (each weight
+    within half a level); up to INT4_ROWS rows (steps) go through them, in float32 and bfloat16; more rows (a prompt)
+    get the int8 layer's product exactly; a layer whose inputs are not whole groups, or outputs not tiles of 16, stays
+    int8."""
+    from distillspec.models.packing import INT4_GROUP, INT4_ROWS, Int8Linear, fbgemm_available, int4_groups
+
+    skip_without("int4")
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64)
+    codes, scales_zeros = int4_groups(weight)
+    assert codes.shape == (48, 64) and scales_zeros.shape == (2, 48, 2) and 0 <= codes.min() <= codes.max() <= 15
+    scale, zero = (scales_zeros[..., i].T.repeat_interleave(INT4_GROUP, 1) for i in (0, 1))
+    assert ((codes - 8) * scale + zero - weight).abs().le(scale / 2 + 1e-6).all()
+    with pytest.raises(ValueError, match="groups of 32"):
+        int4_groups(torch.randn(4, 48))
+    dense, fbgemm = torch.nn.Linear(64, 96), fbgemm_available()
+    x = torch.randn(INT4_ROWS + 8, 64)
+    exact = dense(x).detach()
+    int4, int8 = Int8Linear(dense, fbgemm, int4=True), Int8Linear(dense, fbgemm)
+    assert "steps in int4" in repr(int4)
+    with torch.no_grad():
+        steps = int4(x[:INT4_ROWS])
+        assert torch.allclose(steps, torch.cat([int4(row) for row in x[:INT4_ROWS].split(1)]), atol=1e-4)
+        assert 0 < (steps - exact[:INT4_ROWS]).norm() / exact.norm() < 0.15
+        assert not torch.allclose(steps, int8(x[:INT4_ROWS]), atol=1e-3) and torch.equal(int4(x), int8(x))
+        half = Int8Linear(copy.deepcopy(dense).bfloat16(), fbgemm, int4=True)(x[:1].bfloat16())
+        assert half.dtype == torch.bfloat16 and (half.float() - exact[:1]).norm() / exact[:1].norm() < 0.15
+    for odd in (Int8Linear(torch.nn.Linear(48, 16), fbgemm, int4=True), Int8Linear(dense.__class__(64, 24), int4=True)):
+        assert not odd.int4 and odd.int4_packed is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel(dtype):
     from distillspec.models.packing import Int8Linear, fbgemm_available
@@ -293,7 +349,7 @@ def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel(dtype)
 
 def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
     from benchmarks.suites.int8 import ROWS, suite_int8
-    from distillspec.models.packing import fbgemm_available
+    from distillspec.models.packing import INT4_ROWS, fbgemm_available
 
     result = suite_int8([], tmp_path, shapes={"small": (64, 96)}, reps=2)
     kernels = {row["kernel"] for row in result["rows"]}
@@ -301,9 +357,11 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
     assert plain | {"int8 weight-only (float32 model)", "int8 weight-only (bfloat16 model)"} <= kernels
     for model in ("float32", "bfloat16"):
         assert (f"int8 fbgemm ({model} model)" in kernels) is fbgemm_available()
+        assert (f"int8 int4 ({model} model)" in kernels) is ("int4" in int8_kernels())
     assert len(result["rows"]) == len(kernels) * len(ROWS) and all(row["ms"] > 0 for row in result["rows"])
     for row in result["rows"]:
-        assert row["relative_error"] < (1e-5 if row["kernel"].startswith("float32") else 0.05), row
+        int4_step = "int4" in row["kernel"] and row["rows"] <= INT4_ROWS  # 4-bit weights: about 0.08 of error
+        assert row["relative_error"] < (1e-5 if row["kernel"].startswith("float32") else 0.15 if int4_step else 0.05)
     assert (tmp_path / "int8.json").exists() and "draft" not in result
 
 

@@ -37,9 +37,9 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
 
 
 def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_garden, tmp_path):
-    from distillspec.models.packing import fbgemm_available
+    from distillspec.models.loading import int8_kernels
 
-    kernels = ("weight-only", "fbgemm") if fbgemm_available() else ("weight-only",)
+    kernels = tuple(int8_kernels())
     overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
     result = suite_speed(
         overrides,
@@ -54,9 +54,8 @@ def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_ga
         int8="only",
         int8_kernels=kernels,
     )
-    names = {"draft int8", "draft V=64 int8"} | (
-        {"draft int8 fbgemm", "draft V=64 int8 fbgemm"} if len(kernels) > 1 else set()
-    )
+    suffixes = ["" if kernel == "weight-only" else f" {kernel}" for kernel in kernels]
+    names = {f"{draft} int8{suffix}" for draft in ("draft", "draft V=64") for suffix in suffixes}
     assert {row["draft"] for row in result["rows"]} == names
     assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD with int8 drafts is still exact
 

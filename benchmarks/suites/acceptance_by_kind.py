@@ -90,7 +90,8 @@ def parse_slice(text: str, questions: int) -> tuple[int, int]:
     return start, stop
 
 
-#: ``--decoding``: the job's draft as a decoder runs it, in the pair's dtype and with each ``draft_int8`` kernel.
+#: ``--decoding``: the job's draft as a decoder runs it, in the pair's dtype and with each ``draft_int8`` kernel that
+#: scores a whole sequence as it drafts (not ``int4``, whose 4-bit weights take only a step's few rows).
 DECODING = {"dtype": False, "weight-only": True, "fbgemm": "fbgemm"}
 
 

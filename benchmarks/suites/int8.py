@@ -1,12 +1,14 @@
 """What int8 weights cost a draft and save it on this CPU, kernel by kernel.
 
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
-model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); and fbgemm's int8 GEMM
-(x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``). Over 16 rows (a
-prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is timed in a
-float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32 product, the
-float32 weight prepacked for oneDNN (what ``prepack`` does to a float32 target), the eager bfloat16 product (a model
-in ``dtype=bfloat16``) and the bfloat16 product as matrix-vector ones (what ``prepack`` does to a bfloat16 target).
+model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); fbgemm's int8 GEMM
+(x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``); and int4, up to
+four rows (drafting steps) through 4-bit weights in groups of 32, more through fbgemm (``draft_int8=int4``). Over 16
+rows (a prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is
+timed in a float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32
+product, the float32 weight prepacked for oneDNN (what ``prepack`` does to a float32 target), the eager bfloat16
+product (a model in ``dtype=bfloat16``) and the bfloat16 product as matrix-vector ones (what ``prepack`` does to a
+bfloat16 target).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -41,15 +43,8 @@ from torch import nn
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
-from distillspec.models.loading import encode_prompts, load_model
-from distillspec.models.packing import (
-    FewRowLinear,
-    Int8Linear,
-    PackedLinear,
-    can_prepack,
-    fbgemm_available,
-    quantize_int8,
-)
+from distillspec.models.loading import encode_prompts, int8_kernels, load_model, quantize_decoding_draft
+from distillspec.models.packing import FewRowLinear, PackedLinear, can_prepack
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
@@ -68,11 +63,6 @@ def median_ms(fn, reps: int = 15, warmup: int = 3) -> float:
     return statistics.median(times) * 1e3
 
 
-def int8_kernels() -> dict[str, bool]:
-    """``{name: fbgemm}`` of the int8 kernels this CPU has."""
-    return {"weight-only": False} | ({"fbgemm": True} if fbgemm_available() else {})
-
-
 @torch.inference_mode()
 def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) -> list[dict]:
     """Part 1 (see the module docstring): a row per layer shape (``{name: (in, out)}``), row count and kernel."""
@@ -87,9 +77,10 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
         kernels["bfloat16 few rows"] = FewRowLinear(copy.deepcopy(linear).bfloat16())
         for model_dtype in (torch.float32, torch.bfloat16):
-            for kernel, fbgemm in int8_kernels().items():
+            for kernel, draft_int8 in int8_kernels().items():
                 label = f"int8 {kernel} ({str(model_dtype).removeprefix('torch.')} model)"
-                kernels[label] = Int8Linear(copy.deepcopy(linear).to(model_dtype), fbgemm)
+                layer = nn.Sequential(copy.deepcopy(linear).to(model_dtype))
+                kernels[label] = quantize_decoding_draft(layer, draft_int8)
         for rows in ROWS:
             x = torch.randn(rows, fan_in)
             exact = linear(x)
@@ -128,9 +119,8 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     draft, tokenizer = load_model(cfg.draft, device=cfg.device, dtype=getattr(torch, cfg.dtype))
     variants = {"float": draft}
-    for kernel, fbgemm in int8_kernels().items():
-        variants[kernel] = copy.deepcopy(draft)
-        quantize_int8(variants[kernel], fbgemm)
+    for kernel, draft_int8 in int8_kernels().items():
+        variants[kernel] = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
     steps = suite_step_ms(list(variants.values()), [[1]] * len(variants))
     result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: ms[1] for k, ms in zip(variants, steps)}}
     tvd = {kernel: [] for kernel in variants if kernel != "float"}

@@ -7,7 +7,7 @@ frequent tokens of the task's training data (:mod:`distillspec.models.draft_voca
 made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
 those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
 ``--int8 only``: instead of its own), once per kernel of ``--int8-kernels`` (``weight-only``, as ``draft_int8=true``
-decodes; ``fbgemm``, as ``draft_int8=fbgemm`` does).
+decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do).
 Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
@@ -43,8 +43,14 @@ from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
 from distillspec.models.draft_vocab import vocab_size
-from distillspec.models.loading import encode_prompts, load_model, load_tokenizer
-from distillspec.models.packing import layout_name, quantize_int8
+from distillspec.models.loading import (
+    INT8_KERNELS,
+    encode_prompts,
+    load_model,
+    load_tokenizer,
+    quantize_decoding_draft,
+)
+from distillspec.models.packing import layout_name
 from distillspec.models.pretrained import draft_vocab_ids, prepare_pair, resolve_pair, vocab_draft, whole_vocab_draft
 from distillspec.tasks.data import load_task
 
@@ -119,10 +125,10 @@ def suite_speed(
     drafts = {kind: load_model(folder, device=cfg.device, dtype=dtype)[0] for kind, folder in kinds.items()}
     for kind in list(drafts) if int8 else []:  # each draft again with int8 weights, per kernel
         for i, kernel in enumerate(int8_kernels):
-            name = f"{kind} int8" + (" fbgemm" if kernel == "fbgemm" else "")
+            name = f"{kind} int8" + ("" if kernel == "weight-only" else f" {kernel}")
             last = i == len(int8_kernels) - 1  # with "only" the last kernel takes the float draft itself, no copy
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
-            quantize_int8(drafts[name], fbgemm=kernel == "fbgemm")
+            quantize_decoding_draft(drafts[name], INT8_KERNELS[kernel])
     ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
     times = suite_step_ms([target, *drafts.values()], [ks] + [[1]] * len(drafts), compile=compile)
     target_ms, draft_ms = times[0], {kind: ms[1] for kind, ms in zip(drafts, times[1:])}
@@ -303,8 +309,9 @@ def main() -> None:
         "--int8-kernels",
         nargs="+",
         default=["weight-only"],
-        choices=["weight-only", "fbgemm"],
-        help="with --int8: an int8 copy of each draft per kernel (draft_int8=true: weight-only; draft_int8=fbgemm)",
+        choices=list(INT8_KERNELS),
+        help="with --int8: an int8 copy of each draft per kernel (weight-only: draft_int8=true; fbgemm; int4: "
+        "draft_int8=int4, 4-bit steps)",
     )
     parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"

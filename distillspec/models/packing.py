@@ -135,6 +135,40 @@ def prepack_linears(model: nn.Module, rows: int = 8) -> int:
 INT8_ROWS = 16
 
 
+#: Up to this many rows an :class:`Int8Linear` with int4 steps multiplies by its 4-bit weights (a drafting step, a few
+#: streams' steps): the kernel reads half the int8 bytes but unpacks them without the CPU's matrix units, so its cost
+#: grows with the rows (the 0.5B Qwen draft's step, AMX: 41 / 51 / 68 / 115 ms at 1 / 2 / 4 / 6 rows, fbgemm's
+#: 57 / 76 / 77 / 89; docs/MEASUREMENTS.md); more rows (a prompt) take the int8 path.
+INT4_ROWS = 4
+#: Weights per 4-bit group (each group has its own scale and zero point): the granularity of llama.cpp's Q4_K blocks.
+INT4_GROUP = 32
+
+
+def int4_available() -> bool:
+    """Whether this build of torch has the CPU kernel for 4-bit weights in groups (``_weight_int4pack_mm_for_cpu``)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+@torch.no_grad()
+def int4_groups(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor]:
+    """``weight`` [out, in] as 4-bit codes [out, in] (int32, 0-15) and ``scales_zeros`` [in / group, out, 2], as
+    torch's int4 kernels take them: each group of ``group`` inputs of a row spans its min to max in 16 levels,
+    ``(code - 8) * scale + zero``. (Shrinking a group's range to clip outliers, searched for the least squared error,
+    changed no draft distribution of the GGUF-born 0.5B Qwen, whose weights already lie on such a grid.)"""
+    rows, cols = weight.shape
+    if cols % group:
+        raise ValueError(f"int4 groups of {group} do not divide {cols} inputs")
+    if rows > 4096:  # a head: a chunk of rows at a time, to bound the float copies
+        parts = [int4_groups(chunk, group) for chunk in weight.split(4096)]
+        return torch.cat([codes for codes, _ in parts]), torch.cat([sz for _, sz in parts], 1)
+    w = weight.float().reshape(rows, cols // group, group)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-10)
+    codes = ((w - low) / scale).round().clamp(0, 15)
+    scales_zeros = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    return codes.reshape(rows, cols).to(torch.int32), scales_zeros
+
+
 def fbgemm_available() -> bool:
     """Whether this build of torch has fbgemm's int8 GEMM (x86 CPUs), which :class:`Int8Linear` can run through."""
     return any(engine in torch.backends.quantized.supported_engines for engine in ("x86", "fbgemm"))
@@ -159,8 +193,10 @@ class Int8Linear(nn.Module):
     scale spanning a prompt, whose first token takes the outlying activations of Qwen2.5-like models (the attention
     sink), the 0.5B Qwen draft's mean TVD from the float draft was 0.073; with a scale per token 0.038."""
 
-    def __init__(self, linear: nn.Linear, fbgemm: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, fbgemm: bool = False, int4: bool = False) -> None:
         super().__init__()
+        if int4 and not (int4_available() and linear.weight.device.type == "cpu"):
+            raise DistillSpecError("draft_int8=int4 runs torch's CPU kernel for 4-bit weights: use draft_int8=fbgemm")
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype  #: the model's dtype: its activations, the scales and bias
@@ -168,6 +204,10 @@ class Int8Linear(nn.Module):
         self.step_dtype = torch.bfloat16 if cpu_float32 else self.dtype  #: the int8 kernel's activations
         self.fbgemm = fbgemm
         self.packed = None  #: fbgemm's packed weight, with ``fbgemm``
+        #: int4 steps; a layer whose inputs are not whole groups, or whose outputs the kernel's tiles of 16 do not
+        #: divide, keeps int8 ones
+        self.int4 = int4 and self.in_features % INT4_GROUP == 0 and self.out_features % 16 == 0
+        self.int4_packed = self.int4_scales_zeros = None  #: the 4-bit weight and its groups' scales, with ``int4``
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
@@ -190,10 +230,18 @@ class Int8Linear(nn.Module):
                 zero = torch.zeros(len(scales), dtype=torch.long)
                 quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
                 self.packed = torch.ops.quantized.linear_prepack(quantized, None)  # the bias: after the row scales
+        if self.int4:
+            codes, scales_zeros = int4_groups(weight)
+            self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+            self.int4_scales_zeros = scales_zeros.to(self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        if self.packed is not None:  # fbgemm, float32 in and out; one scale per row (token), as above
+        if self.int4_packed is not None and rows.shape[0] <= INT4_ROWS:  # a drafting step, its weight in 4 bits
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows.contiguous(), self.int4_packed, INT4_GROUP, self.int4_scales_zeros
+            )
+        elif self.packed is not None:  # fbgemm, float32 in and out; one scale per row (token), as above
             rows = rows.float()
             if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
                 out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
@@ -212,11 +260,12 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kernel = "fbgemm" if self.fbgemm else f"weight-only, {str(self.step_dtype).removeprefix('torch.')} activations"
+        kernel += f"; steps in int4, groups of {INT4_GROUP}" if self.int4 else ""
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         return f"{shape}, int8 ({kernel})"
 
 
-def quantize_int8(model: nn.Module, fbgemm: bool = False) -> int:
+def quantize_int8(model: nn.Module, fbgemm: bool = False, int4: bool = False) -> int:
     """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
     an :class:`Int8Linear` in the model's dtype (through fbgemm's int8 GEMM with ``fbgemm``); the model is frozen.
     Returns how many were replaced."""
@@ -228,7 +277,7 @@ def quantize_int8(model: nn.Module, fbgemm: bool = False) -> int:
         )
 
     def int8_like(linear: nn.Linear) -> nn.Module:  # a draft vocabulary's head keeps its d2t map
-        quantized = Int8Linear(linear, fbgemm)
+        quantized = Int8Linear(linear, fbgemm, int4)
         if hasattr(linear, "d2t"):
             quantized.register_buffer("d2t", linear.d2t)
         return quantized
