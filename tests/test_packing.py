@@ -160,8 +160,10 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8)
     sd = speculative_generate(target, int8, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
     plain = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
     assert torch.equal(sd.sequences, plain.sequences) and abs(sd.stats.alpha - plain.stats.alpha) < 0.1
-    small_target, small_draft = tiny_llama(V, d=16, seed=3, sharpness=30.0), tiny_llama(V, d=16, seed=4, sharpness=30.0)
+    small_target = tiny_llama(V, d=16, seed=3, sharpness=30.0)
+    small_draft = tiny_llama(V, d=32 if draft_int8 == "int4" else 16, seed=4, sharpness=30.0)  # int4: whole groups
     quantize_decoding_draft(small_draft, draft_int8)
+    assert any(m.int4 for m in small_draft.modules() if isinstance(m, Int8Linear)) is (draft_int8 == "int4")
     prompt = torch.tensor([[1, 2, 3]])
     out = speculative_generate(small_target, small_draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2,
                                generator=torch.Generator().manual_seed(1))  # fmt: skip
