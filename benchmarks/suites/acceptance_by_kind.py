@@ -36,7 +36,7 @@ from benchmarks.suites.trajectory import held_out, position_acceptance
 from distillspec.config import load_config
 from distillspec.evaluation.report import pyplot
 from distillspec.models.draft_vocab import vocab_size
-from distillspec.models.loading import decoding_copy, load_model, load_pair
+from distillspec.models.loading import INT8_KERNELS, decoding_copy, load_model, load_pair
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 from distillspec.training.batches import Batch
@@ -92,7 +92,7 @@ def parse_slice(text: str, questions: int) -> tuple[int, int]:
 
 #: ``--decoding``: the job's draft as a decoder runs it, in the pair's dtype and with each ``draft_int8`` kernel that
 #: scores a whole sequence as it drafts (not ``int4``, whose 4-bit weights take only a step's few rows).
-DECODING = {"dtype": False, "weight-only": True, "fbgemm": "fbgemm"}
+DECODING = {"dtype": False} | {name: value for name, value in INT8_KERNELS.items() if value != "int4"}
 
 
 def suite_acceptance_by_kind(
