@@ -332,10 +332,10 @@ def test_resume_step_is_the_checkpoint_ray_train_registered(tmp_path):
 def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_path, capsys, monkeypatch):
     """A killed job reruns from its Ray Train checkpoint (the draft trains as a LoRA: its factors are in the
     checkpoint too)."""
-    out = tmp_path / "run"
+    out, steps, every = tmp_path / "run", 20, 2
     args = [
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
-        f"ray.address={ray_cluster}", *PIPELINE_TINY, "distill.steps=30", "distill.checkpoint_every=3",
+        f"ray.address={ray_cluster}", *PIPELINE_TINY, f"distill.steps={steps}", f"distill.checkpoint_every={every}",
         "distill.train=lora:4",
         "evaluator.every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
         "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
@@ -353,7 +353,7 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
         time.sleep(0.5)
         if (now := latest_step(out)) != saved:
             saved, quiet_since = now, time.time()
-    assert saved is not None and 3 <= saved < 30, saved
+    assert saved is not None and every <= saved < steps, saved
 
     # A rerun that changed the recipe would mix two runs in one checkpoint: refused in one line, the checkpoint kept.
     other = run_here(lambda: distill.cli([*args, "distill.divergence=fkl"]), capsys, monkeypatch)
@@ -367,10 +367,10 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     # The rerun resumes from the checkpoint Ray Train registered last: the one seen above, or a later one the dying
     # learner managed to register after it.
     resumed = re.search(r"resuming the learner from its checkpoint at step (\d+)", output)
-    assert resumed and saved <= int(resumed[1]) < 30, output[-3000:]
+    assert resumed and saved <= int(resumed[1]) < steps, output[-3000:]
     assert f"learner rank 0: resumed from the checkpoint at step {resumed[1]}" in output  # what the learner did
     log = json.loads((out / "train_log.json").read_text())
-    assert [r["step"] for r in log] == list(range(1, 31))
+    assert [r["step"] for r in log] == list(range(1, steps + 1))
     assert yaml.safe_load((out / "config.yaml").read_text())["ray"]["address"] == ray_cluster
 
 

@@ -16,8 +16,6 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-import evaluate
-
 from distillspec.config import check_choice
 from distillspec.errors import DistillSpecError
 
@@ -35,6 +33,8 @@ def path(name: str) -> str:
 @lru_cache
 def load(name: str):  # -> evaluate.EvaluationModule
     """``evaluate.load`` of the shipped module ``name``, offline (loaded once per process)."""
+    import evaluate  # noqa: PLC0415 (a second's import, only where a score is computed)
+
     return evaluate.load(path(name))
 
 
