@@ -179,7 +179,7 @@ def _split_lm(name: str, text: str) -> Task:
 def load_hub(name: str) -> Task:
     """Load a task through ``datasets`` (needs the Hugging Face hub or its local cache)."""
     hub.require(name, "dataset")  # fail at once when it cannot be had (no retries)
-    import datasets  # noqa: PLC0415 (a second's import that local and embedded tasks, and every actor, do without)
+    import datasets  # noqa: PLC0415 (0.4 s of import that local and embedded tasks, and every actor, do without)
 
     try:
         if name == "gsm8k":
