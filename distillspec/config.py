@@ -540,10 +540,10 @@ class JobConfig:
         "and prompts through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too (a scale per token), "
         "faster still on CPUs without bfloat16 hardware at some cost in acceptance; int4: prompts as fbgemm, "
         "drafting steps through 4-bit weights (groups of 32, torch's CPU kernel), a step reading half of int8's "
-        "bytes again, at some further cost in acceptance; auto = fbgemm (true where torch has no fbgemm; int4 on "
-        "a CPU with AMX) for a draft on a CPU that is large enough to be bound by reading its weights (250M "
-        "parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. Speculative decoding "
-        "stays exact",
+        "bytes again, at some further cost in acceptance; auto = fbgemm (true where torch has no fbgemm; int4 where "
+        "torch's CPU kernels run AVX-512) for a draft on a CPU that is large enough to be bound by reading its "
+        "weights (250M parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. "
+        "Speculative decoding stays exact",
     )
     prepack: bool | Literal["auto"] = knob(
         "auto",

@@ -203,24 +203,25 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
 
 def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):
     """draft_int8=auto (the default): fbgemm's int8 for a draft of 250M parameters or more on a CPU (weight-only int8
-    where torch has no fbgemm), its steps in int4 on a CPU with AMX, the pair's dtype for a smaller draft, a GPU's,
-    or where vLLM decodes; prepare_models resolves it once and says why, and a draft that trains stays float."""
+    where torch has no fbgemm), its steps in int4 where torch's kernels run AVX-512, the pair's dtype for a smaller
+    draft, a GPU's, or where vLLM decodes; prepare_models resolves it once and says why, and a draft that trains
+    stays float."""
     from distillspec.config import load_config
     from distillspec.models import loading, pretrained
     from distillspec.models.loading import load_decoding_draft, parameter_count, resolve_draft_int8
     from distillspec.models.packing import Int8Linear, fbgemm_available
     from distillspec.tasks.data import arith_task
 
-    amx = loading.cpu_has("amx_tile") and "int4" in int8_kernels()
-    kernel = ("int4" if amx else "fbgemm") if fbgemm_available() else True
+    avx512 = loading.cpu_avx512() and "int4" in int8_kernels()
+    kernel = ("int4" if avx512 else "fbgemm") if fbgemm_available() else True
     assert resolve_draft_int8("auto", 630_000_000)[0] == kernel  # the Qwen2.5-Coder 0.5B
     assert resolve_draft_int8("auto", None)[0] == kernel  # a hub id: counted as large, as dtype=auto counts it
     assert resolve_draft_int8("auto", 135_000_000) == (False, "auto: 135M parameters, bound by per-call costs")
     assert resolve_draft_int8("auto", 630_000_000, "cuda")[0] is False
     assert resolve_draft_int8(True, 1000) == (True, "set by draft_int8")
-    monkeypatch.setattr(loading, "cpu_has", lambda feature: feature == "amx_tile")
+    monkeypatch.setattr(loading, "cpu_avx512", lambda: True)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("int4" if fbgemm_available() else True)
-    monkeypatch.setattr(loading, "cpu_has", lambda feature: False)
+    monkeypatch.setattr(loading, "cpu_avx512", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if fbgemm_available() else True)
     monkeypatch.setattr(loading, "fbgemm_available", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] is True
@@ -307,9 +308,9 @@ def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt
 
 def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product():
     """draft_int8=int4: a weight's 4-bit codes span each group of 32 inputs from its min to its max (each weight
-    within half a level); up to INT4_ROWS rows (steps) go through them, in float32 and bfloat16; more rows (a prompt)
-    get the int8 layer's product exactly; a layer whose inputs are not whole groups, or outputs not tiles of 16, stays
-    int8."""
+    within half a level); up to INT4_ROWS rows (steps) go through them, in float32 (with bfloat16 activations, as the
+    weight-only kernel: the kernel's float32 path is 15x slower) and bfloat16; more rows (a prompt) get the int8
+    layer's product exactly; a layer whose inputs are not whole groups, or outputs not tiles of 16, stays int8."""
     from distillspec.models.packing import INT4_GROUP, INT4_ROWS, Int8Linear, fbgemm_available, int4_groups
 
     skip_without("int4")
@@ -325,11 +326,11 @@ def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product()
     x = torch.randn(INT4_ROWS + 8, 64)
     exact = dense(x).detach()
     int4, int8 = Int8Linear(dense, fbgemm, int4=True), Int8Linear(dense, fbgemm)
-    assert "steps in int4" in repr(int4)
+    assert "steps in int4" in repr(int4) and int4.int4_scales_zeros.dtype == torch.bfloat16
     with torch.no_grad():
         steps = int4(x[:INT4_ROWS])
         assert torch.allclose(steps, torch.cat([int4(row) for row in x[:INT4_ROWS].split(1)]), atol=1e-4)
-        assert 0 < (steps - exact[:INT4_ROWS]).norm() / exact.norm() < 0.15
+        assert steps.dtype == torch.float32 and 0 < (steps - exact[:INT4_ROWS]).norm() / exact.norm() < 0.15
         assert not torch.allclose(steps, int8(x[:INT4_ROWS]), atol=1e-3) and torch.equal(int4(x), int8(x))
         half = Int8Linear(copy.deepcopy(dense).bfloat16(), fbgemm, int4=True)(x[:1].bfloat16())
         assert half.dtype == torch.bfloat16 and (half.float() - exact[:1]).norm() / exact[:1].norm() < 0.15

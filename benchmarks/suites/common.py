@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from distillspec.config import JobConfig, cell_config, load_config
 from distillspec.errors import DistillSpecError
@@ -238,3 +241,16 @@ def command() -> str:
     script = Path(sys.argv[0]).resolve()
     head = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else sys.argv[0]
     return " ".join(["python", head, *(arg.replace(f"{ROOT}/", "") for arg in sys.argv[1:])])
+
+
+#: Environment variables that hold the CPU kernels below this CPU's own instruction set: torch's kernels
+#: (``avx2``, ``avx512``), oneDNN's (``AVX2``, ``AVX512_CORE_BF16``: no AMX) and fbgemm's (``AVX2``). With them one
+#: machine measures what a CPU without its newer units runs (its kernels, not its caches or memory).
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def cpu_kernels() -> dict:
+    """The instruction set torch's CPU kernels run at, and the :data:`ISA_LIMITS` set (recorded with a suite's
+    figures)."""
+    limits = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "isa_limits": limits}

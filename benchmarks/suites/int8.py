@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.suites.common import cpu_kernels
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
@@ -157,7 +158,8 @@ def suite_int8(
     overrides: list[str], out: Path, *, held: int = 0, shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15
 ) -> dict:
     """The whole suite (see the module docstring); writes ``int8.json`` into ``out``."""
-    result = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    result = cpu_kernels() | {"threads": torch.get_num_threads()}
+    print(f"CPU kernels: {result['cpu_capability']}{''.join(f', {k}={v}' for k, v in result['isa_limits'].items())}")
     result["rows"] = kernel_times(shapes, reps)
     if held:
         result["draft"] = draft_closeness(overrides, held)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.suites.common import cpu_kernels
 from distillspec.config import load_config
 from distillspec.models.garden import make_model, train_tokenizer
 from distillspec.models.loading import native_bf16, native_half
@@ -65,7 +66,7 @@ def suite_precision(overrides: list[str], budget: float, out: Path) -> dict:
         print(f"  {name:18s} {s * 1000:8.1f} ms  ({s / forward['float32']:.2f}x float32)")
     return {
         "hardware": hardware,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_kernels(),
         "train_step_s": train,
         "forward_s": forward,
     }

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.suites.common import cpu_kernels
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
@@ -137,6 +138,7 @@ def suite_speed(
     config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}
     config |= {"int8_kernels": list(int8_kernels)} if int8 else {}
     config |= {"compile": compile, "threads": torch.get_num_threads(), "prompts": len(texts), "repeats": repeats}
+    config |= cpu_kernels()
     result = {
         "config": config | {"max_new_tokens": max_new_tokens},
         "kinds": kinds,
@@ -246,7 +248,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}{layout}"
         f"{', compiled' if c.get('compile') else ''}, "
-        f"{c['threads']} threads, batch 1, "
+        f"{c['threads']} threads{''.join(f', {k}={v}' for k, v in c.get('isa_limits', {}).items())}, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",
         "| T | draft | gamma | c | v(gamma+1) | alpha | tau | tokens/s | target alone tokens/s | speedup (min-max) "

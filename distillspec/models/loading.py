@@ -75,6 +75,12 @@ def cpu_has(feature: str) -> bool:
     return getattr(torch.cpu, f"_is_{feature}_supported", lambda: False)()
 
 
+def cpu_avx512() -> bool:
+    """Whether torch runs its own CPU kernels at AVX-512 here (its dispatch, which ``ATEN_CPU_CAPABILITY`` can hold
+    lower), as for the int4 kernel."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def native_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` computes bfloat16 in hardware: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
     AMX. Elsewhere bfloat16 is emulated: on an AVX2-only CPU a bfloat16 forward pass runs 2.5-4x, and a training step
@@ -324,7 +330,8 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
     ``prepack`` (``auto``, true, false) with the resolved ``dtype``, and why. ``auto`` lays out a target on a CPU that
     is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one prepacked for oneDNN, a
-    bfloat16 one as matrix-vector products where the CPU has AMX (where they were measured to pay)."""
+    bfloat16 one as matrix-vector products where the CPU has AMX (where they were measured to pay; without AMX they
+    took 1.4-2.2x the plain product's)."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type
@@ -342,7 +349,7 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
     if dtype == "bfloat16":
         if not cpu_has("amx_tile"):
-            return False, "auto: bfloat16 on a CPU without AMX, where matrix-vector products are not known to pay"
+            return False, "auto: bfloat16 on a CPU without AMX, where matrix-vector products ran slower"
         return True, "auto: a weight-bound bfloat16 target on a CPU with AMX"
     return True, "auto: a weight-bound float32 target on a CPU"
 
@@ -389,10 +396,10 @@ def resolve_draft_int8(
     """The int8 kernel (false, true: weight-only, ``fbgemm``, ``int4``) that ``draft_int8`` names for a decoding draft
     of ``parameters`` (None: unknown, counted as large) on ``device``, and why (one line for the console). ``auto``: on
     a CPU, a draft of :data:`AUTO_INT8_PARAMETERS` or more decodes through fbgemm's int8 GEMM (weight-only int8 where
-    this build of torch has no fbgemm), its steps through 4-bit weights on a CPU with AMX (``int4``: the 0.5B Qwen
-    draft's step 52 ms against fbgemm's 84, speculative decoding 1.91x / 1.80x the target alone at T = 0 / 1 against
-    1.74x / 1.45x; not measured on other CPUs); a smaller draft, one on a GPU, or one a vLLM engine decodes
-    (``vllm``), in the pair's dtype."""
+    this build of torch has no fbgemm), its steps through 4-bit weights where torch's kernels run at AVX-512
+    (``int4``, :func:`cpu_avx512`: the 0.5B Qwen draft's step 0.6-0.8x fbgemm's with or without AMX, speculative
+    decoding 1.91x / 1.80x the target alone at T = 0 / 1 against 1.74x / 1.45x with AMX; at AVX2 the step took 1.3x
+    fbgemm's); a smaller draft, one on a GPU, or one a vLLM engine decodes (``vllm``), in the pair's dtype."""
     if draft_int8 != "auto":
         return draft_int8, "set by draft_int8"
     if vllm:
@@ -402,8 +409,8 @@ def resolve_draft_int8(
         return False, f"auto: the draft decodes on {kind} in the pair's dtype"
     if parameters is not None and parameters < AUTO_INT8_PARAMETERS:
         return False, f"auto: {parameters / 1e6:.3g}M parameters, bound by per-call costs"
-    if fbgemm_available() and int4_available() and cpu_has("amx_tile"):
-        return "int4", "auto: a weight-bound draft on a CPU with AMX, where 4-bit steps paid"
+    if fbgemm_available() and int4_available() and cpu_avx512():
+        return "int4", "auto: a weight-bound draft on a CPU whose kernels run AVX-512, where 4-bit steps paid"
     if fbgemm_available():
         return "fbgemm", "auto: a weight-bound draft on a CPU"
     return True, "auto: a weight-bound draft on a CPU whose torch has no fbgemm"

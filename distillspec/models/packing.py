@@ -195,9 +195,11 @@ class Int8Linear(nn.Module):
 
     ``int4=True`` (``draft_int8=int4``) also holds the weight in 4 bits, each group of :data:`INT4_GROUP` inputs with
     its own scale and zero point (:func:`int4_groups`), and runs up to :data:`INT4_ROWS` rows (drafting steps) through
-    torch's CPU kernel for them (``_weight_int4pack_mm_for_cpu``, the model's activations): a step reads half the int8
-    bytes. More rows (a prompt) take the int8 path above. With fbgemm beside it, the 0.5B Qwen draft's step took 51 ms
-    against fbgemm's 76 (AMX), its mean TVD from the bfloat16 draft 0.061 against 0.039."""
+    torch's CPU kernel for them (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the
+    weight-only kernel's: in float32 the 0.5B Qwen draft's step took 1,031 ms against fbgemm's 69): a step reads half
+    the int8 bytes. More rows (a prompt) take the int8 path above. With fbgemm beside it, the 0.5B Qwen draft's step
+    took 51 ms against fbgemm's 76 (AMX), its mean TVD from the bfloat16 draft 0.061 against 0.039; where torch's
+    kernels run at AVX2 it took 1.3x fbgemm's."""
 
     def __init__(self, linear: nn.Linear, fbgemm: bool = False, int4: bool = False) -> None:
         super().__init__()
@@ -239,14 +241,16 @@ class Int8Linear(nn.Module):
         if self.int4:
             codes, scales_zeros = int4_groups(weight)
             self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
-            self.int4_scales_zeros = scales_zeros.to(self.dtype)
+            self.int4_scales_zeros = scales_zeros.to(self.step_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
         if self.int4_packed is not None and rows.shape[0] <= INT4_ROWS:  # a drafting step, its weight in 4 bits
+            steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.int4_packed, INT4_GROUP, self.int4_scales_zeros
+                steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
             )
+            out = out.to(self.dtype)
         elif self.packed is not None:  # fbgemm, float32 in and out; one scale per row (token), as above
             rows = rows.float()
             if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
