@@ -37,6 +37,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
+#: torch.compile's CPU backend writes C++ and builds it with the system's compiler.
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
+
+
 def tiny_llama(vocab: int, d: int = 32, layers: int = 1, seed: int = 0, sharpness: float = 1.0) -> LlamaForCausalLM:
     """A random-init Llama; ``sharpness`` scales the output layer (peakier distributions, no near-ties)."""
     torch.manual_seed(seed)

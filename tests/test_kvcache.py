@@ -1,7 +1,5 @@
 """The lean KV cache gives the model's own logits, holes, row selection and all."""
 
-import shutil
-
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
@@ -9,7 +7,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
 from distillspec.decoding.kvcache import CachedLM, supports_lean
 
-from .conftest import perturbed, tiny_llama
+from .conftest import needs_compiler, perturbed, tiny_llama
 
 V = 40
 
@@ -78,10 +76,6 @@ def test_other_architectures_use_the_models_forward():
     assert out.stats.alpha == 1.0  # a draft identical to the target is always accepted
     ref = gpt2.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(out.sequences, ref)
-
-
-#: torch.compile's CPU backend writes C++ and builds it with the system's compiler.
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
 
 
 @needs_compiler

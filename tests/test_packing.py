@@ -12,7 +12,7 @@ from distillspec.decoding.kvcache import CachedLM
 from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft, resolve_prepack
 from distillspec.models.packing import FEW_ROWS, FewRowLinear, PackedLinear, can_prepack, prepack_linears
 
-from .conftest import perturbed, tiny_llama
+from .conftest import needs_compiler, perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
@@ -336,6 +336,24 @@ def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product()
         assert half.dtype == torch.bfloat16 and (half.float() - exact[:1]).norm() / exact[:1].norm() < 0.15
     for odd in (Int8Linear(torch.nn.Linear(48, 16), fbgemm, int4=True), Int8Linear(torch.nn.Linear(64, 24), int4=True)):
         assert not odd.int4 and odd.int4_packed is None
+
+
+@needs_compiler
+def test_a_compiled_int4_draft_proposes_what_the_eager_one_does():
+    """eval.compile with draft_int8=int4: the compiled steps run torch's int4 kernel as the eager ones do (the same
+    tokens and acceptance, greedy and sampled)."""
+    skip_without("int4")
+    target = tiny_llama(64, d=64, layers=2, seed=4)
+    draft = quantize_decoding_draft(perturbed(target, 0.3, seed=5), "int4")
+    assert any(m.int4_packed is not None for m in draft.modules() if hasattr(m, "int4_packed"))
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    for temperature in (0.0, 1.0):
+        eager, compiled = (
+            speculative_generate(target, draft, prompt, max_new_tokens=16, gamma=3, temperature=temperature,
+                                 generator=torch.Generator().manual_seed(7), compile=compile)
+            for compile in (False, True)
+        )  # fmt: skip
+        assert torch.equal(eager.sequences, compiled.sequences) and 0 < eager.stats.alpha == compiled.stats.alpha < 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
