@@ -254,3 +254,8 @@ def cpu_kernels() -> dict:
     figures)."""
     limits = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "isa_limits": limits}
+
+
+def limits_text(limits: dict[str, str]) -> str:
+    """``cpu_kernels()["isa_limits"]`` as a heading's tail: ``, NAME=value`` for each (empty without limits)."""
+    return "".join(f", {name}={value}" for name, value in limits.items())

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.suites.common import cpu_kernels
+from benchmarks.suites.common import cpu_kernels, limits_text
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
@@ -159,7 +159,7 @@ def suite_int8(
 ) -> dict:
     """The whole suite (see the module docstring); writes ``int8.json`` into ``out``."""
     result = cpu_kernels() | {"threads": torch.get_num_threads()}
-    print(f"CPU kernels: {result['cpu_capability']}{''.join(f', {k}={v}' for k, v in result['isa_limits'].items())}")
+    print(f"CPU kernels: {result['cpu_capability']}{limits_text(result['isa_limits'])}")
     result["rows"] = kernel_times(shapes, reps)
     if held:
         result["draft"] = draft_closeness(overrides, held)

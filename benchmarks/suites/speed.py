@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suites.common import cpu_kernels
+from benchmarks.suites.common import cpu_kernels, limits_text
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
@@ -248,7 +248,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}{layout}"
         f"{', compiled' if c.get('compile') else ''}, "
-        f"{c['threads']} threads{''.join(f', {k}={v}' for k, v in c.get('isa_limits', {}).items())}, batch 1, "
+        f"{c['threads']} threads{limits_text(c.get('isa_limits', {}))}, batch 1, "
         f"{c['prompts']} prompts x {c['max_new_tokens']} tokens x {c['repeats']} repeats",
         "",
         "| T | draft | gamma | c | v(gamma+1) | alpha | tau | tokens/s | target alone tokens/s | speedup (min-max) "
