@@ -97,9 +97,12 @@ def test_greedy_sd_on_cuda_equals_generate(dtype, vocab, compile):
     assert 0.0 < sd.stats.alpha < 1.0
 
 
+@torch.inference_mode()
 def test_a_static_step_replayed_as_cuda_graphs_gives_the_eager_tokens():
     """:class:`~distillspec.decoding.kvcache.CudaGraphs` over the compiled static step (the GPU suite's ``compiled``
-    variant): captured once per shape, its logits equal the step run directly."""
+    variant): captured once per shape, its logits equal the step run directly. Under inference mode, as the decoder
+    and the suite run it: the cache that ``prefill`` fills is made of inference tensors, which a step outside it may
+    not write."""
     from distillspec.decoding.kvcache import CachedLM, CudaGraphs, static_step
 
     target = on_cuda(tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0), torch.float32)

@@ -17,8 +17,13 @@ its weights and cache once a token from device memory sets (bandwidth measured b
 speedup ``E[tau] / (c gamma + v(gamma + 1))`` predicted for alpha 0.6, 0.7, 0.8 at the best gamma, also for drafts
 whose head keeps a 32,768-token draft vocabulary (:mod:`distillspec.models.draft_vocab`; alpha taken as unchanged).
 
-    python -m benchmarks.suites.gpu --out results/gpu           # every variant (about 10 minutes on an H100)
-    python -m benchmarks.suites.gpu --variants eager graphs     # no compilation
+    python -m benchmarks.suites.gpu --out results/gpu                 # every variant
+    python -m benchmarks.suites.gpu --variants eager graphs           # no compilation: 2 min 20 s on an H200
+    python -m benchmarks.suites.gpu --pairs qwen2.5-coder-1.5b        # one pair
+    python -m benchmarks.suites.gpu --variants compiled --batches 1   # compiled, batch 1 alone
+
+The ``compiled`` variant compiles each model's step anew for each batch size (100-150 s a model and batch on an
+H200 with 16 cores): budget for it, or ask for fewer batches.
 """
 
 from __future__ import annotations
@@ -201,13 +206,15 @@ def best_speedup(alpha: float, c: float, verify: dict[int, float]) -> tuple[int,
     return max(options, key=lambda o: o[1])
 
 
-def predictions(times: dict, pair: tuple[str, str], variants: list[str]) -> list[dict]:
+def predictions(
+    times: dict, pair: tuple[str, str], variants: list[str], batches: tuple[int, ...] = BATCHES
+) -> list[dict]:
     """Rows of c, v(gamma + 1) and the predicted speedups per batch and variant, for the full and the restricted
     draft."""
     target, draft = pair
     rows = []
     for variant in variants:
-        for batch in BATCHES:
+        for batch in batches:
             t = times[target][variant][batch]
             verify = {k: t[k] / t[1] for k in t}
             for kind, name in (("full", draft), (f"V={DRAFT_VOCAB}", f"{draft}/V{DRAFT_VOCAB}")):
@@ -255,8 +262,15 @@ def format_tables(result: dict) -> str:
     return "\n".join(lines)
 
 
-def suite_gpu(variants: list[str], context: int, out: Path, reps: int = 20) -> dict:
-    """The whole suite (see the module docstring); writes ``gpu.json`` and ``gpu.md`` into ``out``."""
+def suite_gpu(
+    variants: list[str],
+    context: int,
+    out: Path,
+    reps: int = 20,
+    pairs: list[tuple[str, str]] = PAIRS,
+    batches: tuple[int, ...] = BATCHES,
+) -> dict:
+    """The whole suite (see the module docstring) over ``pairs``; writes ``gpu.json`` and ``gpu.md`` into ``out``."""
     if not torch.cuda.is_available():
         raise SystemExit("the gpu suite needs a CUDA GPU: none is visible here")
     out.mkdir(parents=True, exist_ok=True)
@@ -269,12 +283,12 @@ def suite_gpu(variants: list[str], context: int, out: Path, reps: int = 20) -> d
         "target_alone": [],
     }
     print(result["device"], f"bandwidth {result['bandwidth_gbs']:.0f} GB/s")
-    for target_name, draft_name in PAIRS:
+    for target_name, draft_name in pairs:
         for name in (target_name, draft_name):
             t0 = time.perf_counter()
             model = random_model(name)
             print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
-            result["times"][name] = step_times(model, variants, context, reps=reps)
+            result["times"][name] = step_times(model, variants, context, batches, reps=reps)
             if name == target_name:
                 for compile in (False, True):
                     decoder = "compiled" if compile else "eager"
@@ -296,12 +310,14 @@ def suite_gpu(variants: list[str], context: int, out: Path, reps: int = 20) -> d
                     print(f"  target alone ({decoder}): {rate:.1f} tokens/s, limit {limit:.1f}")
             else:
                 restrict_head(model, torch.randperm(model.config.vocab_size)[:DRAFT_VOCAB].sort().values)
-                result["times"][f"{name}/V{DRAFT_VOCAB}"] = step_times(model, variants, context, ks=(1,), reps=reps)
+                result["times"][f"{name}/V{DRAFT_VOCAB}"] = step_times(
+                    model, variants, context, batches, ks=(1,), reps=reps
+                )
             del model
             torch.cuda.empty_cache()
             print(f"  ({time.perf_counter() - t0:.0f} s)")
             (out / "gpu.json").write_text(json.dumps(result, indent=1))
-    result["predictions"] = [row for pair in PAIRS for row in predictions(result["times"], pair, variants)]
+    result["predictions"] = [row for pair in pairs for row in predictions(result["times"], pair, variants, batches)]
     (out / "gpu.json").write_text(json.dumps(result, indent=1))
     (out / "gpu.md").write_text(format_tables(result) + "\n")
     return result
@@ -313,8 +329,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--context", type=int, default=512, help="tokens in the KV cache before each timed step")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per cell (the median is kept)")
+    parser.add_argument(
+        "--pairs", nargs="+", choices=[t for t, _ in PAIRS], default=[t for t, _ in PAIRS], help="the pairs, by target"
+    )
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="batch sizes of the step times")
     args = parser.parse_args()
-    result = suite_gpu(args.variants, args.context, args.out, args.reps)
+    pairs = [pair for pair in PAIRS if pair[0] in args.pairs]
+    result = suite_gpu(args.variants, args.context, args.out, args.reps, pairs, tuple(args.batches))
     print(format_tables(result))
 
 

@@ -146,6 +146,7 @@ class CudaGraphs:
         self.step, self.limit = step, limit
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
 
+    @torch.inference_mode()
     def __call__(
         self, keys: list[Tensor], values: list[Tensor], tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor
     ) -> Tensor:
