@@ -18,7 +18,9 @@ A lean model may also be **compiled** (``compile=True``): its decoding steps (no
 gpt-fast does. That removes the per-operator dispatch cost that dominates a small draft's one-token steps
 (on this project's CPU garden drafts, 0.43 -> 0.22 ms a step). Each new (batch, tokens, capacity) shape
 compiles once, in seconds, so it pays off for single-stream decoding that runs many steps at one shape.
-:class:`CudaGraphs` replays a static step as CUDA graphs (the GPU suite, ``benchmarks/suites/gpu.py``, times it).
+On a CUDA GPU the compiled steps are also replayed as CUDA graphs (:class:`CudaGraphs`), captured once per shape and
+cache: there an eager step is bound by its kernel launches (on an H200, a step of a 1.5B model took 33 ms eager and
+3.9 ms replayed as a graph; the GPU suite, ``benchmarks/suites/gpu.py``, times both).
 """
 
 from __future__ import annotations
@@ -177,8 +179,9 @@ class CachedLM:
 
     ``mask`` [B, cache_len] marks valid cache columns; ``next_pos`` [B] is each row's next position id.
     ``lean`` picks the forward pass (see the module docstring); None means lean where the model supports it.
-    ``compile`` runs the decoding steps of a lean model compiled at static shapes; ``capacity`` is the cache
-    length to allocate at first (it doubles when outgrown, which costs a compiled model one more compile).
+    ``compile`` runs the decoding steps of a lean model compiled at static shapes (on CUDA, replayed as CUDA graphs);
+    ``capacity`` is the cache length to allocate at first (it doubles when outgrown, which costs a compiled model one
+    more compile).
     """
 
     def __init__(
@@ -193,7 +196,9 @@ class CachedLM:
             raise DistillSpecError("compile=True runs the lean forward: it cannot be combined with lean=False")
         self.model = model
         self.lean = supports_lean(model) if lean is None else lean
-        self.compiled = _compiled_step(model) if compile else None
+        self.compiled: StaticStep | None = _compiled_step(model) if compile else None
+        if self.compiled is not None and model.device.type == "cuda":
+            self.compiled = CudaGraphs(self.compiled, limit=8)
         self.capacity = capacity
         self.cache = None if self.lean else DynamicCache(config=model.config)
         self.rope = _rope(model) if self.lean else None
