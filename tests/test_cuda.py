@@ -1,6 +1,7 @@
 """The library on a CUDA GPU: speculative decoding exact in float32 and bfloat16 (with and without a draft
-vocabulary, eager and compiled with CUDA graphs), the learner step under bfloat16 autocast, a garden model trained
-there. Skipped, saying so, where no GPU is present (the rest of the suite runs the same code on the CPU)."""
+vocabulary, eager and compiled, whose steps replay as CUDA graphs), the learner step under bfloat16 autocast, a
+garden model trained there. Skipped, saying so, where no GPU is present (the rest of the suite runs the same code on
+the CPU)."""
 
 import pytest
 import torch
@@ -121,6 +122,21 @@ def test_a_static_step_replayed_as_cuda_graphs_gives_the_eager_tokens():
         direct = static_step(target)(lm.keys, lm.values, tokens, positions, start, full)
         torch.testing.assert_close(replayed, direct, rtol=1e-4, atol=1e-4)
     assert 1 <= len(graphs.graphs) <= 3
+
+
+def test_compiled_decoding_on_cuda_replays_its_steps_as_graphs():
+    """``CachedLM(compile=True)`` on CUDA: the prompt through the compiled step, each decoding step shape captured
+    once as a CUDA graph and replayed; the logits those give equal the eager cache's."""
+    from distillspec.decoding.kvcache import CachedLM
+
+    target = on_cuda(tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0), torch.float32)
+    ids, mask = _prompts()
+    compiled, eager = CachedLM(target, compile=True, capacity=32), CachedLM(target, capacity=32)
+    torch.testing.assert_close(compiled.prefill(ids, mask), eager.prefill(ids, mask), rtol=1e-4, atol=1e-4)
+    for k in (1, 3, 1, 1, 3):
+        tokens = torch.randint(64, (len(ids), k), device=CUDA)
+        torch.testing.assert_close(compiled.step(tokens), eager.step(tokens), rtol=1e-4, atol=1e-4)
+    assert compiled.graphs is not None and len(compiled.graphs.graphs) == 2  # k = 1 and k = 3, one cache
 
 
 def _batch(tokenizer, task, n=16):

@@ -196,9 +196,9 @@ class CachedLM:
             raise DistillSpecError("compile=True runs the lean forward: it cannot be combined with lean=False")
         self.model = model
         self.lean = supports_lean(model) if lean is None else lean
-        self.compiled: StaticStep | None = _compiled_step(model) if compile else None
-        if self.compiled is not None and model.device.type == "cuda":
-            self.compiled = CudaGraphs(self.compiled, limit=8)
+        self.compiled = _compiled_step(model) if compile else None
+        #: on CUDA, the compiled decoding steps replayed as graphs (a prompt runs the compiled step directly)
+        self.graphs = CudaGraphs(self.compiled, limit=8) if compile and model.device.type == "cuda" else None
         self.capacity = capacity
         self.cache = None if self.lean else DynamicCache(config=model.config)
         self.rope = _rope(model) if self.lean else None
@@ -300,7 +300,8 @@ class CachedLM:
             mask = self.mask.new_zeros(batch, self.keys[0].shape[2])
             mask[:, :end] = self.mask
             start_t = torch.tensor(start, device=tokens.device)
-            return self.compiled(self.keys, self.values, tokens, positions, start_t, mask)
+            step = self.graphs if self.graphs is not None and start > 0 else self.compiled
+            return step(self.keys, self.values, tokens, positions, start_t, mask)
         visible = _visibility(self.mask, start + torch.arange(k, device=tokens.device))
 
         def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:
