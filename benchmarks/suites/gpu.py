@@ -18,9 +18,10 @@ speedup ``E[tau] / (c gamma + v(gamma + 1))`` predicted for alpha 0.6, 0.7, 0.8 
 whose head keeps a 32,768-token draft vocabulary (:mod:`distillspec.models.draft_vocab`; alpha taken as unchanged).
 
     python -m benchmarks.suites.gpu --out results/gpu                 # every variant
-    python -m benchmarks.suites.gpu --variants eager graphs           # no compilation: 2 min 20 s on an H200
+    python -m benchmarks.suites.gpu --variants eager graphs --decoders eager   # no compilation: 2 min 20 s, H200
     python -m benchmarks.suites.gpu --pairs qwen2.5-coder-1.5b        # one pair
     python -m benchmarks.suites.gpu --variants compiled --batches 1   # compiled, batch 1 alone
+    python -m benchmarks.suites.gpu --variants graphs --decoders compiled   # the compiled decoder's tokens/s
 
 The ``compiled`` variant compiles each model's step anew for each batch size (100-150 s a model and batch on an
 H200 with 16 cores): budget for it, or ask for fewer batches.
@@ -93,6 +94,7 @@ DRAFT_VOCAB = 32768  #: the draft vocabulary of the restricted drafts (FR-Spec's
 BATCHES = (1, 8, 32)
 KS = tuple(range(1, 9))
 VARIANTS = ("eager", "graphs", "compiled")
+DECODERS = ("eager", "compiled")  #: the target alone's decoders: ``compile=False`` and ``compile=True``
 ALPHAS = (0.6, 0.7, 0.8)
 
 
@@ -269,6 +271,7 @@ def suite_gpu(
     reps: int = 20,
     pairs: list[tuple[str, str]] = PAIRS,
     batches: tuple[int, ...] = BATCHES,
+    decoders: tuple[str, ...] = DECODERS,
 ) -> dict:
     """The whole suite (see the module docstring) over ``pairs``; writes ``gpu.json`` and ``gpu.md`` into ``out``."""
     if not torch.cuda.is_available():
@@ -290,11 +293,8 @@ def suite_gpu(
             print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
             result["times"][name] = step_times(model, variants, context, batches, reps=reps)
             if name == target_name:
-                for compile in (False, True):
-                    decoder = "compiled" if compile else "eager"
-                    if decoder not in variants:
-                        continue
-                    rate = target_alone(model, compile)
+                for decoder in decoders:
+                    rate = target_alone(model, compile=decoder == "compiled")
                     bytes_token = weight_bytes(model) + kv_bytes(model, 128 + 64)
                     limit = result["bandwidth_gbs"] * 1e9 / bytes_token
                     result["target_alone"].append(
@@ -333,9 +333,18 @@ def main() -> None:
         "--pairs", nargs="+", choices=[t for t, _ in PAIRS], default=[t for t, _ in PAIRS], help="the pairs, by target"
     )
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES), help="batch sizes of the step times")
+    parser.add_argument(
+        "--decoders",
+        nargs="*",
+        choices=DECODERS,
+        default=list(DECODERS),
+        help="the target alone's decoders (none: skip)",
+    )
     args = parser.parse_args()
     pairs = [pair for pair in PAIRS if pair[0] in args.pairs]
-    result = suite_gpu(args.variants, args.context, args.out, args.reps, pairs, tuple(args.batches))
+    result = suite_gpu(
+        args.variants, args.context, args.out, args.reps, pairs, tuple(args.batches), tuple(args.decoders)
+    )
     print(format_tables(result))
 
 
