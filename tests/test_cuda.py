@@ -125,8 +125,8 @@ def test_a_static_step_replayed_as_cuda_graphs_gives_the_eager_tokens():
 
 
 def test_compiled_decoding_on_cuda_replays_its_steps_as_graphs():
-    """``CachedLM(compile=True)`` on CUDA: the prompt through the compiled step, each decoding step shape captured
-    once as a CUDA graph and replayed; the logits those give equal the eager cache's."""
+    """``CachedLM(compile=True)`` on CUDA: each decoding step's shape captured once as a CUDA graph of the compiled
+    step and replayed; the logits those give equal the eager cache's."""
     from distillspec.decoding.kvcache import CachedLM
 
     target = on_cuda(tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0), torch.float32)

@@ -197,7 +197,7 @@ class CachedLM:
         self.model = model
         self.lean = supports_lean(model) if lean is None else lean
         self.compiled = _compiled_step(model) if compile else None
-        #: on CUDA, the compiled decoding steps replayed as graphs (a prompt runs the compiled step directly)
+        #: on CUDA, the compiled decoding steps replayed as graphs (not a prompt: no shape of it repeats)
         self.graphs = CudaGraphs(self.compiled, limit=8) if compile and model.device.type == "cuda" else None
         self.capacity = capacity
         self.cache = None if self.lean else DynamicCache(config=model.config)
