@@ -22,7 +22,7 @@ def test_predictions_and_tables_for_the_batches_asked_for():
         "d": {"graphs": {1: {k: 2.0 for k in KS}}},
         "d/V32768": {"graphs": {1: {1: 1.0}}},
     }
-    rows = predictions(times, ("t", "d"), ["graphs"], batches=(1,))
+    rows = predictions(times, ("t", "d"), ["graphs"])
     assert [row["draft"] for row in rows] == ["full", "V=32768"]
     assert rows[0]["c"] == pytest.approx(2.0 / 4.1) and rows[1]["c"] == pytest.approx(1.0 / 4.1)
     assert rows[1]["alpha=0.8"]["speedup"] > rows[0]["alpha=0.8"]["speedup"]

@@ -208,16 +208,13 @@ def best_speedup(alpha: float, c: float, verify: dict[int, float]) -> tuple[int,
     return max(options, key=lambda o: o[1])
 
 
-def predictions(
-    times: dict, pair: tuple[str, str], variants: list[str], batches: tuple[int, ...] = BATCHES
-) -> list[dict]:
-    """Rows of c, v(gamma + 1) and the predicted speedups per batch and variant, for the full and the restricted
-    draft."""
+def predictions(times: dict, pair: tuple[str, str], variants: list[str]) -> list[dict]:
+    """Rows of c, v(gamma + 1) and the predicted speedups per batch measured and variant, for the full and the
+    restricted draft."""
     target, draft = pair
     rows = []
     for variant in variants:
-        for batch in batches:
-            t = times[target][variant][batch]
+        for batch, t in times[target][variant].items():
             verify = {k: t[k] / t[1] for k in t}
             for kind, name in (("full", draft), (f"V={DRAFT_VOCAB}", f"{draft}/V{DRAFT_VOCAB}")):
                 if batch not in times.get(name, {}).get(variant, {}):
@@ -317,7 +314,7 @@ def suite_gpu(
             torch.cuda.empty_cache()
             print(f"  ({time.perf_counter() - t0:.0f} s)")
             (out / "gpu.json").write_text(json.dumps(result, indent=1))
-    result["predictions"] = [row for pair in pairs for row in predictions(result["times"], pair, variants, batches)]
+    result["predictions"] = [row for pair in pairs for row in predictions(result["times"], pair, variants)]
     (out / "gpu.json").write_text(json.dumps(result, indent=1))
     (out / "gpu.md").write_text(format_tables(result) + "\n")
     return result
