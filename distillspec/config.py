@@ -347,6 +347,13 @@ class VLLMConfig:
     enforce_eager: bool = knob(True, "no CUDA graphs / compilation: faster start, slower steps")
     max_logprobs: PosInt = knob(20, "the largest top-k a vLLM scorer may ship (scorer.topk)")
     cache_root: str = knob(".cache/vllm", "vLLM's own compile and download cache (VLLM_CACHE_ROOT)")
+    multiprocessing: bool | Literal["auto"] = knob(
+        "auto",
+        "an offline engine (rollouts, scorers, the canary, the benchmark suites) in processes of its own, as vLLM "
+        "starts it (true), or in its caller's (false: it starts in seconds, not tens of seconds, without two "
+        "processes of its own; VLLM_ENABLE_V1_MULTIPROCESSING=0). auto = false on a CPU, true on a GPU. A process "
+        "keeps the choice of its first engine; the endpoint's engine (serve.backend=vllm) has a process of its own",
+    )
 
 
 @dataclass(config=SCHEMA)

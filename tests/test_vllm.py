@@ -157,6 +157,18 @@ def test_rollouts_equal_transformers_greedy_and_take_new_drafts_in_place(
     assert generator.loads == 2 and torch.equal(generator("draft", examples).input_ids, held.input_ids)
 
 
+def test_a_process_keeps_its_first_engines_choice_of_processes(generator, garden):
+    """On a CPU an engine starts in its caller's process (``vllm.multiprocessing=auto``), as the module's have; vLLM
+    then keeps that choice for the process, so asking for processes of its own is refused in one line."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    assert isinstance(generator.engine("draft").llm_engine.engine_core, InprocClient)
+    cfg = load_config(None, [*VCFG, "vllm.multiprocessing=true"]).vllm
+    with pytest.raises(DistillSpecError, match="set vllm.multiprocessing=false as for that one"):
+        start_engine(cfg, str(garden.draft))
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 def test_prompt_topk_equals_the_targets_top_k(generator, models, task):
     target, draft, tokenizer = models
     batch = generate_batch("draft", target, draft, tokenizer, task.test[:4], max_new_tokens=12, temperature=1.0)
@@ -216,7 +228,16 @@ def test_vllm_speculative_samples_at_t1_follow_the_targets_distribution(generato
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
 
 
-def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output(garden, models, clear_examples):
+@pytest.fixture(scope="module")
+def self_drafted(garden):
+    """A speculative engine whose draft is the target itself (gamma 4). It stops with the module's other engines:
+    engines in one process share vLLM's process-wide state, which stopping one of them tears down."""
+    llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.target), gamma=4)
+    yield llm
+    shutdown(llm)
+
+
+def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output(self_drafted, models, clear_examples):
     """An engine whose draft has the target's shape takes three drafts in place: the target itself (alpha 1), random
     weights (alpha near 0), the target with noise (in between). Per request and per draft, vLLM's counters equal this
     project's decoder's on the same blocks (T = 0), and the greedy output is the target's throughout.
@@ -224,7 +245,7 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
     vLLM makes a request's first token in its prefill and drafts from there, as this project's decoder does: the same
     blocks. Both count every draft token the target judged, also past the budget in a request's last block."""
     target, _, tokenizer = models
-    llm = start_engine(load_config(None, VCFG).vllm, str(garden.target), draft=str(garden.target), gamma=4)
+    llm = self_drafted
     from vllm import SamplingParams
 
     prompts = [e.prompt for e in clear_examples]
@@ -232,44 +253,41 @@ def test_acceptance_follows_each_published_draft_with_one_truth_and_exact_output
     g = torch.Generator().manual_seed(1)
     noisy = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in target.state_dict().items()}
     total = {}
-    try:
-        for name, state in [("target", None), ("random", random_state(target)), ("noisy", noisy)]:
-            draft = copy.deepcopy(target)
-            if state is not None:
-                draft.load_state_dict(state)
-                llm.collective_rpc("load_draft", args=weights_blob(draft.state_dict()))
-                llm.reset_prefix_cache()
-            theirs_all = ours_all = AcceptanceCounts(0, 0, 0)
-            for prompt, text in zip(prompts, expected):
-                ids = encode_prompts(tokenizer, [prompt])[0]
-                before = acceptance_counts(llm.get_metrics())
-                out = llm.generate(
-                    [{"prompt_token_ids": ids[0].tolist()}],
-                    SamplingParams(temperature=0.0, max_tokens=16),
-                    use_tqdm=False,
-                )
-                theirs = acceptance_counts(llm.get_metrics()) - before
-                assert tokenizer.decode(out[0].outputs[0].token_ids, skip_special_tokens=True) == text
-                s = speculative_generate(
-                    target,
-                    draft,
-                    ids,
-                    gamma=4,
-                    max_new_tokens=16,
-                    temperature=0.0,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                ).stats
-                ours = AcceptanceCounts(int(s.blocks.sum()), int(s.accepted.sum()), int(s.rejected.sum()))
-                assert theirs == ours, (name, prompt, theirs, ours)
-                theirs_all, ours_all = theirs_all + theirs, ours_all + ours
-            total[name] = theirs_all
-            # The evaluator on the same requests, batched.
-            record = evaluate_sd(target, draft, tokenizer, prompts, gamma=4, temperature=0.0, max_new_tokens=16)
-            print(f"{name}: vLLM {theirs_all}, alpha {theirs_all.alpha:.3f} vs evaluator alpha {record['alpha']:.3f}")
-            assert record["alpha"] == pytest.approx(theirs_all.alpha)
-    finally:
-        shutdown(llm)
+    for name, state in [("target", None), ("random", random_state(target)), ("noisy", noisy)]:
+        draft = copy.deepcopy(target)
+        if state is not None:
+            draft.load_state_dict(state)
+            llm.collective_rpc("load_draft", args=weights_blob(draft.state_dict()))
+            llm.reset_prefix_cache()
+        theirs_all = ours_all = AcceptanceCounts(0, 0, 0)
+        for prompt, text in zip(prompts, expected):
+            ids = encode_prompts(tokenizer, [prompt])[0]
+            before = acceptance_counts(llm.get_metrics())
+            out = llm.generate(
+                [{"prompt_token_ids": ids[0].tolist()}],
+                SamplingParams(temperature=0.0, max_tokens=16),
+                use_tqdm=False,
+            )
+            theirs = acceptance_counts(llm.get_metrics()) - before
+            assert tokenizer.decode(out[0].outputs[0].token_ids, skip_special_tokens=True) == text
+            s = speculative_generate(
+                target,
+                draft,
+                ids,
+                gamma=4,
+                max_new_tokens=16,
+                temperature=0.0,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            ).stats
+            ours = AcceptanceCounts(int(s.blocks.sum()), int(s.accepted.sum()), int(s.rejected.sum()))
+            assert theirs == ours, (name, prompt, theirs, ours)
+            theirs_all, ours_all = theirs_all + theirs, ours_all + ours
+        total[name] = theirs_all
+        # The evaluator on the same requests, batched.
+        record = evaluate_sd(target, draft, tokenizer, prompts, gamma=4, temperature=0.0, max_new_tokens=16)
+        print(f"{name}: vLLM {theirs_all}, alpha {theirs_all.alpha:.3f} vs evaluator alpha {record['alpha']:.3f}")
+        assert record["alpha"] == pytest.approx(theirs_all.alpha)
     assert total["target"].alpha == 1.0 and total["target"].tau == 5.0
     assert total["random"].alpha < 0.2 < total["noisy"].alpha < 1.0
 

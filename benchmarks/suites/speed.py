@@ -199,17 +199,16 @@ def vllm_speeds(
     the target alone, then with each of ``drafts`` (``{kind: folder}``, each with its whole vocabulary) as its
     ``draft_model`` at each gamma; one engine at a time, each prompt a request of its own, ``repeats`` passes, one
     untimed request first. vLLM's CPU engine runs as many OpenMP threads as torch does here (``OMP_NUM_THREADS``)."""
-    from vllm import LLM, SamplingParams  # the optional extra
+    from vllm import SamplingParams  # the optional extra
 
-    from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment
+    from distillspec.serving.vllm_backend import acceptance_counts, start_engine
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    prepare_environment(vllm_cfg)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # an engine in processes of its own
     requests = [{"prompt_token_ids": encode_prompts(tokenizer, [t])[0][0].tolist()} for t in texts]
     rows = []
     for kind, gamma in [(None, 0)] + [(kind, gamma) for kind in drafts for gamma in gammas]:
         draft = drafts.get(kind)
-        llm = LLM(**engine_args(vllm_cfg, cfg.target, draft=draft, gamma=max(gamma, 1), seed=cfg.seed))
+        llm = start_engine(vllm_cfg, cfg.target, draft=draft, gamma=max(gamma, 1), seed=cfg.seed)
         try:
             for temperature in temperatures:
                 params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=cfg.seed)

@@ -34,6 +34,7 @@ import safetensors.torch
 import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 from vllm import LLM, SamplingParams
+from vllm import envs as vllm_envs
 from vllm.v1.metrics.reader import Counter, Vector, get_metrics_snapshot
 
 from distillspec.config import VLLMConfig
@@ -158,11 +159,43 @@ def engine_args(
     return kwargs
 
 
+def engine_multiprocessing(cfg: VLLMConfig) -> bool:
+    """``vllm.multiprocessing`` resolved: whether an offline engine runs in processes of its own (auto: on a GPU)."""
+    return on_gpu() if cfg.multiprocessing == "auto" else cfg.multiprocessing
+
+
 def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, **options: Any) -> LLM:
-    """An offline engine (``vllm.LLM``); ``options`` are :func:`engine_args`' (``gamma``, ``seed``, ...)."""
+    """An offline engine (``vllm.LLM``), in processes of its own or in this one (:func:`engine_multiprocessing`);
+    ``options`` are :func:`engine_args`' (``gamma``, ``seed``, ...)."""
     prepare_environment(cfg)
     check_models(model, *([draft] if draft else []))
-    return LLM(**engine_args(cfg, model, draft=draft, **options))
+    wanted, key = engine_multiprocessing(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING"
+    previous, os.environ[key] = os.environ.get(key), str(int(wanted))
+    if vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING != wanted:  # vLLM froze its settings when this process's first started
+        if previous is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = previous
+        first = "in this process" if wanted else "in processes of its own"
+        raise DistillSpecError(
+            f"this process started its first vLLM engine {first}, and vLLM keeps that for later ones: "
+            f"set vllm.multiprocessing={str(not wanted).lower()} as for that one"
+        )
+    set_num_threads = torch.set_num_threads
+    try:
+        llm = LLM(**engine_args(cfg, model, draft=draft, **options))
+    finally:
+        # vLLM's CPU worker turns torch.set_num_threads into a no-op in the process it runs in, for the threads its
+        # own process binds; in this process nothing is bound, and the caller keeps its thread settings
+        torch.set_num_threads = set_num_threads
+    if not wanted:
+        # Each worker that starts registers the CPU platform's kernels again, the broken one among them; a worker in
+        # a process of its own is repaired when it imports the worker extension, one in this process only the first
+        # time: repaired here after each
+        from distillspec.serving.vllm_worker import repair_cpu_expand  # noqa: PLC0415 (imports vLLM's workers)
+
+        repair_cpu_expand()
+    return llm
 
 
 def weights_blob(state: Mapping[str, np.ndarray | torch.Tensor]) -> tuple[bytes, dict[str, str]]:
