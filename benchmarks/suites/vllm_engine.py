@@ -15,7 +15,6 @@ and prompts, vLLM as shipped and with its CPU rejection-sampler kernels repaired
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -155,7 +154,7 @@ def suite_vllm_acceptance(overrides: list[str], budget: float, out: Path) -> dic
     (repaired, drafts sampled: ``draft_sample_method="probabilistic"``)."""
     from vllm import LLM, SamplingParams  # the optional extra
 
-    from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment
+    from distillspec.serving.vllm_backend import acceptance_counts, engine_args, prepare_environment, use_processes
 
     del budget
     cfg = resolve_models(load_config(None, overrides))
@@ -172,7 +171,7 @@ def suite_vllm_acceptance(overrides: list[str], budget: float, out: Path) -> dic
         print(f"  T={temperature:g} this project's decoder: alpha {r['alpha']:.3f}, tau {r['tau']:.2f}")
     ids = [{"prompt_token_ids": encode_prompts(tokenizer, [p])[0][0].tolist()} for p in prompts]
     prepare_environment(cfg.vllm)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # each engine's worker in a process of its own, repaired or not
+    use_processes(True)  # each engine's worker in a process of its own, repaired or not
     for engine, method, repaired in (
         ("vllm as shipped", "greedy", False),
         ("vllm repaired, greedy drafts", "greedy", True),

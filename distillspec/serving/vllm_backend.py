@@ -164,12 +164,10 @@ def engine_multiprocessing(cfg: VLLMConfig) -> bool:
     return on_gpu() if cfg.multiprocessing == "auto" else cfg.multiprocessing
 
 
-def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, **options: Any) -> LLM:
-    """An offline engine (``vllm.LLM``), in processes of its own or in this one (:func:`engine_multiprocessing`);
-    ``options`` are :func:`engine_args`' (``gamma``, ``seed``, ...)."""
-    prepare_environment(cfg)
-    check_models(model, *([draft] if draft else []))
-    wanted, key = engine_multiprocessing(cfg), "VLLM_ENABLE_V1_MULTIPROCESSING"
+def use_processes(wanted: bool) -> None:
+    """Start this process's next offline engine in processes of its own (``wanted``) or in this one; refused in one
+    line where vLLM keeps the other choice, its first engine's here."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     previous, os.environ[key] = os.environ.get(key), str(int(wanted))
     if vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING != wanted:  # vLLM froze its settings when this process's first started
         if previous is None:
@@ -179,8 +177,16 @@ def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, **opt
         first = "in this process" if wanted else "in processes of its own"
         raise DistillSpecError(
             f"this process started its first vLLM engine {first}, and vLLM keeps that for later ones: "
-            f"set vllm.multiprocessing={str(not wanted).lower()} as for that one"
+            f"set vllm.multiprocessing={str(not wanted).lower()} as for that one, or start this in a new process"
         )
+
+
+def start_engine(cfg: VLLMConfig, model: str, *, draft: str | None = None, **options: Any) -> LLM:
+    """An offline engine (``vllm.LLM``), in processes of its own or in this one (:func:`engine_multiprocessing`);
+    ``options`` are :func:`engine_args`' (``gamma``, ``seed``, ...)."""
+    prepare_environment(cfg)
+    check_models(model, *([draft] if draft else []))
+    use_processes(wanted := engine_multiprocessing(cfg))
     set_num_threads = torch.set_num_threads
     try:
         llm = LLM(**engine_args(cfg, model, draft=draft, **options))
