@@ -98,6 +98,7 @@ SUITES = {
     "transfer-run": Suite("transfer_run", "main", "command"),
     "following": Suite("following", "main", "command"),
     "client": Suite("client", "main", "command"),
+    "sampler": Suite("sampler", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).
 GROUPS = {

@@ -149,8 +149,9 @@ def test_two_learner_steps_train_only_the_draft_layers(real, task):
 
 
 @needs_real
-def test_a_draft_spec_past_the_targets_depth_is_one_line(real):
-    proc = run_job("--target", REAL, "--draft", "first:40")
+def test_a_draft_spec_past_the_targets_depth_is_one_line(real, tmp_path):
+    # an output folder of its own: the checkout's outputs/distill may hold a finished run, which the job refuses first
+    proc = run_job("--target", REAL, "--draft", "first:40", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "error: draft spec 'first:40': the target has 30 layers (0-29); a draft keeps fewer"

@@ -418,6 +418,27 @@ def test_the_verify_step_alone():
         assert n.tolist() == [0] and new.item() != 1
 
 
+def test_sampling_follows_the_probabilities_and_never_draws_a_token_of_no_mass():
+    """The unseeded sampler (inverse transform over the float64 cumulative mass): frequencies match the
+    probabilities, unnormalised rows included; tokens of mass 0 (first, last and between) are never drawn; any
+    leading shape; one generator seed gives one draw."""
+    from scipy.stats import chisquare
+
+    from distillspec.decoding.speculative import sample
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    rows = torch.stack([probs, probs * 3]).repeat(20_000, 1).view(20_000, 2, 6)  # [20000, 2, V], one row unnormalised
+    drawn = sample(rows, torch.Generator().manual_seed(0))
+    assert drawn.shape == (20_000, 2)
+    counts = torch.bincount(drawn.flatten(), minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    kept = probs > 0
+    assert chisquare(counts[kept].numpy(), (probs[kept] * drawn.numel()).numpy()).pvalue > 1e-3
+    assert sample(torch.tensor([0.0, 0.0, 1.0])).item() == 2
+    again = [sample(rows[:50], torch.Generator().manual_seed(7)).tolist() for _ in range(2)]
+    assert again[0] == again[1]
+
+
 class _RandomGammas:
     """A gamma schedule that drafts 0 to 4 tokens per block at random (a stand-in for gamma=auto)."""
 
