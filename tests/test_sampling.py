@@ -155,6 +155,29 @@ def test_processing_matches_vllm_sampler_functions():
     torch.testing.assert_close(ours[~torch.isinf(ours)], theirs[~torch.isinf(theirs)])
 
 
+@pytest.mark.parametrize(
+    "scale, temperature, top_p", [(8.0, 1.0, 0.95), (3.0, 1.0, 0.9), (3.0, 0.5, 0.5), (0.5, 1.0, 0.5)]
+)
+def test_top_p_keeps_the_nucleus_of_a_large_vocabulary(scale, temperature, top_p):
+    """top-p on 151,936 tokens, peaked rows (the nucleus among the first candidates) and flat ones (searched among
+    more, up to every token), against the rule in float64: a token stays where its likelier tokens hold less than
+    top_p. The floor is found in float32, so a token whose likelier mass lies within 1e-5 of top_p may go either way."""
+    from distillspec.decoding.sampling import NUCLEUS_CANDIDATES
+
+    logits = torch.randn(3, 151_936, generator=torch.Generator().manual_seed(0)) * scale
+    kept = ~torch.isinf(truncate(logits, temperature, SamplingControls(top_p=top_p)))
+    probs = torch.softmax(logits.double() / temperature, -1)
+    ordered, order = probs.sort(-1, descending=True)
+    likelier = torch.zeros_like(probs).scatter(-1, order, ordered.cumsum(-1) - ordered)
+    clear = (likelier - top_p).abs() > 1e-5
+    assert torch.equal(kept[clear], (likelier < top_p)[clear])
+    assert kept.any(-1).all() and not kept.all()
+    if scale == 8.0:
+        assert kept.sum(-1).max() < NUCLEUS_CANDIDATES  # the first search held the nucleus
+    if scale == 0.5:
+        assert kept.sum(-1).min() > 16 * NUCLEUS_CANDIDATES  # the last searched every token
+
+
 def test_truncation_by_hand():
     logits = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.1)]])
     kept = lambda **kw: (~torch.isinf(truncate(logits, 1.0, SamplingControls(**kw)))).nonzero()[:, 1].tolist()

@@ -1,13 +1,18 @@
-"""What drawing a token costs at T = 1: the decoders' sampler (:func:`distillspec.decoding.speculative.sample`, one
-uniform a row and a search of the float64 cumulative mass) against the exponential race it replaced (``V`` draws
-``E ~ Exp(1)`` a row, the argmax of ``p / E``), in one run. Both draw exactly from ``p``.
+"""What drawing a token costs at T = 1, and finding a top-p nucleus, in one run: the decoders' sampler
+(:func:`distillspec.decoding.speculative.sample`, one uniform a row and a search of the float64 cumulative mass)
+against the exponential race it replaced (``V`` draws ``E ~ Exp(1)`` a row, the argmax of ``p / E``), and the
+nucleus searched among the likeliest tokens (:func:`distillspec.decoding.sampling.nucleus_floor`) against the sort of
+the whole row it replaced. Each pair draws exactly from the same distribution.
 
 1. One draw (ms, median of 30) for each number of rows and vocabulary size, ``torch.multinomial``'s beside them.
 2. Decoding at T = 1 with each sampler in turn on every prompt: the target alone and speculative decoding (the pair as
    the endpoint decodes it: the draft in the pair's dtype, int8 as ``draft_int8`` says), and the draft alone sampling
-   all the prompts as one batch, as a rollout actor does (in float32, as it trains). The two samplers draw other
-   tokens, so answers differ in length and in acceptance; the figures to compare are the seconds per target call
-   (a block of speculative decoding) and per draft step, with tokens/s beside them.
+   all the prompts as one batch, as a rollout actor does (in float32, as it trains).
+3. The same two decoders with ``top_p`` (``--top-p``, 0.9), the nucleus found each way in turn on every prompt.
+
+The two ways of each pair draw other tokens, so answers differ in acceptance; the figures to compare are the seconds
+per target call (a block of speculative decoding) and per draft step, and the share of them spent in what differs
+(a timer around the sampler, or around the truncation of each position's distribution), with tokens/s beside them.
 
     python -m benchmarks.suites.sampler target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --prompts 4 --max-new-tokens 64 --out outputs/sampler-qwen
@@ -19,17 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.suites.common import cpu_kernels
 from distillspec.config import load_config
-from distillspec.decoding import speculative
+from distillspec.decoding import sampling, speculative
+from distillspec.decoding.sampling import SamplingControls
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, pad_prompts
 from distillspec.models.pretrained import prepare_pair
@@ -37,7 +45,9 @@ from distillspec.tasks.data import load_task
 
 SAMPLERS = ("exponential race", "inverse transform")
 MULTINOMIAL = "torch.multinomial"
+NUCLEI = ("the whole row sorted", "among the likeliest")
 ROWS, VOCABS = (1, 8), (32_768, 151_936)
+SAMPLE, TRUNCATE = speculative.sample, sampling.truncate
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None, race=None) -> torch.Tensor:
@@ -47,18 +57,15 @@ def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = No
     return SAMPLE(probs, race=race)
 
 
-SAMPLE = speculative.sample
-
-
 class Timed:
-    """A sampler that counts the seconds spent in it."""
+    """A function that counts the seconds spent in it."""
 
-    def __init__(self, draw: Callable) -> None:
-        self.draw, self.seconds = draw, 0.0
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.seconds = fn, 0.0
 
-    def __call__(self, *args, **kw) -> torch.Tensor:
+    def __call__(self, *args, **kw):
         start = time.perf_counter()
-        out = self.draw(*args, **kw)
+        out = self.fn(*args, **kw)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -66,11 +73,32 @@ class Timed:
 @contextmanager
 def sampler(name: str) -> Iterator[Timed]:
     """The decoders with the sampler ``name`` of :data:`SAMPLERS` in place of their own while the block runs, timed."""
-    speculative.sample = chosen = Timed(exponential_race if name == SAMPLERS[0] else SAMPLE)
+    speculative.sample = timer = Timed(exponential_race if name == SAMPLERS[0] else SAMPLE)
     try:
-        yield chosen
+        yield timer
     finally:
         speculative.sample = SAMPLE
+
+
+def truncate_by_sorting(logits: torch.Tensor, temperature: float, c: SamplingControls) -> torch.Tensor:
+    """The truncation before: the top-p nucleus found by sorting the whole row, as vLLM's sampler finds it."""
+    logits = TRUNCATE(logits, temperature, replace(c, top_p=1.0))
+    if c.top_p < 1:
+        ordered, order = logits.sort(-1)  # ascending: drop the least likely while their mass stays <= 1 - top_p
+        below = torch.softmax(ordered / temperature, -1).cumsum(-1) <= 1 - c.top_p
+        below[..., -1] = False  # the likeliest token always stays
+        logits = logits.masked_fill(below.scatter(-1, order, below), -math.inf)
+    return logits
+
+
+@contextmanager
+def nucleus(name: str) -> Iterator[Timed]:
+    """The decoders' truncation, timed, with the nucleus found as ``name`` of :data:`NUCLEI` says."""
+    sampling.truncate = timer = Timed(truncate_by_sorting if name == NUCLEI[0] else TRUNCATE)
+    try:
+        yield timer
+    finally:
+        sampling.truncate = TRUNCATE
 
 
 def draw_ms(reps: int = 30) -> list[dict]:
@@ -80,8 +108,8 @@ def draw_ms(reps: int = 30) -> list[dict]:
         for vocab in VOCABS:
             probs = torch.softmax(torch.randn(n, vocab), -1)
             row = {"rows": n, "vocab": vocab}
-            draws = {name: exponential_race if name == SAMPLERS[0] else SAMPLE for name in SAMPLERS}
-            for name, draw in (draws | {MULTINOMIAL: lambda p: torch.multinomial(p, 1)}).items():
+            draws = {SAMPLERS[0]: exponential_race, SAMPLERS[1]: SAMPLE, MULTINOMIAL: lambda p: torch.multinomial(p, 1)}
+            for name, draw in draws.items():
                 times = []
                 for _ in range(reps + 2):
                     start = time.perf_counter()
@@ -99,13 +127,53 @@ def timed(fn: Callable, *args, **kw) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def suite_sampler(overrides: list[str], *, prompts: int, max_new_tokens: int, gamma: int, repeats: int, out: Path):
+def race_decoders(
+    target,
+    draft,
+    prompts: list[torch.Tensor],
+    variants: dict[str, Callable[[], AbstractContextManager[Timed]]],
+    *,
+    gamma: int,
+    repeats: int,
+    seed: int,
+    **kw,
+) -> list[dict]:
+    """The target alone and speculative decoding on every prompt with each of ``variants`` in turn (the order
+    alternating from prompt to prompt), ``kw`` the decoders' arguments: per decoder and variant, the seconds, tokens,
+    target calls and seconds in the variant's timer (and alpha, for speculative decoding)."""
+    # per decoder and variant: seconds, tokens, target calls, seconds timed, draft tokens accepted, judged
+    totals = {(decoder, name): [0.0, 0, 0, 0.0, 0, 0] for decoder in ("alone", "sd") for name in variants}
+    for r in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for name in list(variants) if (r + i) % 2 == 0 else list(variants)[::-1]:
+                generator = torch.Generator().manual_seed(seed + 1000 * r + i)
+                with variants[name]() as clock:
+                    s, alone = timed(autoregressive_generate, target, prompt, generator=generator, **kw)
+                tokens = int(alone.num_new_tokens[0])  # one target call a token
+                totals["alone", name][:4] = add(totals["alone", name][:4], s, tokens, tokens, clock.seconds)
+                with variants[name]() as clock:
+                    s, sd = timed(speculative_generate, target, draft, prompt, gamma=gamma, generator=generator, **kw)
+                c, new = sd.stats.counts, int(sd.num_new_tokens[0])
+                judged = c.accepted + c.rejected
+                totals["sd", name] = add(totals["sd", name], s, new, c.blocks, clock.seconds, c.accepted, judged)
+            print(f"repeat {r + 1}, prompt {i + 1}: {format_progress(totals)}", flush=True)
+    return [
+        {"decoder": decoder, "variant": name, "seconds": t[0], "tokens": t[1], "target_calls": t[2], "timed_s": t[3]}
+        | ({"alpha": t[4] / t[5]} if decoder == "sd" else {})
+        for (decoder, name), t in totals.items()
+    ]
+
+
+def suite_sampler(
+    overrides: list[str], *, prompts: int, max_new_tokens: int, gamma: int, repeats: int, top_p: float, out: Path
+) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, overrides)
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     result = {"config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "draft_int8": cfg.draft_int8}}
     result["config"] |= {"prompts": prompts, "max_new_tokens": max_new_tokens, "gamma": gamma, "repeats": repeats}
+    result["config"] |= {"top_p": top_p, "nucleus_candidates": sampling.NUCLEUS_CANDIDATES}  # the first search
     result["config"] |= {"threads": torch.get_num_threads()} | cpu_kernels()
     result["draw_ms"] = draw_ms()
     print(format_draws(result["draw_ms"]))
@@ -114,28 +182,11 @@ def suite_sampler(overrides: list[str], *, prompts: int, max_new_tokens: int, ga
     draft = load_decoding_draft(cfg.draft, device=cfg.device, dtype=dtype, int8=cfg.draft_int8)[0]
     ids = [encode_prompts(tokenizer, [e.prompt])[0].to(cfg.device) for e in task.test[:prompts]]
     kw = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "eos_token_id": []}  # every answer to the budget
-    # per decoder and sampler: seconds, tokens, target calls, seconds drawing tokens, draft tokens accepted, judged
-    totals = {(decoder, name): [0.0, 0, 0, 0.0, 0, 0] for decoder in ("alone", "sd") for name in SAMPLERS}
-    for r in range(repeats):
-        for i, prompt in enumerate(ids):
-            for name in SAMPLERS if (r + i) % 2 == 0 else SAMPLERS[::-1]:
-                generator = torch.Generator().manual_seed(cfg.seed + 1000 * r + i)
-                with sampler(name) as clock:
-                    s, alone = timed(autoregressive_generate, target, prompt, generator=generator, **kw)
-                tokens = int(alone.num_new_tokens[0])  # one target call a token
-                totals["alone", name][:4] = add(totals["alone", name][:4], s, tokens, tokens, clock.seconds)
-                with sampler(name) as clock:
-                    s, sd = timed(speculative_generate, target, draft, prompt, gamma=gamma, generator=generator, **kw)
-                c, new = sd.stats.counts, int(sd.num_new_tokens[0])
-                totals["sd", name] = add(
-                    totals["sd", name], s, new, c.blocks, clock.seconds, c.accepted, c.accepted + c.rejected
-                )
-            print(f"repeat {r + 1}, prompt {i + 1}: {format_decoders(totals)}", flush=True)
-    result["decoders"] = [
-        {"decoder": decoder, "sampler": name, "seconds": t[0], "tokens": t[1], "target_calls": t[2], "drawing_s": t[3]}
-        | ({"alpha": t[4] / t[5]} if decoder == "sd" else {})
-        for (decoder, name), t in totals.items()
-    ]
+    kw |= {"gamma": gamma, "repeats": repeats, "seed": cfg.seed}
+    samplers = {name: lambda name=name: sampler(name) for name in SAMPLERS}
+    result["decoders"] = race_decoders(target, draft, ids, samplers, **kw)
+    nuclei = {name: lambda name=name: nucleus(name) for name in NUCLEI}
+    result["top_p"] = race_decoders(target, draft, ids, nuclei, controls=SamplingControls(top_p=top_p), **kw)
     del target, draft
     rollout_draft = load_model(cfg.draft, device=cfg.device, dtype=torch.float32)[0]
     batch, mask = pad_prompts([p[0].tolist() for p in ids], tokenizer.pad_token_id or 0)
@@ -145,10 +196,16 @@ def suite_sampler(overrides: list[str], *, prompts: int, max_new_tokens: int, ga
             generator = torch.Generator().manual_seed(cfg.seed + r)
             with sampler(name) as clock:
                 s, got = timed(
-                    autoregressive_generate, rollout_draft, batch, attention_mask=mask, generator=generator, **kw
+                    autoregressive_generate,
+                    rollout_draft,
+                    batch,
+                    attention_mask=mask,
+                    generator=generator,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=[],
                 )
             steps = int(got.num_new_tokens.max())
-            row = {"sampler": name, "rows": len(ids), "seconds": s, "steps": steps, "drawing_s": clock.seconds}
+            row = {"variant": name, "rows": len(ids), "seconds": s, "steps": steps, "timed_s": clock.seconds}
             result["rollouts"].append(row)
     table = format_table(result)
     (out / "sampler.json").write_text(json.dumps(result, indent=1))
@@ -161,14 +218,14 @@ def add(acc: list, *values) -> list:
     return [a + v for a, v in zip(acc, values, strict=True)]
 
 
-def format_decoders(totals: dict) -> str:
+def format_progress(totals: dict) -> str:
     return "; ".join(f"{d} {n}: {t[1] / t[0]:.2f} tokens/s" for (d, n), t in totals.items())
 
 
 def per(row: dict, unit: str) -> str:
-    """Milliseconds per ``unit`` (target calls, steps), and those spent drawing tokens (their share)."""
-    ms, drawing = (1e3 * row[key] / row[unit] for key in ("seconds", "drawing_s"))
-    return f"{ms:.0f} | {drawing:.1f} ({drawing / ms:.1%})"
+    """Milliseconds per ``unit`` (target calls, steps), and those in the timer (their share)."""
+    ms, inside = (1e3 * row[key] / row[unit] for key in ("seconds", "timed_s"))
+    return f"{ms:.0f} | {inside:.1f} ({inside / ms:.1%})"
 
 
 def format_draws(rows: list[dict]) -> str:
@@ -182,26 +239,32 @@ def format_draws(rows: list[dict]) -> str:
     return "\n".join([head, *lines])
 
 
-def format_table(result: dict) -> str:
-    """The three tables: draws, decoding at batch 1, rollout batches."""
-    lines = [format_draws(result["draw_ms"]), ""]
-    head = "| decoder | sampler | tokens | s | tokens/s | alpha | ms per target call | of it drawing tokens |"
-    lines += [head, "|---|---|---|---|---|---|---|---|"]
-    for row in result["decoders"]:
-        name = "target alone" if row["decoder"] == "alone" else f"SD, gamma {result['config']['gamma']}"
+def format_decoders(rows: list[dict], gamma: int, what: str, timed_what: str) -> list[str]:
+    head = f"| decoder | {what} | tokens | s | tokens/s | alpha | ms per target call | of it {timed_what} |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        name = "target alone" if row["decoder"] == "alone" else f"SD, gamma {gamma}"
         alpha = f"{row['alpha']:.3f}" if "alpha" in row else ""
         lines.append(
-            f"| {name} | {row['sampler']} | {row['tokens']} | {row['seconds']:.1f} |"
+            f"| {name} | {row['variant']} | {row['tokens']} | {row['seconds']:.1f} |"
             f" {row['tokens'] / row['seconds']:.2f} | {alpha} | {per(row, 'target_calls')} |"
         )
+    return lines
+
+
+def format_table(result: dict) -> str:
+    """The four tables: draws, decoding at batch 1 by sampler and by nucleus search, rollout batches."""
+    gamma, top_p = result["config"]["gamma"], result["config"]["top_p"]
+    lines = [format_draws(result["draw_ms"]), ""]
+    lines += format_decoders(result["decoders"], gamma, "sampler", "drawing tokens") + [""]
+    lines += format_decoders(result["top_p"], gamma, f"top_p = {top_p}, nucleus", "truncating") + [""]
     lines += [
-        "",
         "| rollout batch | sampler | steps | s | ms per step | of it drawing tokens |",
         "|---|---|---|---|---|---|",
     ]
     for row in result["rollouts"]:
         lines.append(
-            f"| {row['rows']} rows | {row['sampler']} | {row['steps']} | {row['seconds']:.1f} | {per(row, 'steps')} |"
+            f"| {row['rows']} rows | {row['variant']} | {row['steps']} | {row['seconds']:.1f} | {per(row, 'steps')} |"
         )
     return "\n".join(lines)
 
@@ -212,6 +275,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="held-out test prompts (also the rollout batch's rows)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--top-p", type=float, default=0.9, help="the top_p of part 3")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--out", type=Path, default=Path("outputs/sampler"))
     args = parser.parse_args()
@@ -221,6 +285,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         gamma=args.gamma,
         repeats=args.repeats,
+        top_p=args.top_p,
         out=args.out,
     )
 
