@@ -178,6 +178,30 @@ def test_top_p_keeps_the_nucleus_of_a_large_vocabulary(scale, temperature, top_p
         assert kept.sum(-1).min() > 16 * NUCLEUS_CANDIDATES  # the last searched every token
 
 
+@pytest.mark.parametrize("k, m", [(1, 0), (1, 3), (3, 5), (6, 5)])
+def test_penalties_after_a_blocks_drafts_are_those_of_counting_every_position(k, m):
+    """History.process recomputes only the drafts' tokens after the drafts each position sees: the same logits,
+    bit for bit, as counting each position's tokens and penalising the whole vocabulary there (drafts repeating each
+    other and the tokens so far; rows in another order than the call's)."""
+    g = torch.Generator().manual_seed(k * 10 + m)
+    vocab, rows = 40, 3
+    c = SamplingControls(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.6, logit_bias=((3, 2.0),))
+    prompt = torch.randint(0, vocab, (rows, 6), generator=g)
+    history = History(c, prompt, torch.ones_like(prompt), vocab)
+    output = torch.randint(0, 8, (rows, 9), generator=g)
+    history.observe(output, torch.tensor([9, 4, 0]))
+    order = torch.tensor([2, 0])
+    drafts = torch.randint(0, 8, (len(order), m), generator=g)
+    logits = torch.randn(len(order), k, vocab, generator=g) * 3
+    got = history.process(logits, order, 0.0, drafts)
+    for r, row in enumerate(order.tolist()):
+        for i in range(k):
+            seen = drafts[r, : m - k + 1 + i]
+            counts = history.counts[row] + torch.bincount(seen, minlength=vocab)
+            want = penalise(logits[r, i] + history.bias, counts, history.prompt[row], c)
+            assert torch.equal(got[r, i], want), (row, i)
+
+
 def test_truncation_by_hand():
     logits = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.1)]])
     kept = lambda **kw: (~torch.isinf(truncate(logits, 1.0, SamplingControls(**kw)))).nonzero()[:, 1].tolist()

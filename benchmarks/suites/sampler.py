@@ -1,18 +1,23 @@
-"""What drawing a token costs at T = 1, and finding a top-p nucleus, in one run: the decoders' sampler
-(:func:`distillspec.decoding.speculative.sample`, one uniform a row and a search of the float64 cumulative mass)
-against the exponential race it replaced (``V`` draws ``E ~ Exp(1)`` a row, the argmax of ``p / E``), and the
-nucleus searched among the likeliest tokens (:func:`distillspec.decoding.sampling.nucleus_floor`) against the sort of
-the whole row it replaced. Each pair draws exactly from the same distribution.
+"""What sampling at T = 1 costs the decoders, each way raced against the one it replaced, in one run: drawing a
+token (:func:`distillspec.decoding.speculative.sample`, one uniform a row and a search of the float64 cumulative mass,
+against ``V`` draws ``E ~ Exp(1)`` a row and the argmax of ``p / E``), finding a top-p nucleus (among the likeliest
+tokens, :func:`distillspec.decoding.sampling.nucleus_floor`, against a sort of the whole row) and penalising after a
+block's drafts. Both ways of each draw exactly from the same distribution.
 
 1. One draw (ms, median of 30) for each number of rows and vocabulary size, ``torch.multinomial``'s beside them.
 2. Decoding at T = 1 with each sampler in turn on every prompt: the target alone and speculative decoding (the pair as
    the endpoint decodes it: the draft in the pair's dtype, int8 as ``draft_int8`` says), and the draft alone sampling
    all the prompts as one batch, as a rollout actor does (in float32, as it trains).
 3. The same two decoders with ``top_p`` (``--top-p``, 0.9), the nucleus found each way in turn on every prompt.
+4. Speculative decoding with penalties (``--presence-penalty`` 0.5, ``--repetition-penalty`` 1.1), the logits
+   processed each way in turn on every prompt: a block's counts over the whole vocabulary at each position, as
+   before, or the row's counts once and the drafts' own tokens recounted
+   (:meth:`distillspec.decoding.sampling.History.process`).
 
 The two ways of each pair draw other tokens, so answers differ in acceptance; the figures to compare are the seconds
 per target call (a block of speculative decoding) and per draft step, and the share of them spent in what differs
-(a timer around the sampler, or around the truncation of each position's distribution), with tokens/s beside them.
+(a timer around the sampler, the truncation or the processing of each position's distribution), with tokens/s beside
+them.
 
     python -m benchmarks.suites.sampler target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --prompts 4 --max-new-tokens 64 --out outputs/sampler-qwen
@@ -37,7 +42,7 @@ import torch
 from benchmarks.suites.common import cpu_kernels
 from distillspec.config import load_config
 from distillspec.decoding import sampling, speculative
-from distillspec.decoding.sampling import SamplingControls
+from distillspec.decoding.sampling import History, SamplingControls
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, pad_prompts
 from distillspec.models.pretrained import prepare_pair
@@ -46,8 +51,9 @@ from distillspec.tasks.data import load_task
 SAMPLERS = ("exponential race", "inverse transform")
 MULTINOMIAL = "torch.multinomial"
 NUCLEI = ("the whole row sorted", "among the likeliest")
+PENALTIES = ("every position counted", "the drafts' tokens recounted")
 ROWS, VOCABS = (1, 8), (32_768, 151_936)
-SAMPLE, TRUNCATE = speculative.sample, sampling.truncate
+SAMPLE, TRUNCATE, PROCESS = speculative.sample, sampling.truncate, sampling.History.process
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None, race=None) -> torch.Tensor:
@@ -89,6 +95,42 @@ def truncate_by_sorting(logits: torch.Tensor, temperature: float, c: SamplingCon
         below[..., -1] = False  # the likeliest token always stays
         logits = logits.masked_fill(below.scatter(-1, order, below), -math.inf)
     return logits
+
+
+def process_densely(self, logits, rows, temperature, drafts=None):
+    """:meth:`History.process` before: the counts of every position of a block over the whole vocabulary (the row's
+    tokens and the drafts it sees), then every token penalised with them."""
+    c = self.controls
+    out = logits.float()
+    if self.bias is not None:
+        out = out + self.bias
+    if c.penalised:
+        b, k = logits.shape[:2]
+        counts = self.counts[rows][:, None].expand(-1, k, -1)
+        if drafts is not None and drafts.shape[1]:
+            m = drafts.shape[1]  # position i sees the first m - k + 1 + i drafts: draft t from position t - m + k
+            first = (torch.arange(m, device=out.device) - m + k).clamp(min=0)
+            seen = torch.zeros(b, k * self.vocab, device=out.device)
+            seen.scatter_add_(1, first * self.vocab + drafts, torch.ones_like(drafts, dtype=seen.dtype))
+            counts = counts + seen.view(b, k, self.vocab).cumsum(1)
+        out = sampling.penalise(out, counts, None if self.prompt is None else self.prompt[rows][:, None], c)
+    return sampling.truncate(out, temperature, c) if temperature > 0 else out
+
+
+@contextmanager
+def penalties(name: str) -> Iterator[Timed]:
+    """The decoders' processing of the logits, timed, the penalties after a block's drafts counted as ``name`` of
+    :data:`PENALTIES` says."""
+    timer = Timed(process_densely if name == PENALTIES[0] else PROCESS)
+
+    def timed_process(self: History, *args, **kw) -> torch.Tensor:
+        return timer(self, *args, **kw)
+
+    History.process = timed_process
+    try:
+        yield timer
+    finally:
+        History.process = PROCESS
 
 
 @contextmanager
@@ -136,21 +178,24 @@ def race_decoders(
     gamma: int,
     repeats: int,
     seed: int,
+    alone: bool = True,
     **kw,
 ) -> list[dict]:
-    """The target alone and speculative decoding on every prompt with each of ``variants`` in turn (the order
-    alternating from prompt to prompt), ``kw`` the decoders' arguments: per decoder and variant, the seconds, tokens,
-    target calls and seconds in the variant's timer (and alpha, for speculative decoding)."""
+    """The target alone (where ``alone``) and speculative decoding on every prompt with each of ``variants`` in turn
+    (the order alternating from prompt to prompt), ``kw`` the decoders' arguments: per decoder and variant, the
+    seconds, tokens, target calls and seconds in the variant's timer (and alpha, for speculative decoding)."""
     # per decoder and variant: seconds, tokens, target calls, seconds timed, draft tokens accepted, judged
-    totals = {(decoder, name): [0.0, 0, 0, 0.0, 0, 0] for decoder in ("alone", "sd") for name in variants}
+    decoders = ("alone", "sd") if alone else ("sd",)
+    totals = {(decoder, name): [0.0, 0, 0, 0.0, 0, 0] for decoder in decoders for name in variants}
     for r in range(repeats):
         for i, prompt in enumerate(prompts):
             for name in list(variants) if (r + i) % 2 == 0 else list(variants)[::-1]:
                 generator = torch.Generator().manual_seed(seed + 1000 * r + i)
-                with variants[name]() as clock:
-                    s, alone = timed(autoregressive_generate, target, prompt, generator=generator, **kw)
-                tokens = int(alone.num_new_tokens[0])  # one target call a token
-                totals["alone", name][:4] = add(totals["alone", name][:4], s, tokens, tokens, clock.seconds)
+                if alone:
+                    with variants[name]() as clock:
+                        s, got = timed(autoregressive_generate, target, prompt, generator=generator, **kw)
+                    tokens = int(got.num_new_tokens[0])  # one target call a token
+                    totals["alone", name][:4] = add(totals["alone", name][:4], s, tokens, tokens, clock.seconds)
                 with variants[name]() as clock:
                     s, sd = timed(speculative_generate, target, draft, prompt, gamma=gamma, generator=generator, **kw)
                 c, new = sd.stats.counts, int(sd.num_new_tokens[0])
@@ -165,7 +210,16 @@ def race_decoders(
 
 
 def suite_sampler(
-    overrides: list[str], *, prompts: int, max_new_tokens: int, gamma: int, repeats: int, top_p: float, out: Path
+    overrides: list[str],
+    *,
+    prompts: int,
+    max_new_tokens: int,
+    gamma: int,
+    repeats: int,
+    top_p: float,
+    presence_penalty: float,
+    repetition_penalty: float,
+    out: Path,
 ) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -174,6 +228,7 @@ def suite_sampler(
     result = {"config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "draft_int8": cfg.draft_int8}}
     result["config"] |= {"prompts": prompts, "max_new_tokens": max_new_tokens, "gamma": gamma, "repeats": repeats}
     result["config"] |= {"top_p": top_p, "nucleus_candidates": sampling.NUCLEUS_CANDIDATES}  # the first search
+    result["config"] |= {"presence_penalty": presence_penalty, "repetition_penalty": repetition_penalty}
     result["config"] |= {"threads": torch.get_num_threads()} | cpu_kernels()
     result["draw_ms"] = draw_ms()
     print(format_draws(result["draw_ms"]))
@@ -187,6 +242,9 @@ def suite_sampler(
     result["decoders"] = race_decoders(target, draft, ids, samplers, **kw)
     nuclei = {name: lambda name=name: nucleus(name) for name in NUCLEI}
     result["top_p"] = race_decoders(target, draft, ids, nuclei, controls=SamplingControls(top_p=top_p), **kw)
+    penalised = SamplingControls(presence_penalty=presence_penalty, repetition_penalty=repetition_penalty)
+    ways = {name: lambda name=name: penalties(name) for name in PENALTIES}
+    result["penalties"] = race_decoders(target, draft, ids, ways, controls=penalised, alone=False, **kw)
     del target, draft
     rollout_draft = load_model(cfg.draft, device=cfg.device, dtype=torch.float32)[0]
     batch, mask = pad_prompts([p[0].tolist() for p in ids], tokenizer.pad_token_id or 0)
@@ -253,11 +311,14 @@ def format_decoders(rows: list[dict], gamma: int, what: str, timed_what: str) ->
 
 
 def format_table(result: dict) -> str:
-    """The four tables: draws, decoding at batch 1 by sampler and by nucleus search, rollout batches."""
+    """The five tables: draws, decoding at batch 1 by sampler, by nucleus search and by penalties, rollout
+    batches."""
     gamma, top_p = result["config"]["gamma"], result["config"]["top_p"]
     lines = [format_draws(result["draw_ms"]), ""]
     lines += format_decoders(result["decoders"], gamma, "sampler", "drawing tokens") + [""]
     lines += format_decoders(result["top_p"], gamma, f"top_p = {top_p}, nucleus", "truncating") + [""]
+    penalised = f"presence {result['config']['presence_penalty']}, repetition {result['config']['repetition_penalty']}"
+    lines += format_decoders(result["penalties"], gamma, f"penalties ({penalised})", "processing logits") + [""]
     lines += [
         "| rollout batch | sampler | steps | s | ms per step | of it drawing tokens |",
         "|---|---|---|---|---|---|",
@@ -276,6 +337,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--top-p", type=float, default=0.9, help="the top_p of part 3")
+    parser.add_argument("--presence-penalty", type=float, default=0.5, help="a penalty of part 4")
+    parser.add_argument("--repetition-penalty", type=float, default=1.1, help="a penalty of part 4")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--out", type=Path, default=Path("outputs/sampler"))
     args = parser.parse_args()
@@ -286,6 +349,8 @@ def main() -> None:
         gamma=args.gamma,
         repeats=args.repeats,
         top_p=args.top_p,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
         out=args.out,
     )
 

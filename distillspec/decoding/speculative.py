@@ -78,8 +78,8 @@ def sample(probs: Tensor, generator: torch.Generator | None = None, race: Tensor
     Unseeded: by inverse transform, one uniform ``u`` a row from ``generator`` and the first token whose cumulative
     mass (summed in float64, so that no token's share moves by more than about 1e-16) exceeds ``u`` times the total:
     a cumulative sum and a binary search. On a CPU that takes under a fifteenth of the time of ``V`` exponential
-    draws, and ``torch.multinomial`` draws as slowly as they do (a row of 151,936 tokens on 2 cores: 0.22 against
-    3.47 and 3.49 ms; ``python benchmarks/benchmark.py sampler``).
+    draws, and ``torch.multinomial`` draws as slowly as they do (a row of 151,936 tokens on 2 cores: 0.26 against
+    4.19 and 4.00 ms; ``python benchmarks/benchmark.py sampler``).
     ``race``: draws ``E ~ Exp(1)`` [..., V] given (:class:`SeededNoise`): the argmax of ``probs / E`` (an exponential
     race), which couples the draft's and the target's choices at a position."""
     if race is not None:
