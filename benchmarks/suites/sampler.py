@@ -77,13 +77,23 @@ class Timed:
 
 
 @contextmanager
-def sampler(name: str) -> Iterator[Timed]:
-    """The decoders with the sampler ``name`` of :data:`SAMPLERS` in place of their own while the block runs, timed."""
-    speculative.sample = timer = Timed(exponential_race if name == SAMPLERS[0] else SAMPLE)
+def swapped(owner: object, attr: str, fn: Callable) -> Iterator[Timed]:
+    """``owner.attr`` (a module's function, a class's method) replaced by ``fn``, timed, while the block runs."""
+    original, timer = getattr(owner, attr), Timed(fn)
+
+    def timed_fn(*args, **kw):  # a function, so that a method's instance is passed on as ``self``
+        return timer(*args, **kw)
+
+    setattr(owner, attr, timed_fn)
     try:
         yield timer
     finally:
-        speculative.sample = SAMPLE
+        setattr(owner, attr, original)
+
+
+def sampler(name: str) -> AbstractContextManager[Timed]:
+    """The decoders with the sampler ``name`` of :data:`SAMPLERS`, timed."""
+    return swapped(speculative, "sample", exponential_race if name == SAMPLERS[0] else SAMPLE)
 
 
 def truncate_by_sorting(logits: torch.Tensor, temperature: float, c: SamplingControls) -> torch.Tensor:
@@ -117,30 +127,15 @@ def process_densely(self, logits, rows, temperature, drafts=None):
     return sampling.truncate(out, temperature, c) if temperature > 0 else out
 
 
-@contextmanager
-def penalties(name: str) -> Iterator[Timed]:
+def penalties(name: str) -> AbstractContextManager[Timed]:
     """The decoders' processing of the logits, timed, the penalties after a block's drafts counted as ``name`` of
     :data:`PENALTIES` says."""
-    timer = Timed(process_densely if name == PENALTIES[0] else PROCESS)
-
-    def timed_process(self: History, *args, **kw) -> torch.Tensor:
-        return timer(self, *args, **kw)
-
-    History.process = timed_process
-    try:
-        yield timer
-    finally:
-        History.process = PROCESS
+    return swapped(History, "process", process_densely if name == PENALTIES[0] else PROCESS)
 
 
-@contextmanager
-def nucleus(name: str) -> Iterator[Timed]:
+def nucleus(name: str) -> AbstractContextManager[Timed]:
     """The decoders' truncation, timed, with the nucleus found as ``name`` of :data:`NUCLEI` says."""
-    sampling.truncate = timer = Timed(truncate_by_sorting if name == NUCLEI[0] else TRUNCATE)
-    try:
-        yield timer
-    finally:
-        sampling.truncate = TRUNCATE
+    return swapped(sampling, "truncate", truncate_by_sorting if name == NUCLEI[0] else TRUNCATE)
 
 
 def draw_ms(reps: int = 30) -> list[dict]:
