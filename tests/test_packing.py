@@ -146,7 +146,7 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8)
     draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))
     int8 = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
     layers = [m for m in int8.modules() if isinstance(m, Int8Linear)]
-    assert len(layers) == 2 * 7 + 1 and isinstance(int8.lm_head, Int8Linear)
+    assert len(layers) == 2 * 4 + 1 and isinstance(int8.lm_head, Int8Linear)  # q, k, v as one product, gate and up
     assert int8.lm_head.fbgemm is fbgemm and torch.equal(d2t(int8), d2t(draft))
     assert all(layer.int4 is (draft_int8 == "int4") for layer in layers)
     ids, mask = left_padded_prompts()
@@ -199,6 +199,49 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
         assert (now - new).norm() < (now - old).norm()
     with pytest.raises(DistillSpecError, match="draft_int8"):
         load_pair(*folders, dtype="float32", draft_int8=draft_int8)
+
+
+@pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
+def test_an_int8_drafts_fused_products_give_the_unfused_logits(monkeypatch, draft_int8):
+    """q, k and v as one product, and the MLP's gate and up: the logits of the unfused int8 draft to the bit, in the
+    model's own forward pass and the lean cache's steps, one product per input, and a new version's arrays (named
+    by the parts) go into the fused product."""
+    from distillspec.models import packing
+    from distillspec.models.loading import load_arrays
+    from distillspec.versions import state_arrays
+
+    from .test_kvcache import tiny_qwen2
+
+    skip_without(draft_int8)
+    unfused = quantize_decoding_draft(tiny_qwen2(seed=2), draft_int8, fuse=False)
+    fused = quantize_decoding_draft(tiny_qwen2(seed=2), draft_int8)
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, packing.FusedLinear) and isinstance(attn.k_proj, packing.FusedPart)
+    assert not any(isinstance(m, packing.FusedLinear) for m in unfused.modules())
+    assert not any(k.startswith("model.layers.0.self_attn.q_proj") for k in fused.state_dict())  # weights held once
+    products = []
+    for layer in fused.modules():
+        if isinstance(layer, packing.FusedLinear):
+            monkeypatch.setattr(layer.linear, "forward", lambda x, f=layer.linear.forward: products.append(1) or f(x))
+
+    def decode(model):
+        lm = CachedLM(model)
+        ids, mask = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+        out = [lm.prefill(ids, mask), lm.step(torch.tensor([[8], [9]])), lm.step(torch.tensor([[10, 11], [12, 13]]))]
+        with torch.no_grad():
+            return [*out, model(ids, attention_mask=mask).logits]
+
+    for a, b in zip(decode(unfused), decode(fused), strict=True):
+        assert torch.equal(a, b)
+    assert len(products) == 4 * 2 * 2  # 4 calls (3 in the cache, 1 forward) x 2 layers x 2 fused products
+    newer = perturbed(tiny_qwen2(seed=2), 0.2, seed=3)
+    for model in (unfused, fused):
+        load_arrays(model, state_arrays(newer))
+    for a, b in zip(decode(unfused), decode(fused), strict=True):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        now, new, old = (model(torch.tensor([[1, 2, 3]])).logits for model in (fused, newer, tiny_qwen2(seed=2)))
+    assert (now - new).norm() < (now - old).norm() / 3
 
 
 def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):

@@ -36,7 +36,7 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
     assert "1 seeded" in (tmp_path / "speed.md").read_text()
 
 
-def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_garden, tmp_path):
+def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own_fused_or_not(tiny_garden, tmp_path):
     from distillspec.models.loading import int8_kernels
 
     kernels = tuple(int8_kernels())
@@ -53,9 +53,11 @@ def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own(tiny_ga
         out=tmp_path,
         int8="only",
         int8_kernels=kernels,
+        unfused=True,
     )
     suffixes = ["" if kernel == "weight-only" else f" {kernel}" for kernel in kernels]
-    names = {f"{draft} int8{suffix}" for draft in ("draft", "draft V=64") for suffix in suffixes}
+    names = {f"{draft} int8{suffix}{fused}" for draft in ("draft", "draft V=64") for suffix in suffixes
+             for fused in ("", " unfused")}  # fmt: skip
     assert {row["draft"] for row in result["rows"]} == names
     assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD with int8 drafts is still exact
 

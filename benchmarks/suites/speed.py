@@ -7,7 +7,8 @@ frequent tokens of the task's training data (:mod:`distillspec.models.draft_voca
 made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
 those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
 ``--int8 only``: instead of its own), once per kernel of ``--int8-kernels`` (``weight-only``, as ``draft_int8=true``
-decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do).
+decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do); with ``--unfused`` each int8
+draft also with one product per projection (``fuse=False``), against the sibling products of one input fused in one.
 Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
@@ -113,6 +114,7 @@ def suite_speed(
     compile: bool = False,
     int8: str | None = None,
     int8_kernels: tuple[str, ...] = ("weight-only",),
+    unfused: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -128,6 +130,9 @@ def suite_speed(
         for i, kernel in enumerate(int8_kernels):
             name = f"{kind} int8" + ("" if kernel == "weight-only" else f" {kernel}")
             last = i == len(int8_kernels) - 1  # with "only" the last kernel takes the float draft itself, no copy
+            if unfused:  # the same draft with one product per projection, raced against the fused one
+                drafts[f"{name} unfused"] = copy.deepcopy(drafts[kind])
+                quantize_decoding_draft(drafts[f"{name} unfused"], INT8_KERNELS[kernel], fuse=False)
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_decoding_draft(drafts[name], INT8_KERNELS[kernel])
     ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
@@ -136,7 +141,7 @@ def suite_speed(
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
     config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}
-    config |= {"int8_kernels": list(int8_kernels)} if int8 else {}
+    config |= {"int8_kernels": list(int8_kernels), "unfused": unfused} if int8 else {}
     config |= {"compile": compile, "threads": torch.get_num_threads(), "prompts": len(texts), "repeats": repeats}
     config |= cpu_kernels()
     result = {
@@ -315,6 +320,11 @@ def main() -> None:
         "draft_int8=int4, 4-bit steps)",
     )
     parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="with --int8: each int8 draft also with its q/k/v and gate/up products unfused (one product each)",
+    )
+    parser.add_argument(
         "--seeded", action="store_true", help="also race seeded requests at T > 0 (keyed random numbers, coupling)"
     )
     parser.add_argument("--out", type=Path, default=Path("outputs/speed"))
@@ -337,6 +347,7 @@ def main() -> None:
         compile=args.compile,
         int8=args.int8,
         int8_kernels=tuple(args.int8_kernels),
+        unfused=args.unfused,
     )
 
 

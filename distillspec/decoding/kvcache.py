@@ -66,15 +66,22 @@ def _lean_layers(model: PreTrainedModel, rope, h: Tensor, positions: Tensor, att
     batch, k = h.shape[:2]
     cos, sin = inner.rotary_emb(h, positions)
     for i, layer in enumerate(inner.layers):
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
-        key = attn.k_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
-        value = attn.v_proj(x).view(batch, k, -1, attn.head_dim).transpose(1, 2)
+        qkv = getattr(attn, "qkv_proj", None)  # q, k and v as one product (packing.FusedLinear), if fused
+        q, key, value = qkv(x) if qkv is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(batch, k, -1, attn.head_dim).transpose(1, 2)
+        key = key.view(batch, k, -1, attn.head_dim).transpose(1, 2)
+        value = value.view(batch, k, -1, attn.head_dim).transpose(1, 2)
         q, key = rope(q, key, cos, sin)
         o = attend(i, q, key, value)
         h = h + attn.o_proj(o.transpose(1, 2).reshape(batch, k, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        x = layer.post_attention_layernorm(h)
+        if (gate_up := getattr(mlp, "gate_up_proj", None)) is not None:  # gate and up as one product, if fused
+            gate, up = gate_up(x)
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        else:
+            h = h + mlp(x)
     return h
 
 

@@ -23,6 +23,7 @@ from distillspec.decoding.speculative import check_pair
 from distillspec.errors import DistillSpecError
 from distillspec.models import draft_vocab, hub
 from distillspec.models.packing import (
+    FusedLinear,
     Int8Linear,
     can_prepack,
     fbgemm_available,
@@ -241,16 +242,26 @@ def _load_restricted(name: str, config, dtype: torch.dtype) -> PreTrainedModel:
 def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
     """Copy ``arrays`` (:func:`~distillspec.versions.state_arrays` of a model of the same architecture) into
     ``model``'s weights: one copy, read straight from the arrays, which may be read-only views of Ray's object store
-    (only ``copy_`` reads them, so torch's warning about tensors over read-only memory does not apply)."""
+    (only ``copy_`` reads them, so torch's warning about tensors over read-only memory does not apply). A fused
+    product (:class:`~distillspec.models.packing.FusedLinear`) takes its parts' arrays stacked."""
+    fused = {f"{n}.linear": m for n, m in model.named_modules() if isinstance(m, FusedLinear)}
+
+    def dense(layer: str, leaf: str) -> np.ndarray | None:  # a fused product's arrays are its parts', stacked
+        if layer not in fused:
+            return arrays[f"{layer}.{leaf}"] if leaf == "weight" else arrays.get(f"{layer}.{leaf}")
+        parent = layer.removesuffix(".linear").rpartition(".")[0]
+        parts = [arrays.get(f"{parent}.{part}.{leaf}") for part in fused[layer].parts]
+        return None if parts[0] is None else np.concatenate(parts)
+
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         quantized = {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
         for name, tensor in model.state_dict().items():
             layer, _, leaf = name.rpartition(".")
             if layer not in quantized:
-                tensor.copy_(torch.as_tensor(arrays[name]))
+                tensor.copy_(torch.as_tensor(arrays[name] if layer not in fused else dense(layer, leaf)))
             elif leaf == "weight":  # an int8 layer quantizes the float weight (its scales and bias come with it)
-                quantized[layer].load_dense(torch.as_tensor(arrays[name]), arrays.get(f"{layer}.bias"))
+                quantized[layer].load_dense(torch.as_tensor(dense(layer, leaf)), dense(layer, "bias"))
     release_memory()
 
 
@@ -416,15 +427,16 @@ def resolve_draft_int8(
     return True, "auto: a weight-bound draft on a CPU whose torch has no fbgemm"
 
 
-def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8) -> PreTrainedModel:
+def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8, fuse: bool = True) -> PreTrainedModel:
     """``model``, a draft that only decodes, with int8 weights where ``int8`` (``draft_int8``, ``auto`` resolved by
     :func:`resolve_draft_int8` for it) says: :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
-    GEMM if ``fbgemm``; with ``int4`` its steps through 4-bit weights, its prompts through fbgemm where torch has it."""
+    GEMM if ``fbgemm``; with ``int4`` its steps through 4-bit weights, its prompts through fbgemm where torch has it;
+    with ``fuse`` (the default; off for a benchmark's comparison), sibling products of one input as one."""
     if int8 == "auto":
         int8 = resolve_draft_int8(int8, parameter_count(model), str(next(model.parameters()).device))[0]
     if int8:
         fbgemm = int8 == "fbgemm" or (int8 == "int4" and fbgemm_available())  # int4: prompts through fbgemm
-        quantize_int8(model, fbgemm=fbgemm, int4=int8 == "int4")
+        quantize_int8(model, fbgemm=fbgemm, int4=int8 == "int4", fuse=fuse)
         release_memory()
     return model
 
