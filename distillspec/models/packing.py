@@ -287,10 +287,11 @@ class FusedLinear(nn.Module):
     the parts stay where the model's own code calls them, as :class:`FusedPart` modules, and its calls of one input
     share one product: the first computes it, the others take their slices.
 
-    A product has a cost of its own besides the bytes it reads (for fbgemm's int8 GEMM at one row, about 45 us a
-    call on a Zen 3 CPU, whatever its size): a drafting step of the 0.5B Qwen draft through fbgemm made 169 calls,
-    97 fused, and took 36 ms fused against 42-44 unfused, with the same logits to the bit (each output row's
-    product, its scale and its activations' rounding are the row's own)."""
+    A product has a cost of its own besides the bytes it reads, most of all through fbgemm: a drafting step of the
+    0.5B Qwen draft through fbgemm makes 169 products unfused and 97 fused, and took 39.6 ms against 43.1 on a Zen 3
+    CPU (docs/MEASUREMENTS.md), with the same logits to the bit: each output row's product and scale, and each input
+    row's rounding, are its own. An :class:`Int8Linear` draft is fused (:func:`quantize_int8`); float drafts are
+    not."""
 
     def __init__(self, linear: nn.Module, parts: dict[str, int]) -> None:
         super().__init__()
