@@ -19,11 +19,11 @@ from actors.weights import take
 from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
 from distillspec.integrity import TransferRefused
-from distillspec.models.loading import load_arrays, load_model, load_tokenizer
+from distillspec.models.loading import load_arrays, load_tokenizer
 from distillspec.tasks.data import Example
 from distillspec.training.batches import BatchHeader, RolloutBatch
 from distillspec.training.losses import forward_logits, train_temperature
-from distillspec.training.rollout import Sampler, needs_target_samples, online_rows
+from distillspec.training.rollout import Sampler, load_rollout_draft, needs_target_samples, online_rows
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,7 @@ class RolloutActor:
             )
             self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
         else:
-            # In bfloat16 where the learner trains under bfloat16 autocast (distill.bf16), which casts each weight
-            # as it is used: its samples are the learner's draft's, for half the memory of float32 weights.
-            autocast = d.bf16 if d.bf16 is not None else m.dtype == "bfloat16"
-            dtype = torch.bfloat16 if autocast else torch.float32
-            self.draft, self.tokenizer = load_model(m.draft, device=m.device, dtype=dtype)
+            self.draft, self.tokenizer = load_rollout_draft(m, d.bf16, s.rollout.decoding_copy)
             target = None
             if needs_target_samples(resolve_recipe(d)):
                 target = load_target(m, s.run)

@@ -225,6 +225,13 @@ class RolloutConfig:
     cpus: NonNegFloat = knob(0.25, "CPUs reserved per rollout actor (fractional on small machines)")
     gpus: NonNegFloat = knob(0.0, "GPUs per rollout actor")
     backend: Backend = knob("hf", "engine of the rollout and scoring actors: hf (transformers) | vllm (see vllm.*)")
+    decoding_copy: bool = knob(
+        False,
+        "sample the draft's continuations with its decoding copy (the pair's dtype, int8 as draft_int8 says: on a "
+        "CPU, int8 through fbgemm's GEMM for a draft of 250M parameters or more) instead of the weights it trains: "
+        "faster sampling, from a draft a little off the one the learner trains (the quantized one that serves); "
+        "each new version is quantized as it loads (the Ray pipeline's rollout actors, rollout.backend=hf)",
+    )
     online: bool = knob(False, "train on prompts a Serve endpoint serves (serve.record_prompts), not the data set")
     online_window: PosInt = knob(2048, "the most recent served prompts rollouts sample from")
     online_min_prompts: PosInt = knob(8, "rollouts wait until the prompt log holds this many")
@@ -597,6 +604,12 @@ class JobConfig:
             raise DistillSpecError(
                 f"draft_vocab={self.draft_vocab}: vLLM's draft_model drafts take no draft vocabulary (vLLM restricts "
                 "the vocabulary of EAGLE-3 heads only): set rollout.backend=hf and serve.backend=hf, or draft_vocab=0"
+            )
+        if self.rollout.decoding_copy and (self.rollout.backend == "vllm" or self.ray.mode == "sync"):
+            raise DistillSpecError(
+                "rollout.decoding_copy=true samples with a decoding copy of the draft in the Ray pipeline's rollout "
+                f"actors (rollout.backend=hf, ray.mode=async), not with rollout.backend={self.rollout.backend} and "
+                f"ray.mode={self.ray.mode}: set rollout.decoding_copy=false"
             )
         if self.rollout.backend == "vllm" and self.ray.mode == "sync":
             raise DistillSpecError(

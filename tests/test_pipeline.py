@@ -85,7 +85,8 @@ def test_pipeline_trains_publishes_evaluates_and_balances(ray_cluster, tiny_gard
 
 def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_garden, task, tmp_path):
     # Top-k target log-probs on the way (the large-vocabulary path): from a scoring actor for the draft's samples,
-    # from the rollout actor itself for the target's (speculative decoding scored them).
+    # from the rollout actor itself for the target's (speculative decoding scored them). The rollouts sample with the
+    # draft's int8 decoding copy, into which each new version is quantized.
     cfg = job_config(
         tiny_garden,
         tmp_path,
@@ -96,6 +97,8 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
         "evaluator.every=0",
         "learner.target_logits=scorer",
         "scorer.topk=16",
+        "rollout.decoding_copy=true",
+        "draft_int8=true",
     )
     pipeline = Pipeline(cfg, task, tmp_path)
     box = {}
@@ -108,10 +111,12 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
         ray.kill(pipeline.rollouts[0], no_restart=False)  # Ray restarts it and retries its call
         runner.join(timeout=300)
         new_pid = ray.get(pipeline.rollouts[0].pid.remote())
+        versions = [ray.get(r.stats.remote())["version"] for r in pipeline.rollouts]
     finally:
         pipeline.shutdown()
     result = box["result"]
     assert new_pid != old_pid
+    assert max(versions) > 0  # new versions reached the decoding copies
     assert len(result.train_log) == 14 and all(np.isfinite(r["loss"]) for r in result.train_log)
     assert {r["source"] for r in result.train_log} == {"draft", "target"}
     assert result.ledger["balanced"] and result.ledger["consumed"] == 14, result.ledger

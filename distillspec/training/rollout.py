@@ -14,10 +14,10 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import Recipe, resolve_recipe
+from distillspec.config import Models, Recipe, resolve_recipe
 from distillspec.decoding.speculative import Logprobs, autoregressive_generate, speculative_generate
 from distillspec.errors import DistillSpecError
-from distillspec.models.loading import encode_prompts
+from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, resolve_dtype
 from distillspec.tasks.data import Example
 from distillspec.training.batches import Batch, make_batch
 from distillspec.training.divergences import TopKLogprobs
@@ -48,17 +48,18 @@ def generate_batch(
     generator: torch.Generator | None = None,
     max_prompt_tokens: int | None = None,
     topk: int = 0,
+    eos_token_id: int | list[int] | None = None,
 ) -> Batch:
     """Continuations of the prompts (their last ``max_prompt_tokens`` tokens) sampled from the draft (on-policy) or
-    the target (via SD). ``topk``: target samples at temperature 1 come with the target's top-k log-probs of each
-    position (:attr:`Batch.target`), which speculative decoding computed to verify them: a scorer then has nothing
-    left to do."""
+    the target (via SD), each ending at ``eos_token_id`` (default: the tokenizer's; ``[]``: none). ``topk``: target
+    samples at temperature 1 come with the target's top-k log-probs of each position (:attr:`Batch.target`), which
+    speculative decoding computed to verify them: a scorer then has nothing left to do."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], max_len=max_prompt_tokens)
     prompt_ids, prompt_mask = prompt_ids.to(draft.device), prompt_mask.to(draft.device)
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
         attention_mask=prompt_mask,
         generator=generator,
         pad_token_id=tokenizer.pad_token_id,
@@ -106,6 +107,23 @@ def online_rows(batch_size: int, mix: float) -> tuple[int, int]:
 def needs_target_samples(recipe: Recipe) -> bool:
     """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
     return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
+
+
+def load_rollout_draft(
+    models: Models, bf16: bool | None, decoding_copy: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The draft a rollout samples with (new versions load into it: :func:`~distillspec.models.loading.load_arrays`).
+    With ``decoding_copy`` (``rollout.decoding_copy``), its decoding copy: the pair's dtype, int8 as
+    ``models.draft_int8`` says (:func:`~distillspec.models.loading.load_decoding_draft`). Else the weights it trains,
+    in bfloat16 where the learner trains under bfloat16 autocast (``bf16``, ``distill.bf16``; None: where the pair
+    runs in bfloat16), which casts each weight as it is used: the learner's draft's samples, for half the memory of
+    float32 weights."""
+    m = models
+    if decoding_copy:
+        dtype = getattr(torch, resolve_dtype(m.dtype, m.target, m.device)[0])
+        return load_decoding_draft(m.draft, device=m.device, dtype=dtype, int8=m.draft_int8)
+    autocast = bf16 if bf16 is not None else m.dtype == "bfloat16"
+    return load_model(m.draft, device=m.device, dtype=torch.bfloat16 if autocast else torch.float32)
 
 
 #: A sampler backend: the continuations of a batch of ``examples`` from ``source`` ("draft" or "target").
