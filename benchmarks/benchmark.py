@@ -99,6 +99,7 @@ SUITES = {
     "following": Suite("following", "main", "command"),
     "client": Suite("client", "main", "command"),
     "sampler": Suite("sampler", "main", "command"),
+    "rollout-draft": Suite("rollout_draft", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).
 GROUPS = {
