@@ -24,6 +24,20 @@ def test_the_suite_samples_with_both_drafts_and_loads_a_version_into_each(tiny_g
     assert "its decoding copy" in (tmp_path / "rollout_draft.md").read_text()
 
 
+def test_the_job_says_its_rollouts_sample_with_the_decoding_copy(tiny_garden):
+    from distillspec.models.pretrained import prepare_models
+    from distillspec.tasks.data import arith_task
+
+    lines = []
+    pair = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "draft_int8=true"]
+    prepare_models(
+        load_config(None, [*pair, "rollout.decoding_copy=true"]), arith_task(n_train=8, n_test=4), log=lines.append
+    )
+    assert "decodes in weight-only int8 (set by draft_int8); its rollouts sample with that copy" in lines[-1]
+    prepare_models(load_config(None, pair), arith_task(n_train=8, n_test=4), log=lines.append)
+    assert "rollout" not in lines[-1]
+
+
 @pytest.mark.parametrize("setting", ["rollout.backend=vllm", "ray.mode=sync"])
 def test_a_decoding_copy_is_refused_where_no_rollout_actor_samples_with_it(setting):
     with pytest.raises(DistillSpecError, match="rollout.decoding_copy"):

@@ -326,7 +326,8 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     draft_int8, quantized = resolve_draft_int8(cfg.draft_int8, parameter_count(draft), cfg.device, vllm=vllm)
     int8 = {True: "weight-only int8", "fbgemm": "int8 through fbgemm's GEMM", "int4": "int4 steps, int8 prompts"}
     int8 = int8.get(draft_int8, f"{dtype}")
-    log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}, decodes in {int8} ({quantized})")
+    rollouts = "; its rollouts sample with that copy (rollout.decoding_copy)" if cfg.rollout.decoding_copy else ""
+    log(f"dtype: {dtype} ({why}){packed}; the draft trains in {trains}, decodes in {int8} ({quantized}){rollouts}")
     if bf16 and not native_bf16(cfg.device):
         log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, about 18x slower")
     distill = replace(cfg.distill, bf16=bf16)
