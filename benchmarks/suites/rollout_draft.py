@@ -43,7 +43,9 @@ def suite_rollout_draft(overrides: list[str], *, rows: int, max_new_tokens: int,
     cfg = load_config(None, overrides)
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     m, d = cfg.models, cfg.distill
-    drafts = {name: load_rollout_draft(m, d.bf16, copy) for name, copy in zip(DRAFTS, (False, True), strict=True)}
+    drafts = {
+        name: load_rollout_draft(m, d.bf16, decoding) for name, decoding in zip(DRAFTS, (False, True), strict=True)
+    }
     tokenizer = drafts[DRAFTS[0]][1]
     result = {"config": {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "draft_int8": cfg.draft_int8}}
     result["config"] |= {"rows": rows, "max_new_tokens": max_new_tokens, "repeats": repeats}
