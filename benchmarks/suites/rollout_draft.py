@@ -76,7 +76,8 @@ def suite_rollout_draft(overrides: list[str], *, rows: int, max_new_tokens: int,
     result["sampling"] = [
         {"draft": n, "seconds": s, "steps": k, "ms_per_step": 1e3 * s / k} for n, (s, k) in sampling.items()
     ]
-    version = state_arrays(load_rollout_draft(m, d.bf16, False)[0])  # a version as the learner publishes it
+    # a version as the learner publishes it, in buffers of its own (as one pulled from the object store)
+    version = {name: array.copy() for name, array in state_arrays(drafts[DRAFTS[0]][0]).items()}
     result["load_s"] = {}
     for name in DRAFTS:
         start = time.perf_counter()

@@ -387,7 +387,4 @@ def quantize_int8(model: nn.Module, fbgemm: bool = False, int4: bool = False, fu
             quantized.register_buffer("d2t", linear.d2t)
         return quantized
 
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return (fuse_linears(model, int8_like) if fuse else 0) + replace_linears(model, int8_like)
+    return (fuse_linears(model, int8_like) if fuse else 0) + replace_linears(model, int8_like)  # (which freezes)
