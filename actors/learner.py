@@ -97,7 +97,7 @@ def learner_loop(config: dict) -> None:
 
     target = None  # with scoring actors every batch comes scored: the learner holds no copy of the target
     if s.learner.target_logits == "learner":
-        target = load_target(m, run, str(device))
+        target = load_target(m, run, str(device), scores_only=True)
     draft, tokenizer = load_model(m.draft, device=str(device))
     learner = Learner(draft, target, distill)
     records, seconds_before = None, 0.0  # the run's log (rank 0 keeps it)

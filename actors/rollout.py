@@ -172,7 +172,7 @@ class ScorerActor:
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
         else:
-            self.target = load_target(m, s.run)
+            self.target = load_target(m, s.run, scores_only=True)
 
     @torch.inference_mode()  # outermost: its wrapper copies the method's Ray options (num_returns) from the inner one
     @ray.method(num_returns=2)

@@ -52,10 +52,14 @@ def shared_target(run: str) -> SharedWeights | None:
     return None
 
 
-def load_target(models: Models, run: str, device: str | None = None) -> PreTrainedModel:
+def load_target(models: Models, run: str, device: str | None = None, *, scores_only: bool = False) -> PreTrainedModel:
     """The frozen target of an actor of run ``run``, on ``device`` (default ``models.device``): built over the
-    weights the run shares (:func:`shared_target`), else read from disk."""
+    weights the run shares (:func:`shared_target`), else read from disk. ``scores_only``: a target that scores
+    batches of many rows and never decodes (a learner's, a scoring actor's) keeps oneDNN's layout where its float32
+    weights are prepacked, whose GEMM was faster than the few-row kernel's for a prompt's 128 rows."""
     device = device or models.device
+    kernel = "onednn" if scores_only else "auto"
+    shared = shared_target(run)
     return load_model(
-        models.target, device=device, dtype=models.dtype, prepack=models.prepack, shared=shared_target(run)
+        models.target, device=device, dtype=models.dtype, prepack=models.prepack, shared=shared, kernel=kernel
     )[0]

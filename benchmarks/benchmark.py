@@ -100,6 +100,7 @@ SUITES = {
     "client": Suite("client", "main", "command"),
     "sampler": Suite("sampler", "main", "command"),
     "rollout-draft": Suite("rollout_draft", "main", "command"),
+    "target-kernel": Suite("target_kernel", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).
 GROUPS = {

@@ -562,8 +562,10 @@ class JobConfig:
     prepack: bool | Literal["auto"] = knob(
         "auto",
         "lay the frozen target's linear weights out for products of a few rows on a CPU, so that a step and a "
-        "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights prepacked once "
-        "for oneDNN (eager float32 re-lays them on every call), bfloat16 ones multiplied as matrix-vector products "
+        "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights laid out once "
+        "for the project's few-row kernel on x86 CPUs with AVX2 (built on first use with a C++ compiler; "
+        "DISTILLSPEC_FEW_ROWS=0 turns it off), else prepacked for oneDNN (eager float32 re-lays them on every "
+        "call), bfloat16 ones multiplied as matrix-vector products "
         "(oneDNN's bfloat16 product of a few rows reads them at half the rate on a CPU with AMX). auto = on for a "
         "target on a CPU that is large enough to be bound by reading its weights (over 1 GB): float32, or bfloat16 "
         "on a CPU with AMX; true; false",

@@ -163,7 +163,7 @@ def test_dtype_auto_is_bfloat16_only_for_a_weight_bound_target_on_bfloat16_hardw
 
 def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat16(text_pair, tokenizer, tmp_path):
     from distillspec.config import load_config
-    from distillspec.models import loading, pretrained
+    from distillspec.models import few_rows, loading, pretrained
     from distillspec.tasks.data import arith_task
 
     for name, model in zip(("target", "draft"), text_pair):
@@ -185,7 +185,8 @@ def test_the_draft_trains_under_bfloat16_autocast_where_the_pair_runs_in_bfloat1
         cfg = pretrained.prepare_models(load_config(None, [*pair, "distill.bf16=false"]), task, log=lines.append)
         assert cfg.distill.bf16 is False
     cfg = pretrained.prepare_models(load_config(None, [*pair, "dtype=float32", "prepack=true"]), task, log=lines.append)
-    assert cfg.prepack is True and "prepacked (set by prepack)" in lines[-1]
+    assert cfg.prepack is True and "(set by prepack)" in lines[-1]
+    assert ("laid out for the few-row kernel" if few_rows.available() else "prepacked for oneDNN") in lines[-1]
 
 
 def test_train_top_k_trains_the_last_k_decoder_layers_only():

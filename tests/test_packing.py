@@ -1,6 +1,7 @@
-"""A target's weights laid out for few-row products (distillspec/models/packing.py: float32 prepacked, bfloat16 as
-matrix-vector products): the same logits, exact speculative decoding, and the choice of when to lay them out
-(distillspec.models.loading.resolve_prepack); and int8 drafts."""
+"""A target's weights laid out for few-row products (distillspec/models/packing.py: float32 for the few-row kernel
+of distillspec/models/few_rows.py or prepacked for oneDNN, bfloat16 as matrix-vector products): the same logits,
+exact speculative decoding, and the choice of when to lay them out (distillspec.models.loading.resolve_prepack); and
+int8 drafts."""
 
 import copy
 
@@ -9,6 +10,7 @@ import torch
 
 from distillspec import DistillSpecError, speculative_generate
 from distillspec.decoding.kvcache import CachedLM
+from distillspec.models import few_rows
 from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft, resolve_prepack
 from distillspec.models.packing import FEW_ROWS, FewRowLinear, PackedLinear, can_prepack, prepack_linears
 
@@ -17,12 +19,25 @@ from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, 
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
 
+#: The float32 layouts: the few-row kernel's (where it builds: x86 with AVX2 and a C++ compiler) and oneDNN's.
+KERNELS = [
+    pytest.param(
+        "few_rows",
+        marks=[
+            needs_compiler,
+            pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2"),
+        ],
+    ),
+    "onednn",
+]
 
-def test_a_packed_model_gives_the_same_logits_in_the_forward_pass_and_the_cache():
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_packed_model_gives_the_same_logits_in_the_forward_pass_and_the_cache(kernel):
     model = tiny_llama(64, d=64, layers=2, seed=1)
     packed = copy.deepcopy(model)
-    assert prepack_linears(packed) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
-    assert isinstance(packed.lm_head, PackedLinear)
+    assert prepack_linears(packed, kernel=kernel) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert isinstance(packed.lm_head, PackedLinear) and packed.lm_head.kernel == kernel
     assert not any(p.requires_grad for p in packed.parameters())
     ids, mask = left_padded_prompts()
     with torch.no_grad():
@@ -34,12 +49,13 @@ def test_a_packed_model_gives_the_same_logits_in_the_forward_pass_and_the_cache(
     assert torch.allclose(fast_lm.step(new), plain_lm.step(new), atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_sd_with_a_packed_target_equals_the_targets_greedy(gamma):
+def test_greedy_sd_with_a_packed_target_equals_the_targets_greedy(gamma, kernel):
     target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
     draft = perturbed(target, 0.01)
     packed = copy.deepcopy(target)
-    prepack_linears(packed)
+    prepack_linears(packed, kernel=kernel)
     assert_greedy_sd_is_target_greedy(packed, draft, gamma, reference=target)
 
 
@@ -56,6 +72,36 @@ def test_sd_with_a_packed_target_follows_the_targets_distribution():
         packed, draft, prompt.repeat(12_000, 1), gamma=3, max_new_tokens=2, generator=torch.Generator().manual_seed(0)
     )
     assert fit_to_target(out, target, prompt) > 1e-3
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 150])
+@pytest.mark.parametrize(("inputs", "outputs"), [(24, 5), (64, 130), (1032, 200)])
+@needs_compiler
+def test_the_few_row_kernel_gives_the_dense_product_at_any_row_count(rows, inputs, outputs):
+    """Outputs past a block of 64 rows, inputs past a chunk of 512 and not a multiple of it, rows past a tile of 8."""
+    if few_rows.unavailable_reason() is not None:
+        pytest.skip(few_rows.unavailable_reason())
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(inputs, outputs, bias=outputs % 2 == 0)
+    packed = PackedLinear(linear, kernel="few_rows")
+    assert packed.kernel == "few_rows" and not hasattr(packed, "weight")
+    x = torch.randn(rows, inputs)
+    with torch.no_grad():
+        assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+        assert packed(x[None]).shape == (1, rows, outputs)
+
+
+def test_the_few_row_kernel_is_refused_where_it_cannot_run(monkeypatch):
+    """Inputs that are not a multiple of 8 keep oneDNN's layout under auto, and are refused by name; so is a kernel
+    switched off."""
+    odd = torch.nn.Linear(12, 8)
+    assert PackedLinear(odd).kernel == "onednn"
+    with pytest.raises(DistillSpecError, match="multiples of 8, not 12"):
+        PackedLinear(odd, kernel="few_rows")
+    with pytest.raises(ValueError, match="auto, few_rows or onednn"):
+        PackedLinear(odd, kernel="mkl")
+    monkeypatch.setenv(few_rows.SWITCH, "0")
+    assert few_rows.unavailable_reason() == f"{few_rows.SWITCH}=0"
 
 
 def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits():

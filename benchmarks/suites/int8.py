@@ -6,9 +6,9 @@ model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft
 four rows (drafting steps) through 4-bit weights in groups of 32, more through fbgemm (``draft_int8=int4``). Over 16
 rows (a prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is
 timed in a float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32
-product, the float32 weight prepacked for oneDNN (what ``prepack`` does to a float32 target), the eager bfloat16
-product (a model in ``dtype=bfloat16``) and the bfloat16 product as matrix-vector ones (what ``prepack`` does to a
-bfloat16 target).
+product, the float32 weight prepacked for oneDNN and laid out for the few-row kernel where it runs (what ``prepack``
+does to a float32 target: :mod:`distillspec.models.few_rows`), the eager bfloat16 product (a model in
+``dtype=bfloat16``) and the bfloat16 product as matrix-vector ones (what ``prepack`` does to a bfloat16 target).
 
 1. Milliseconds of one product, on the layers of the Qwen2.5-Coder pair with random weights (no model needed): the
    target's MLP projection (1536 -> 8960), the draft's (896 -> 4864) and a draft head of 32,768 tokens (896 ->
@@ -44,6 +44,7 @@ from benchmarks.suites.common import cpu_kernels, limits_text
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
+from distillspec.models import few_rows
 from distillspec.models.loading import encode_prompts, int8_kernels, load_model, quantize_decoding_draft
 from distillspec.models.packing import FewRowLinear, PackedLinear, can_prepack
 from distillspec.models.pretrained import prepare_pair
@@ -74,7 +75,9 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         nn.init.normal_(linear.weight, std=fan_in**-0.5)
         kernels = {"float32": linear}
         if can_prepack():
-            kernels["float32 prepacked"] = PackedLinear(linear)
+            kernels["float32 prepacked"] = PackedLinear(linear, kernel="onednn")
+            if few_rows.available() and fan_in % 8 == 0:
+                kernels["float32 few-row kernel"] = PackedLinear(linear, kernel="few_rows")
         kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
         kernels["bfloat16 few rows"] = FewRowLinear(copy.deepcopy(linear).bfloat16())
         for model_dtype in (torch.float32, torch.bfloat16):

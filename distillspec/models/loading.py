@@ -184,13 +184,16 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     prepack: bool | str = False,
     shared: SharedWeights | None = None,
+    kernel: str = "auto",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer from a hub id or a local ``save_pretrained`` directory; ``dtype`` is a torch
     dtype or its name (``"bfloat16"``; ``"auto"``: :func:`resolve_dtype` for this model as a target). ``prepack``
     freezes it with its linear weights laid out for few-row products
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
-    :func:`resolve_prepack`). ``shared``: the weights of this model in this dtype, shared with other processes
-    (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of read from files."""
+    :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
+    :class:`~distillspec.models.packing.PackedLinear` takes it). ``shared``: the weights of this model in this dtype,
+    shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of
+    read from files."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -216,7 +219,7 @@ def load_model(
     if prepack == "auto":
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
-        prepack_linears(model)
+        prepack_linears(model, kernel=kernel)
     release_memory()
     return model, tokenizer
 

@@ -5,7 +5,10 @@ At batch 1 a decoding step is bound by reading the weights, so a few more rows (
 scores) should cost little. In float32 on a CPU they do not: an eager ``Linear`` of 2-8 rows costs 1.5-2.5x the
 one-row product, because the GEMM re-lays the whole weight out on every call. A :class:`PackedLinear` holds its
 weight in the blocked layout oneDNN computes from (``torch.ops.mkldnn._reorder_linear_weight``, as inductor's
-freezing pass does), laid out once when the model is loaded; 1-8 rows then cost about the same. On CPUs that compute
+freezing pass does), laid out once when the model is loaded; 1-8 rows then cost 1.0-1.6x one row. On an x86 CPU with
+AVX2 it holds the layout of the few-row kernel (:mod:`distillspec.models.few_rows`) instead, which keeps the rows'
+inputs in cache while the weight streams past: faster at every row count of a step or a verification. On CPUs that
+compute
 bfloat16 natively the pair runs in bfloat16 instead (``dtype=auto``), whose products are flat in the rows; on one
 with AMX, though, oneDNN's bfloat16 product of a few rows reads its weight at half the rate of the same product as
 matrix-vector ones, which a :class:`FewRowLinear` runs instead.
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from distillspec.errors import DistillSpecError
+from distillspec.models import few_rows
 from distillspec.models.draft_vocab import DraftHead
 
 
@@ -34,28 +38,51 @@ def can_prepack(device: str | torch.device = "cpu") -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` whose float32 weight is prepacked for oneDNN; ``forward`` takes any leading shape.
+    """A frozen ``nn.Linear`` whose float32 weight is laid out once for a CPU's few-row products; ``forward`` takes
+    any leading shape. The layout is the few-row kernel's (:mod:`distillspec.models.few_rows`: AVX2, its inputs a
+    multiple of 8) where that kernel runs and ``kernel`` allows it, else the blocked one oneDNN computes from
+    (``rows`` is the row count oneDNN's layout is tuned for; any count is computed correctly).
 
-    ``rows`` is the row count the layout is tuned for (any count is computed correctly)."""
+    ``kernel``: ``"auto"`` (the few-row kernel where it runs), ``"few_rows"`` (an error where it does not),
+    ``"onednn"``."""
 
-    def __init__(self, linear: nn.Linear, rows: int = 8) -> None:
+    def __init__(self, linear: nn.Linear, rows: int = 8, kernel: str = "auto") -> None:
         super().__init__()
         weight = linear.weight.detach()
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"PackedLinear takes float32 CPU weights, not {weight.dtype} on {weight.device}")
+        if kernel not in ("auto", "few_rows", "onednn"):
+            raise ValueError(f"kernel is auto, few_rows or onednn, not {kernel!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        fits = self.in_features % 8 == 0
+        if kernel == "few_rows" and not (fits and few_rows.available()):
+            raise DistillSpecError(
+                f"the few-row kernel does not run here: {few_rows.unavailable_reason() or 'see the warning above'}"
+                if fits
+                else f"the few-row kernel takes inputs in multiples of 8, not {self.in_features}"
+            )
+        self.kernel = "few_rows" if kernel != "onednn" and fits and few_rows.available() else "onednn"
+        if self.kernel == "few_rows":
+            self.packed = few_rows.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if self.kernel == "few_rows":
+            out = few_rows.matmul(rows, self.packed, self.out_features)
+            if self.bias is not None:
+                out += self.bias
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"{shape}, packed for {'the few-row kernel' if self.kernel == 'few_rows' else 'oneDNN'}"
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> int:
@@ -110,19 +137,21 @@ class FewRowLinear(nn.Module):
 
 def layout_name(dtype: str) -> str:
     """What :func:`prepack_linears` does to a target in ``dtype`` (``"float32"``, ``"bfloat16"``), for a console."""
-    return "weights prepacked" if dtype == "float32" else "few-row products as matrix-vector ones"
+    if dtype != "float32":
+        return "few-row products as matrix-vector ones"
+    return "weights laid out for the few-row kernel" if few_rows.available() else "weights prepacked for oneDNN"
 
 
-def prepack_linears(model: nn.Module, rows: int = 8) -> int:
+def prepack_linears(model: nn.Module, rows: int = 8, kernel: str = "auto") -> int:
     """Lay out every linear layer of ``model`` on a CPU (in place) for few-row products: a float32 one becomes a
-    :class:`PackedLinear`, a bfloat16 one a :class:`FewRowLinear`; the model is frozen. Returns how many were laid
-    out."""
+    :class:`PackedLinear` (``kernel`` as there), a bfloat16 one a :class:`FewRowLinear`; the model is frozen.
+    Returns how many were laid out."""
 
     def pack(linear: nn.Linear) -> nn.Module | None:
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
         if linear.weight.dtype == torch.float32:
-            return PackedLinear(linear, rows)
+            return PackedLinear(linear, rows, kernel)
         return FewRowLinear(linear) if linear.weight.dtype == torch.bfloat16 else None
 
     return replace_linears(model, pack)

@@ -1,0 +1,135 @@
+// Products of a few rows by a frozen float32 weight on an x86 CPU with AVX2 and FMA, at about the rate the memory
+// reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a float32 target.
+// Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
+// figures.
+//
+// The weight [N, K] is laid out once in blocks of NB output rows; each block holds its rows' inputs in chunks of KC,
+// a chunk's rows one after another: [blocks][chunks][NB][kc]. A thread takes whole blocks and reads each once,
+// in order. The rows' inputs are taken in tiles of up to 8 rows, and a tile's inputs for one chunk (at most
+// 8 x KC floats, 16 KB) stay in the first-level cache while the chunk's NB weight rows stream past them; each weight
+// vector is loaded once and multiplied into every row of the tile. Partial sums stay in vector registers within a
+// weight row's chunk and in a small buffer between chunks.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NB = 64;   // output rows of a block
+constexpr int64_t KC = 512;  // inputs of a chunk
+constexpr int64_t TILE = 8;  // rows of the input multiplied together
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  s = _mm_add_ss(s, _mm_movehl_ps(sh, s));
+  return _mm_cvtss_f32(s);
+}
+
+// part[r * M + m] += sum over the chunk's kc inputs of W[r, k] X[m, k], for the block's NB rows r. U independent
+// accumulators per row keep the FMA units busy when M is small.
+template <int M, int U>
+void chunk(const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
+  for (int64_t r = 0; r < NB; ++r) {
+    const float* w = w_chunk + r * kc;
+    __m256 acc[U][M];
+    for (int m = 0; m < M; ++m) acc[0][m] = part[r * M + m];
+    for (int u = 1; u < U; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 * U <= kc; k += 8 * U)
+      for (int u = 0; u < U; ++u) {
+        __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
+        for (int m = 0; m < M; ++m)
+          acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[u][m]);
+      }
+    for (; k < kc; k += 8) {
+      __m256 wv = _mm256_loadu_ps(w + k);
+      for (int m = 0; m < M; ++m) acc[0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[0][m]);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 s = acc[0][m];
+      for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+      part[r * M + m] = s;
+    }
+  }
+}
+
+void chunk_rows(int64_t rows, const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
+  switch (rows) {
+    case 1: chunk<1, 4>(w_chunk, x, K, kc, part); break;
+    case 2: chunk<2, 4>(w_chunk, x, K, kc, part); break;
+    case 3: chunk<3, 2>(w_chunk, x, K, kc, part); break;
+    case 4: chunk<4, 2>(w_chunk, x, K, kc, part); break;
+    case 5: chunk<5, 2>(w_chunk, x, K, kc, part); break;
+    case 6: chunk<6, 2>(w_chunk, x, K, kc, part); break;
+    case 7: chunk<7, 1>(w_chunk, x, K, kc, part); break;
+    default: chunk<8, 1>(w_chunk, x, K, kc, part); break;
+  }
+}
+
+}  // namespace
+
+// The weight [N, K] (float32, K a multiple of 8) in the blocked layout, its rows past N zero.
+torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "few_rows.pack takes a 2-d float32 CPU weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 8 == 0, "few_rows.pack takes inputs in multiples of 8, not ", K);
+  const int64_t blocks = (N + NB - 1) / NB;
+  auto packed = torch::zeros({blocks * NB * K}, weight.options());
+  auto dense = weight.contiguous();
+  const float* src = dense.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c0 = 0; c0 < K; c0 += KC) {
+        const int64_t kc = std::min(KC, K - c0);
+        for (int64_t r = 0; r < NB && b * NB + r < N; ++r)
+          std::memcpy(dst + b * NB * K + c0 * NB + r * kc, src + (b * NB + r) * K + c0, kc * sizeof(float));
+      }
+  });
+  return packed;
+}
+
+// x [M, K] times the packed weight's transpose: [M, N].
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "few_rows.matmul takes 2-d float32 CPU rows");
+  auto X = x.contiguous();
+  const int64_t M = X.size(0), K = X.size(1), blocks = (N + NB - 1) / NB, tiles = (M + TILE - 1) / TILE;
+  TORCH_CHECK(packed.numel() == blocks * NB * K, "few_rows.matmul: a weight packed for other shapes");
+  auto Y = torch::empty({M, N}, X.options());
+  if (M == 0) return Y;
+  const float* W = packed.data_ptr<float>();
+  const float* xs = X.data_ptr<float>();
+  float* ys = Y.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<__m256> part(tiles * NB * TILE);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(part.begin(), part.end(), _mm256_setzero_ps());
+      const float* block = W + b * NB * K;
+      for (int64_t c0 = 0; c0 < K; c0 += KC)
+        for (int64_t t = 0; t < tiles; ++t)
+          chunk_rows(std::min(TILE, M - TILE * t), block + c0 * NB, xs + TILE * t * K + c0, K, std::min(KC, K - c0),
+                     part.data() + t * NB * TILE);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t rows = std::min(TILE, M - TILE * t);
+        for (int64_t r = 0; r < NB && b * NB + r < N; ++r)
+          for (int64_t m = 0; m < rows; ++m) ys[(TILE * t + m) * N + b * NB + r] = hsum(part[t * NB * TILE + r * rows + m]);
+      }
+    }
+  });
+  return Y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "the weight [N, K] in the blocked layout");
+  m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose");
+}

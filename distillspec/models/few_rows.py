@@ -1,0 +1,90 @@
+"""A CPU kernel for products of a few rows by a frozen float32 weight: a decoding step (1 row) and a verification of
+``gamma + 1`` positions (2-8 rows) of a float32 target on an x86 CPU with AVX2 and FMA.
+
+At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
+as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
+weight streams past them. This kernel (``few_rows.cpp``) lays the weight out once in blocks of 64 output rows, each in
+chunks of 512 inputs, and multiplies a chunk's rows into up to eight input rows held in that cache, each weight
+vector loaded once. The 1.5B Qwen target's cached step (Zen 3, 2 cores, float32) took 286 ms against oneDNN's 369 at
+1 new token and 370 against 537 at 6 (a verification at gamma 5): 0.77x and 0.69x
+(``python -m benchmarks.suites.target_kernel``). More rows take the same layout, eight at a time with a chunk of
+weights in the second-level cache: a step of 128 rows took 1.06x oneDNN's, so a target that only scores batches
+(a learner's, a scoring actor's) keeps oneDNN's layout.
+
+The kernel is compiled on first use with the C++ compiler torch's own extensions use (``torch.utils.cpp_extension``)
+into the project cache, once per torch version. Where it cannot be had (no AVX2, no compiler, inputs that are not
+multiples of 8, or ``DISTILLSPEC_FEW_ROWS=0``) the target keeps oneDNN's layout
+(:class:`~distillspec.models.packing.PackedLinear`), with one warning that says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.utils import cpp_extension
+
+from distillspec.files import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+#: Set to ``0`` to keep oneDNN's layout for a float32 target (a comparison, a compiler that misbehaves).
+SWITCH = "DISTILLSPEC_FEW_ROWS"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here, or None where it can be built (it is not built by this call)."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return f"{SWITCH}=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"an x86 kernel, and this CPU is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"it needs AVX2 and FMA, and torch finds {torch.backends.cpu.get_cpu_capability()}"
+    return None
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled kernel (built into the project cache the first time), or None with a warning where it cannot be
+    had."""
+    reason = unavailable_reason()
+    if reason is None:
+        version = torch.__version__.replace("+", "_")
+        build = cache_root() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}_torch{version}"
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            return cpp_extension.load(
+                "distillspec_few_rows",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+            )
+        except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
+            reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
+    log.warning("the few-row float32 kernel is not used: %s; the target's weights are prepacked for oneDNN", reason)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel runs here (building it the first time)."""
+    return extension() is not None
+
+
+def pack(weight: Tensor) -> Tensor:
+    """A float32 CPU ``weight`` [out, in] (``in`` a multiple of 8) in the kernel's blocked layout: a flat tensor of
+    about the same size (the rows padded to a multiple of 64)."""
+    return extension().pack(weight.detach())
+
+
+def matmul(rows: Tensor, packed: Tensor, out_features: int) -> Tensor:
+    """``rows`` [M, in] (float32) times the weight :func:`pack` laid out, transposed: [M, out_features]."""
+    return extension().matmul(rows, packed, out_features)
