@@ -559,7 +559,7 @@ class JobConfig:
         "weights (250M parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. "
         "Speculative decoding stays exact",
     )
-    prepack: bool | Literal["auto"] = knob(
+    prepack: bool | Literal["auto", "bfloat16"] = knob(
         "auto",
         "lay the frozen target's linear weights out for products of a few rows on a CPU, so that a step and a "
         "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights laid out once "
@@ -568,7 +568,9 @@ class JobConfig:
         "call), bfloat16 ones multiplied as matrix-vector products "
         "(oneDNN's bfloat16 product of a few rows reads them at half the rate on a CPU with AMX). auto = on for a "
         "target on a CPU that is large enough to be bound by reading its weights (over 1 GB): float32, or bfloat16 "
-        "on a CPU with AMX; true; false",
+        "on a CPU with AMX; true; false; bfloat16: a float32 target's linear weights rounded to bfloat16 for the "
+        "few-row kernel, which widens them in registers (a step reads half the bytes; the target decodes a little "
+        "differently, and speculative decoding stays exact for it; a learner or scoring actor keeps float32 weights)",
     )
     chat_template: bool = knob(
         True,
@@ -710,7 +712,7 @@ class Models:
     draft: str
     device: str = "cpu"
     dtype: DecodeDtype = "float32"
-    prepack: bool = False
+    prepack: bool | str = False
     draft_int8: DraftInt8 = False
 
 

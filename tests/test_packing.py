@@ -89,6 +89,13 @@ def test_the_few_row_kernel_gives_the_dense_product_at_any_row_count(rows, input
     with torch.no_grad():
         assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5)
         assert packed(x[None]).shape == (1, rows, outputs)
+        # bfloat16 weights widen exactly in registers: the float32 product of the rounded weights, then rounded
+        low = copy.deepcopy(linear).bfloat16()
+        packed = PackedLinear(low, kernel="few_rows")
+        exact = torch.nn.functional.linear(x.bfloat16().float(), low.weight.float(), None)
+        exact = exact if low.bias is None else exact + low.bias.float()
+        out = packed(x.bfloat16())
+        assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), exact, atol=1e-2, rtol=1e-2)
 
 
 def test_the_few_row_kernel_is_refused_where_it_cannot_run(monkeypatch):
@@ -100,6 +107,8 @@ def test_the_few_row_kernel_is_refused_where_it_cannot_run(monkeypatch):
         PackedLinear(odd, kernel="few_rows")
     with pytest.raises(ValueError, match="auto, few_rows or onednn"):
         PackedLinear(odd, kernel="mkl")
+    with pytest.raises(ValueError, match="bfloat16 weights for the few-row kernel only"):
+        PackedLinear(copy.deepcopy(odd).bfloat16(), kernel="onednn")
     monkeypatch.setenv(few_rows.SWITCH, "0")
     assert few_rows.unavailable_reason() == f"{few_rows.SWITCH}=0"
 
@@ -152,6 +161,27 @@ def test_prepack_is_chosen_for_weight_bound_targets_on_a_cpu(tmp_path):
         resolve_prepack(True, "float16", str(small))
     with pytest.raises(DistillSpecError, match="prepack=true"):
         resolve_prepack(True, "float32", str(small), device="meta")
+
+
+@needs_compiler
+def test_prepack_bfloat16_rounds_a_float32_targets_weights_and_sd_stays_exact_for_it():
+    """prepack=bfloat16: the weights rounded for the few-row kernel (the rows and sums stay float32), a model close to
+    the float32 one, whose own greedy SD reproduces; refused where it cannot hold."""
+    if few_rows.unavailable_reason() is not None:
+        pytest.skip(few_rows.unavailable_reason())
+    assert resolve_prepack("bfloat16", "float32", "some/hub-id") == ("bfloat16", "set by prepack")
+    with pytest.raises(DistillSpecError, match="prepack=bfloat16 holds a float32 target"):
+        resolve_prepack("bfloat16", "bfloat16", "some/hub-id")
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
+    rounded = copy.deepcopy(target)
+    assert prepack_linears(rounded, weights=torch.bfloat16) == 2 * 7 + 1
+    assert rounded.lm_head.packed.dtype == torch.bfloat16 and rounded.lm_head.kernel == "few_rows"
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        fast, plain = rounded(ids, attention_mask=mask).logits, target(ids, attention_mask=mask).logits
+    assert fast.dtype == torch.float32 and not torch.equal(fast, plain)
+    assert torch.allclose(fast, plain, atol=0.1)  # weights rounded to 8 bits of mantissa
+    assert_greedy_sd_is_target_greedy(rounded, perturbed(target, 0.01), 4)
 
 
 def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):

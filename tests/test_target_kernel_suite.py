@@ -1,35 +1,46 @@
-"""The target-kernel suite (benchmarks/suites/target_kernel.py) on the tiny garden pair: the target with each layout
-steps and races, and the tables hold both."""
+"""The target-kernel suite (benchmarks/suites/target_kernel.py) on the tiny garden pair: the target in each layout
+steps, is compared with the baseline's distributions, and races; the tables hold every layout."""
 
 import json
 
 import pytest
 
-from benchmarks.suites.target_kernel import KERNELS, suite_target_kernel
+from benchmarks.suites.target_kernel import LAYOUTS, suite_target_kernel
+from distillspec import DistillSpecError
 from distillspec.models import few_rows
 
 from .conftest import garden_overrides, needs_compiler
 
 
 @needs_compiler
-def test_the_suite_steps_and_races_the_target_with_each_kernel(tiny_garden, tmp_path):
+def test_the_suite_steps_compares_and_races_the_target_in_each_layout(tiny_garden, tmp_path):
     if few_rows.unavailable_reason() is not None:
         pytest.skip(few_rows.unavailable_reason())
+    layouts = ["few_rows", "bfloat16", "onednn"]
+    assert set(layouts) == set(LAYOUTS)
     result = suite_target_kernel(
         garden_overrides(tiny_garden),
+        layouts=layouts,
         ks=[1, 6],
         gammas=[3],
         temperatures=[0.0, 1.0],
         prompts=1,
         max_new_tokens=6,
         repeats=2,
+        held=1,
         out=tmp_path,
     )
-    assert set(result["step_ms"]) == set(KERNELS)
+    assert list(result["step_ms"]) == layouts
     assert all(ms > 0 for by_k in result["step_ms"].values() for ms in by_k.values())
-    assert len(result["races"]) == 2 * 2 * len(KERNELS)  # temperatures x passes x kernels
-    greedy = [r for r in result["races"] if r["temperature"] == 0.0]
-    assert len({r["sd"][0]["tau"] for r in greedy}) == 1  # the same tokens whichever kernel verifies
+    near = result["closeness"]
+    assert set(near) == {"few_rows", "bfloat16"} and all(row["positions"] > 0 for row in near.values())
+    assert near["few_rows"]["tvd"] < 1e-4 < near["bfloat16"]["tvd"] < 0.05  # float32 sums; weights rounded
+    assert len(result["races"]) == 2 * 2 * len(layouts)  # temperatures x passes x layouts
+    greedy = [r for r in result["races"] if r["temperature"] == 0.0 and r["layout"] != "bfloat16"]
+    assert len({r["sd"][0]["tau"] for r in greedy}) == 1  # the same tokens whichever float32 layout verifies
     assert json.loads((tmp_path / "target_kernel.json").read_text()) == result
     table = (tmp_path / "target_kernel.md").read_text()
-    assert "few_rows / onednn" in table and "| 1 | 3 | few_rows |" in table
+    assert "few_rows / onednn" in table and "bfloat16 / onednn" in table and "| 1 | 3 | bfloat16 |" in table
+    with pytest.raises(DistillSpecError, match="--layouts takes two or more"):
+        suite_target_kernel([], layouts=["few_rows"], ks=[1], gammas=[3], temperatures=[0.0], prompts=1,
+                            max_new_tokens=2, repeats=1, held=1, out=tmp_path)  # fmt: skip

@@ -248,7 +248,7 @@ def race_name(temperature: float, seeded: bool) -> str:
 
 def format_table(result: dict) -> str:
     c = result["config"]
-    layout = f" (the target's {layout_name(c['dtype'])})" if c.get("prepack") else ""
+    layout = f" (the target's {layout_name(c['dtype'], c['prepack'])})" if c.get("prepack") else ""
     lines = [
         f"{Path(c['target']).name} / {Path(c['draft']).name}, {c['dtype']}{layout}"
         f"{', compiled' if c.get('compile') else ''}, "

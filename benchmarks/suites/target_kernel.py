@@ -1,14 +1,18 @@
-"""A float32 target's products on a CPU by kernel: the few-row kernel (:mod:`distillspec.models.few_rows`) against
-oneDNN's prepacked layout, which it replaces where it runs. The target is loaded once with each layout (twice its
-float32 bytes in memory: 14 GB for the 1.5B Qwen target).
+"""A float32 target's products on a CPU by layout (``prepack``): the few-row kernel
+(:mod:`distillspec.models.few_rows`, ``few_rows``), oneDNN's prepacked layout, which it replaces where it runs
+(``onednn``), and the few-row kernel over weights rounded to bfloat16 (``bfloat16``: ``prepack=bfloat16``). The
+target is loaded once with each of ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the
+bfloat16 one, with its float32 embedding 4.5 GB). The last layout named is the baseline.
 
 1. Milliseconds of one cached step of k new tokens for each k of ``--ks`` (a decoding step, a verification of
-   ``gamma + 1`` positions, a prompt's products), both targets in turn
-   (:func:`benchmarks.suites.speed.suite_step_ms`).
-2. Tokens/s at batch 1 of the target alone and of speculative decoding with the draft (as the endpoint runs it:
+   ``gamma + 1`` positions, a prompt's products), the targets in turn (:func:`benchmarks.suites.speed.suite_step_ms`).
+2. How far each layout's next-token distributions are from the baseline's: the mean TVD and the argmax agreement
+   over ``--held`` held-out questions, each followed by its reference answer, decoded a token a step (zero and one
+   for two float32 layouts, up to the order of their sums).
+3. Tokens/s at batch 1 of the target alone and of speculative decoding with the draft (as the endpoint runs it:
    ``draft_int8``) over each target, on ``--prompts`` held-out questions: each pass over the prompts races SD and
-   the target alone over one target (:func:`distillspec.evaluation.measure.race`), the two targets' passes alternating
-   ``--repeats`` times; the few-row target's rates over oneDNN's are taken pass by adjacent pass.
+   the target alone over one target (:func:`distillspec.evaluation.measure.race`), the targets' passes alternating
+   ``--repeats`` times; each layout's rates over the baseline's are taken pass by adjacent pass.
 
     python -m benchmarks.suites.target_kernel target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --gammas 5 --temperatures 0 1 --prompts 4 --max-new-tokens 96 --repeats 2 \\
@@ -27,56 +31,74 @@ from statistics import mean
 import torch
 
 from benchmarks.suites.common import cpu_kernels
+from benchmarks.suites.int8 import stepwise_probs
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.measure import race
 from distillspec.models import few_rows
-from distillspec.models.loading import load_model, parameter_count, quantize_decoding_draft, resolve_draft_int8
+from distillspec.models.loading import (
+    encode_prompts,
+    load_model,
+    parameter_count,
+    quantize_decoding_draft,
+    resolve_draft_int8,
+)
 from distillspec.models.packing import prepack_linears
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
-KERNELS = ("few_rows", "onednn")
+#: A layout's name -> :func:`~distillspec.models.packing.prepack_linears` arguments.
+LAYOUTS = {
+    "few_rows": {"kernel": "few_rows"},
+    "onednn": {"kernel": "onednn"},
+    "bfloat16": {"kernel": "few_rows", "weights": torch.bfloat16},
+}
 
 
 def suite_target_kernel(
     overrides: list[str],
     *,
+    layouts: list[str],
     ks: list[int],
     gammas: list[int],
     temperatures: list[float],
     prompts: int,
     max_new_tokens: int,
     repeats: int,
+    held: int,
     out: Path,
 ) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
     if not few_rows.available():
         raise DistillSpecError(f"the few-row kernel does not run here: {few_rows.unavailable_reason() or 'see above'}")
+    unknown = [name for name in layouts if name not in LAYOUTS]
+    if unknown or len(set(layouts)) < 2:
+        raise DistillSpecError(f"--layouts takes two or more of {', '.join(LAYOUTS)}, not {' '.join(layouts)}")
     cfg = load_config(None, overrides)
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     targets, tokenizer = {}, None
-    for kernel in KERNELS:
-        targets[kernel], tokenizer = load_model(cfg.target, device="cpu", dtype=torch.float32)
-        prepack_linears(targets[kernel], kernel=kernel)
+    for name in layouts:
+        targets[name], tokenizer = load_model(cfg.target, device="cpu", dtype=torch.float32)
+        prepack_linears(targets[name], **LAYOUTS[name])
     draft = load_model(cfg.draft, device="cpu", dtype=torch.float32)[0]
     draft_int8 = resolve_draft_int8(cfg.draft_int8, parameter_count(draft))[0]
     quantize_decoding_draft(draft, draft_int8)
-    result = {"config": {"target": cfg.target, "draft": cfg.draft, "draft_int8": draft_int8, "ks": ks}}
-    result["config"] |= {"gammas": gammas, "prompts": prompts, "max_new_tokens": max_new_tokens, "repeats": repeats}
-    result["config"] |= {"threads": torch.get_num_threads()} | cpu_kernels()
-    times = suite_step_ms([targets[k] for k in KERNELS], [ks] * len(KERNELS))
-    result["step_ms"] = {kernel: {str(k): ms for k, ms in by_k.items()} for kernel, by_k in zip(KERNELS, times)}
+    result = {"config": {"target": cfg.target, "draft": cfg.draft, "draft_int8": draft_int8, "layouts": layouts}}
+    result["config"] |= {"ks": ks, "gammas": gammas, "prompts": prompts, "max_new_tokens": max_new_tokens}
+    result["config"] |= {"repeats": repeats, "held": held, "threads": torch.get_num_threads()} | cpu_kernels()
+    times = suite_step_ms(list(targets.values()), [ks] * len(targets))
+    result["step_ms"] = {name: {str(k): ms for k, ms in by_k.items()} for name, by_k in zip(targets, times)}
     print(format_steps(result))
+    result["closeness"] = closeness(targets, tokenizer, task.test[:held])
     texts = [e.prompt for e in task.test[:prompts]]
     result["races"] = []
     for temperature in temperatures:
         for r in range(repeats):
-            for kernel in KERNELS if r % 2 == 0 else KERNELS[::-1]:
+            for name in layouts if r % 2 == 0 else layouts[::-1]:
                 raced = race(
-                    targets[kernel],
+                    targets[name],
                     {"draft": draft},
                     tokenizer,
                     texts,
@@ -84,65 +106,90 @@ def suite_target_kernel(
                     temperature=temperature,
                     max_new_tokens=max_new_tokens,
                     seed=cfg.seed,
-                    desc=f"T = {temperature:g}, pass {r + 1}, {kernel}",
+                    desc=f"T = {temperature:g}, pass {r + 1}, {name}",
                 )
-                result["races"].append({"kernel": kernel, "temperature": temperature, "repeat": r} | raced)
+                result["races"].append({"layout": name, "temperature": temperature, "repeat": r} | raced)
         (out / "target_kernel.json").write_text(json.dumps(result, indent=1))
-    table = format_steps(result) + "\n\n" + format_races(result)
+    table = "\n\n".join([format_steps(result), format_closeness(result), format_races(result)])
     (out / "target_kernel.md").write_text(table + "\n")
     print(table)
     return result
 
 
+@torch.inference_mode()
+def closeness(targets: dict, tokenizer, examples: list) -> dict[str, dict[str, float]]:
+    """Per layout, the mean TVD of its next-token distributions from the last layout's and their argmax agreement,
+    over each example's reference answer after its prompt, decoded a token a step (:func:`stepwise_probs`)."""
+    names = list(targets)
+    tvd, agree = {n: [] for n in names[:-1]}, {n: [] for n in names[:-1]}
+    for example in examples:
+        prompt = encode_prompts(tokenizer, [example.prompt])[0]
+        answer = tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = torch.cat([prompt, answer], 1)
+        base = stepwise_probs(targets[names[-1]], ids, prompt.shape[1])
+        for name in names[:-1]:
+            probs = stepwise_probs(targets[name], ids, prompt.shape[1])
+            tvd[name] += (0.5 * (probs - base).abs().sum(-1)).tolist()
+            agree[name] += (probs.argmax(-1) == base.argmax(-1)).float().tolist()
+    return {n: {"tvd": mean(tvd[n]), "argmax_agreement": mean(agree[n]), "positions": len(tvd[n])} for n in tvd}
+
+
 def format_steps(result: dict) -> str:
     ms = result["step_ms"]
     ks = [str(k) for k in result["config"]["ks"]]
-    head = "| kernel | " + " | ".join(f"k = {k}" for k in ks) + " | k = 6 / k = 1 |"
+    base = result["config"]["layouts"][-1]
+    head = "| layout | " + " | ".join(f"k = {k}" for k in ks) + " | k = 6 / k = 1 |"
     lines = [head, "|---|" + "---|" * (len(ks) + 1)]
-    for kernel, by_k in ms.items():
+    for name, by_k in ms.items():
         ratio = f"{by_k['6'] / by_k['1']:.2f}" if "6" in by_k and "1" in by_k else ""
-        lines.append(f"| {kernel} | " + " | ".join(f"{by_k[k]:.1f}" for k in ks) + f" | {ratio} |")
-    ratios = " | ".join(f"{ms['few_rows'][k] / ms['onednn'][k]:.2f}" for k in ks)
-    lines.append(f"| few_rows / onednn | {ratios} | |")
+        lines.append(f"| {name} | " + " | ".join(f"{by_k[k]:.1f}" for k in ks) + f" | {ratio} |")
+    for name in list(ms)[:-1]:
+        lines.append(f"| {name} / {base} | " + " | ".join(f"{ms[name][k] / ms[base][k]:.2f}" for k in ks) + " | |")
     return "Milliseconds of one cached step of k new tokens:\n\n" + "\n".join(lines)
 
 
+def format_closeness(result: dict) -> str:
+    base = result["config"]["layouts"][-1]
+    lines = [f"| layout | mean TVD from {base} | argmax agreement | positions |", "|---|---|---|---|"]
+    for name, row in result["closeness"].items():
+        lines.append(f"| {name} | {row['tvd']:.5f} | {row['argmax_agreement']:.4f} | {row['positions']} |")
+    return f"Next-token distributions on {result['config']['held']} held-out answers:\n\n" + "\n".join(lines)
+
+
 def format_races(result: dict) -> str:
-    """Per temperature and gamma: each kernel's tokens/s (target alone, SD), SD's speedup, and the few-row target's
-    rates over oneDNN's, the mean and the spread over adjacent passes."""
+    """Per temperature and gamma: each layout's tokens/s (target alone, SD), SD's speedup, and its rates over the
+    baseline's (the last layout), the mean and the spread over adjacent passes."""
+    c = result["config"]
+    base = c["layouts"][-1]
     lines = [
-        "| T | gamma | kernel | alpha | tau | target alone, tok/s | SD, tok/s | SD speedup | target alone vs oneDNN "
-        "| SD vs oneDNN |",
+        "| T | gamma | layout | alpha | tau | target alone, tok/s | SD, tok/s | SD speedup "
+        f"| target alone vs {base} | SD vs {base} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    c = result["config"]
     for temperature in sorted({r["temperature"] for r in result["races"]}):
+        runs = {
+            name: sorted(
+                (r for r in result["races"] if r["layout"] == name and r["temperature"] == temperature),
+                key=lambda r: r["repeat"],
+            )
+            for name in c["layouts"]
+        }
         for gamma in c["gammas"]:
-            runs = {
-                k: [r for r in result["races"] if r["kernel"] == k and r["temperature"] == temperature] for k in KERNELS
-            }
-            by_pass = {k: sorted(runs[k], key=lambda r: r["repeat"]) for k in KERNELS}
-            for kernel in KERNELS:
-                rows = [next(s for s in r["sd"] if s["gamma"] == gamma) for r in by_pass[kernel]]
-                alone = [r["target"]["tokens_per_s"] for r in by_pass[kernel]]
-                sd = [s["tokens_per_s"] for s in rows]
-                speedup = [s["speedup"] for s in rows]
+            alone = {name: [r["target"]["tokens_per_s"] for r in runs[name]] for name in runs}
+            sd = {name: [next(s for s in r["sd"] if s["gamma"] == gamma) for r in runs[name]] for name in runs}
+            for name in runs:
+                rates = [s["tokens_per_s"] for s in sd[name]]
                 line = (
-                    f"| {temperature:g} | {gamma} | {kernel} | {mean(s['alpha'] for s in rows):.3f} |"
-                    f" {mean(s['tau'] for s in rows):.2f} | {mean(alone):.2f} | {mean(sd):.2f} |"
-                    f" {spread(speedup, 'x')} |"
+                    f"| {temperature:g} | {gamma} | {name} | {mean(s['alpha'] for s in sd[name]):.3f} |"
+                    f" {mean(s['tau'] for s in sd[name]):.2f} | {mean(alone[name]):.2f} | {mean(rates):.2f} |"
+                    f" {spread([s['speedup'] for s in sd[name]], 'x')} |"
                 )
-                if kernel == "few_rows":
-                    base = by_pass["onednn"]
-                    base_sd = [next(s for s in r["sd"] if s["gamma"] == gamma)["tokens_per_s"] for r in base]
-                    base_alone = [r["target"]["tokens_per_s"] for r in base]
-                    line += f" {spread([a / b for a, b in zip(alone, base_alone)], 'x')} |"
-                    line += f" {spread([a / b for a, b in zip(sd, base_sd)], 'x')} |"
-                else:
-                    line += " 1.00x | 1.00x |"
+                base_rates = [s["tokens_per_s"] for s in sd[base]]
+                line += f" {spread([a / b for a, b in zip(alone[name], alone[base])], 'x')} |"
+                line += f" {spread([a / b for a, b in zip(rates, base_rates)], 'x')} |"
                 lines.append(line)
     return (
-        f"{c['prompts']} held-out prompts x {c['max_new_tokens']} tokens, {c['repeats']} passes a kernel, "
+        f"{c['prompts']} held-out prompts x {c['max_new_tokens']} tokens, {c['repeats']} passes a layout, "
         f"draft_int8={c['draft_int8']}:\n\n" + "\n".join(lines)
     )
 
@@ -155,22 +202,30 @@ def spread(values: list[float], unit: str = "") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="job config keys (target=..., draft=..., dataset=..., draft_int8)")
+    parser.add_argument(
+        "--layouts", nargs="+", default=["few_rows", "onednn"], help=f"of {', '.join(LAYOUTS)}; the last: the baseline"
+    )
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16, 128], help="new tokens a step")
     parser.add_argument("--gammas", type=int, nargs="+", default=[5])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts, decoded one at a time")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2, help="passes over the prompts with each target")
+    parser.add_argument(
+        "--held", type=int, default=2, help="held-out answers the layouts' distributions are compared on"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/target-kernel"))
     args = parser.parse_args()
     suite_target_kernel(
         args.overrides,
+        layouts=args.layouts,
         ks=args.ks,
         gammas=args.gammas,
         temperatures=args.temperatures,
         prompts=args.prompts,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
+        held=args.held,
         out=args.out,
     )
 

@@ -1,5 +1,6 @@
-// Products of a few rows by a frozen float32 weight on an x86 CPU with AVX2 and FMA, at about the rate the memory
-// reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a float32 target.
+// Products of a few rows by a frozen float32 or bfloat16 weight on an x86 CPU with AVX2 and FMA, at about the rate the
+// memory reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a target.
+// The rows and the sums are float32; a bfloat16 weight is widened to float32 in registers (exact).
 // Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
 // figures.
 //
@@ -24,6 +25,13 @@ constexpr int64_t NB = 64;   // output rows of a block
 constexpr int64_t KC = 512;  // inputs of a chunk
 constexpr int64_t TILE = 8;  // rows of the input multiplied together
 
+// 8 weights as floats: float32 as they are, bfloat16 (its 16 bits the high half of a float32) shifted into place.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 sh = _mm_movehdup_ps(lo);
@@ -34,10 +42,10 @@ inline float hsum(__m256 v) {
 
 // part[r * M + m] += sum over the chunk's kc inputs of W[r, k] X[m, k], for the block's NB rows r. U independent
 // accumulators per row keep the FMA units busy when M is small.
-template <int M, int U>
-void chunk(const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
+template <typename T, int M, int U>
+void chunk(const T* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
   for (int64_t r = 0; r < NB; ++r) {
-    const float* w = w_chunk + r * kc;
+    const T* w = w_chunk + r * kc;
     __m256 acc[U][M];
     for (int m = 0; m < M; ++m) acc[0][m] = part[r * M + m];
     for (int u = 1; u < U; ++u)
@@ -45,12 +53,12 @@ void chunk(const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* 
     int64_t k = 0;
     for (; k + 8 * U <= kc; k += 8 * U)
       for (int u = 0; u < U; ++u) {
-        __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
+        __m256 wv = load8(w + k + 8 * u);
         for (int m = 0; m < M; ++m)
           acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * u), acc[u][m]);
       }
     for (; k < kc; k += 8) {
-      __m256 wv = _mm256_loadu_ps(w + k);
+      __m256 wv = load8(w + k);
       for (int m = 0; m < M; ++m) acc[0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[0][m]);
     }
     for (int m = 0; m < M; ++m) {
@@ -61,71 +69,88 @@ void chunk(const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* 
   }
 }
 
-void chunk_rows(int64_t rows, const float* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
+template <typename T>
+void chunk_rows(int64_t rows, const T* w_chunk, const float* x, int64_t K, int64_t kc, __m256* part) {
   switch (rows) {
-    case 1: chunk<1, 4>(w_chunk, x, K, kc, part); break;
-    case 2: chunk<2, 4>(w_chunk, x, K, kc, part); break;
-    case 3: chunk<3, 2>(w_chunk, x, K, kc, part); break;
-    case 4: chunk<4, 2>(w_chunk, x, K, kc, part); break;
-    case 5: chunk<5, 2>(w_chunk, x, K, kc, part); break;
-    case 6: chunk<6, 2>(w_chunk, x, K, kc, part); break;
-    case 7: chunk<7, 1>(w_chunk, x, K, kc, part); break;
-    default: chunk<8, 1>(w_chunk, x, K, kc, part); break;
+    case 1: chunk<T, 1, 4>(w_chunk, x, K, kc, part); break;
+    case 2: chunk<T, 2, 4>(w_chunk, x, K, kc, part); break;
+    case 3: chunk<T, 3, 2>(w_chunk, x, K, kc, part); break;
+    case 4: chunk<T, 4, 2>(w_chunk, x, K, kc, part); break;
+    case 5: chunk<T, 5, 2>(w_chunk, x, K, kc, part); break;
+    case 6: chunk<T, 6, 2>(w_chunk, x, K, kc, part); break;
+    case 7: chunk<T, 7, 1>(w_chunk, x, K, kc, part); break;
+    default: chunk<T, 8, 1>(w_chunk, x, K, kc, part); break;
   }
 }
 
-}  // namespace
-
-// The weight [N, K] (float32, K a multiple of 8) in the blocked layout, its rows past N zero.
-torch::Tensor pack(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
-              "few_rows.pack takes a 2-d float32 CPU weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 8 == 0, "few_rows.pack takes inputs in multiples of 8, not ", K);
+template <typename T>
+void pack_blocks(const T* src, T* dst, int64_t N, int64_t K) {
   const int64_t blocks = (N + NB - 1) / NB;
-  auto packed = torch::zeros({blocks * NB * K}, weight.options());
-  auto dense = weight.contiguous();
-  const float* src = dense.data_ptr<float>();
-  float* dst = packed.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t c0 = 0; c0 < K; c0 += KC) {
         const int64_t kc = std::min(KC, K - c0);
         for (int64_t r = 0; r < NB && b * NB + r < N; ++r)
-          std::memcpy(dst + b * NB * K + c0 * NB + r * kc, src + (b * NB + r) * K + c0, kc * sizeof(float));
+          std::memcpy(dst + b * NB * K + c0 * NB + r * kc, src + (b * NB + r) * K + c0, kc * sizeof(T));
       }
   });
-  return packed;
 }
 
-// x [M, K] times the packed weight's transpose: [M, N].
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "few_rows.matmul takes 2-d float32 CPU rows");
-  auto X = x.contiguous();
-  const int64_t M = X.size(0), K = X.size(1), blocks = (N + NB - 1) / NB, tiles = (M + TILE - 1) / TILE;
-  TORCH_CHECK(packed.numel() == blocks * NB * K, "few_rows.matmul: a weight packed for other shapes");
-  auto Y = torch::empty({M, N}, X.options());
-  if (M == 0) return Y;
-  const float* W = packed.data_ptr<float>();
-  const float* xs = X.data_ptr<float>();
-  float* ys = Y.data_ptr<float>();
+template <typename T>
+void multiply(const T* W, const float* xs, float* ys, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + NB - 1) / NB, tiles = (M + TILE - 1) / TILE;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<__m256> part(tiles * NB * TILE);
     for (int64_t b = b0; b < b1; ++b) {
       std::fill(part.begin(), part.end(), _mm256_setzero_ps());
-      const float* block = W + b * NB * K;
+      const T* block = W + b * NB * K;
       for (int64_t c0 = 0; c0 < K; c0 += KC)
         for (int64_t t = 0; t < tiles; ++t)
-          chunk_rows(std::min(TILE, M - TILE * t), block + c0 * NB, xs + TILE * t * K + c0, K, std::min(KC, K - c0),
-                     part.data() + t * NB * TILE);
+          chunk_rows<T>(std::min(TILE, M - TILE * t), block + c0 * NB, xs + TILE * t * K + c0, K,
+                        std::min(KC, K - c0), part.data() + t * NB * TILE);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t rows = std::min(TILE, M - TILE * t);
         for (int64_t r = 0; r < NB && b * NB + r < N; ++r)
-          for (int64_t m = 0; m < rows; ++m) ys[(TILE * t + m) * N + b * NB + r] = hsum(part[t * NB * TILE + r * rows + m]);
+          for (int64_t m = 0; m < rows; ++m)
+            ys[(TILE * t + m) * N + b * NB + r] = hsum(part[t * NB * TILE + r * rows + m]);
       }
     }
   });
+}
+
+}  // namespace
+
+// The weight [N, K] (float32 or bfloat16, K a multiple of 8) in the blocked layout, its rows past N zero.
+torch::Tensor pack(const torch::Tensor& weight) {
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kFloat) && weight.device().is_cpu(),
+              "few_rows.pack takes a 2-d float32 or bfloat16 CPU weight");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(K % 8 == 0, "few_rows.pack takes inputs in multiples of 8, not ", K);
+  auto packed = torch::zeros({(N + NB - 1) / NB * NB * K}, weight.options());
+  auto dense = weight.contiguous();
+  if (bf16)
+    pack_blocks(reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>()),
+                reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K);
+  else
+    pack_blocks(dense.data_ptr<float>(), packed.data_ptr<float>(), N, K);
+  return packed;
+}
+
+// x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32.
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "few_rows.matmul takes 2-d float32 CPU rows");
+  auto X = x.contiguous();
+  const int64_t M = X.size(0), K = X.size(1);
+  TORCH_CHECK(packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
+  auto Y = torch::empty({M, N}, X.options());
+  if (M == 0) return Y;
+  if (packed.scalar_type() == at::kBFloat16)
+    multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<float>(),
+             Y.data_ptr<float>(), M, K, N);
+  else
+    multiply(packed.data_ptr<float>(), X.data_ptr<float>(), Y.data_ptr<float>(), M, K, N);
   return Y;
 }
 

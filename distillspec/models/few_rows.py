@@ -1,5 +1,7 @@
-"""A CPU kernel for products of a few rows by a frozen float32 weight: a decoding step (1 row) and a verification of
-``gamma + 1`` positions (2-8 rows) of a float32 target on an x86 CPU with AVX2 and FMA.
+"""A CPU kernel for products of a few rows by a frozen float32 or bfloat16 weight: a decoding step (1 row) and a
+verification of ``gamma + 1`` positions (2-8 rows) of a target on an x86 CPU with AVX2 and FMA. The rows and the sums
+are float32; a bfloat16 weight is widened to float32 in registers, so a float32 target whose weights are rounded to
+bfloat16 (``prepack=bfloat16``) reads half the bytes a step and computes the rest in float32.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
@@ -12,14 +14,15 @@ weights in the second-level cache: a step of 128 rows took 1.06x oneDNN's, so a 
 (a learner's, a scoring actor's) keeps oneDNN's layout.
 
 The kernel is compiled on first use with the C++ compiler torch's own extensions use (``torch.utils.cpp_extension``)
-into the project cache, once per torch version. Where it cannot be had (no AVX2, no compiler, inputs that are not
-multiples of 8, or ``DISTILLSPEC_FEW_ROWS=0``) the target keeps oneDNN's layout
+into the project cache, once per version of its source and of torch. Where it cannot be had (no AVX2, no compiler,
+inputs that are not multiples of 8, or ``DISTILLSPEC_FEW_ROWS=0``) the target keeps oneDNN's layout
 (:class:`~distillspec.models.packing.PackedLinear`), with one warning that says why.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -58,7 +61,12 @@ def extension() -> ModuleType | None:
     reason = unavailable_reason()
     if reason is None:
         version = torch.__version__.replace("+", "_")
-        build = cache_root() / "kernels" / f"py{sys.version_info.major}{sys.version_info.minor}_torch{version}"
+        source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # checkouts of other versions build their own
+        build = (
+            cache_root()
+            / "kernels"
+            / f"few_rows-{source}-py{sys.version_info.major}{sys.version_info.minor}-torch{version}"
+        )
         build.mkdir(parents=True, exist_ok=True)
         try:
             return cpp_extension.load(
@@ -80,11 +88,11 @@ def available() -> bool:
 
 
 def pack(weight: Tensor) -> Tensor:
-    """A float32 CPU ``weight`` [out, in] (``in`` a multiple of 8) in the kernel's blocked layout: a flat tensor of
-    about the same size (the rows padded to a multiple of 64)."""
+    """A float32 or bfloat16 CPU ``weight`` [out, in] (``in`` a multiple of 8) in the kernel's blocked layout: a flat
+    tensor of its dtype, about the same size (the rows padded to a multiple of 64)."""
     return extension().pack(weight.detach())
 
 
 def matmul(rows: Tensor, packed: Tensor, out_features: int) -> Tensor:
-    """``rows`` [M, in] (float32) times the weight :func:`pack` laid out, transposed: [M, out_features]."""
+    """``rows`` [M, in] (float32) times the weight :func:`pack` laid out, transposed: [M, out_features] in float32."""
     return extension().matmul(rows, packed, out_features)

@@ -21,7 +21,7 @@ from distillspec.config import DraftInt8, Models
 from distillspec.decoding.kvcache import LEAN_MODEL_TYPES
 from distillspec.decoding.speculative import check_pair
 from distillspec.errors import DistillSpecError
-from distillspec.models import draft_vocab, hub
+from distillspec.models import draft_vocab, few_rows, hub
 from distillspec.models.packing import (
     FusedLinear,
     Int8Linear,
@@ -219,7 +219,8 @@ def load_model(
     if prepack == "auto":
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
-        prepack_linears(model, kernel=kernel)
+        weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
+        prepack_linears(model, kernel=kernel, weights=weights)
     release_memory()
     return model, tokenizer
 
@@ -340,15 +341,26 @@ def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, st
     return "bfloat16", f"auto: native bfloat16 on {torch.device(device).type}, a weight-bound target"
 
 
-def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool, str]:
+def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool | str, str]:
     """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
-    ``prepack`` (``auto``, true, false) with the resolved ``dtype``, and why. ``auto`` lays out a target on a CPU that
-    is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one prepacked for oneDNN, a
-    bfloat16 one as matrix-vector products where the CPU has AMX (where they were measured to pay; without AMX they
-    took 1.4-2.2x the plain product's)."""
+    ``prepack`` (``auto``, true, false, ``bfloat16``) with the resolved ``dtype``, and why. ``auto`` lays out a target
+    on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one for the
+    few-row kernel or oneDNN (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one as matrix-vector
+    products where the CPU has AMX (where they were measured to pay; without AMX they took 1.4-2.2x the plain
+    product's). ``bfloat16`` (a float32 target on a CPU where the few-row kernel runs, else an error) comes back as
+    it is: the weights rounded to bfloat16 for that kernel."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type
+    if prepack == "bfloat16":
+        reason = few_rows.unavailable_reason() or ("" if few_rows.available() else "it did not build (see the warning)")
+        if kind != "cpu" or dtype != "float32" or reason:
+            why = reason or f"dtype={dtype} on {kind}"
+            raise DistillSpecError(
+                f"prepack=bfloat16 holds a float32 target's weights in bfloat16 for the few-row kernel on a CPU; "
+                f"here {why}: set prepack=auto"
+            )
+        return "bfloat16", "set by prepack"
     if kind != "cpu" or dtype not in ("float32", "bfloat16") or (dtype == "float32" and not can_prepack(device)):
         if prepack is True:
             raise DistillSpecError(

@@ -7,11 +7,11 @@ one-row product, because the GEMM re-lays the whole weight out on every call. A 
 weight in the blocked layout oneDNN computes from (``torch.ops.mkldnn._reorder_linear_weight``, as inductor's
 freezing pass does), laid out once when the model is loaded; 1-8 rows then cost 1.0-1.6x one row. On an x86 CPU with
 AVX2 it holds the layout of the few-row kernel (:mod:`distillspec.models.few_rows`) instead, which keeps the rows'
-inputs in cache while the weight streams past: faster at every row count of a step or a verification. On CPUs that
-compute
-bfloat16 natively the pair runs in bfloat16 instead (``dtype=auto``), whose products are flat in the rows; on one
-with AMX, though, oneDNN's bfloat16 product of a few rows reads its weight at half the rate of the same product as
-matrix-vector ones, which a :class:`FewRowLinear` runs instead.
+inputs in cache while the weight streams past: faster at every row count of a step or a verification; with
+``prepack=bfloat16`` it holds the weights rounded to bfloat16, which the kernel widens in registers. On CPUs that
+compute bfloat16 natively the pair runs in bfloat16 instead (``dtype=auto``), whose products are flat in the rows;
+on one with AMX, though, oneDNN's bfloat16 product of a few rows reads its weight at half the rate of the same
+product as matrix-vector ones, which a :class:`FewRowLinear` runs instead.
 
 Only a frozen model is laid out (the target: it scores and verifies, never trains). A packed model drops its dense
 weights, so it takes no more memory than the plain one, has no gradients and cannot be saved; a few-row one keeps
@@ -38,21 +38,30 @@ def can_prepack(device: str | torch.device = "cpu") -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A frozen ``nn.Linear`` whose float32 weight is laid out once for a CPU's few-row products; ``forward`` takes
+    """A frozen ``nn.Linear`` whose weight is laid out once for a CPU's few-row products; ``forward`` takes
     any leading shape. The layout is the few-row kernel's (:mod:`distillspec.models.few_rows`: AVX2, its inputs a
     multiple of 8) where that kernel runs and ``kernel`` allows it, else the blocked one oneDNN computes from
     (``rows`` is the row count oneDNN's layout is tuned for; any count is computed correctly).
 
     ``kernel``: ``"auto"`` (the few-row kernel where it runs), ``"few_rows"`` (an error where it does not),
-    ``"onednn"``."""
+    ``"onednn"``. A bfloat16 weight, or ``weights=torch.bfloat16`` (a float32 weight rounded to it: half the bytes a
+    product reads), takes the few-row kernel, which widens it to float32 in registers; the rows, the sums and the
+    output stay in the model's dtype."""
 
-    def __init__(self, linear: nn.Linear, rows: int = 8, kernel: str = "auto") -> None:
+    def __init__(
+        self, linear: nn.Linear, rows: int = 8, kernel: str = "auto", weights: torch.dtype | None = None
+    ) -> None:
         super().__init__()
-        weight = linear.weight.detach()
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"PackedLinear takes float32 CPU weights, not {weight.dtype} on {weight.device}")
+        self.dtype = linear.weight.dtype  #: the model's: its activations in and out
+        weight = linear.weight.detach() if weights is None else linear.weight.detach().to(weights)
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError(
+                f"PackedLinear takes float32 or bfloat16 CPU weights, not {weight.dtype} on {weight.device}"
+            )
         if kernel not in ("auto", "few_rows", "onednn"):
             raise ValueError(f"kernel is auto, few_rows or onednn, not {kernel!r}")
+        if weight.dtype == torch.bfloat16 and kernel != "few_rows":
+            raise ValueError("PackedLinear takes bfloat16 weights for the few-row kernel only (kernel='few_rows')")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         fits = self.in_features % 8 == 0
         if kernel == "few_rows" and not (fits and few_rows.available()):
@@ -72,17 +81,23 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if self.kernel == "few_rows":
-            out = few_rows.matmul(rows, self.packed, self.out_features)
+        if self.kernel == "few_rows":  # float32 rows and sums, whatever the weight's dtype
+            out = few_rows.matmul(rows.float(), self.packed, self.out_features)
             if self.bias is not None:
                 out += self.bias
+            out = out.to(self.dtype)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-        return f"{shape}, packed for {'the few-row kernel' if self.kernel == 'few_rows' else 'oneDNN'}"
+        rounded = (
+            f", its weight in {str(self.packed.dtype).removeprefix('torch.')}"
+            if self.packed.dtype != self.dtype
+            else ""
+        )
+        return f"{shape}, packed for {'the few-row kernel' if self.kernel == 'few_rows' else 'oneDNN'}{rounded}"
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module | None]) -> int:
@@ -135,22 +150,27 @@ class FewRowLinear(nn.Module):
         return f"{shape}, few rows as matrix-vector products"
 
 
-def layout_name(dtype: str) -> str:
-    """What :func:`prepack_linears` does to a target in ``dtype`` (``"float32"``, ``"bfloat16"``), for a console."""
+def layout_name(dtype: str, prepack: bool | str = True) -> str:
+    """What :func:`prepack_linears` does to a target in ``dtype`` (``"float32"``, ``"bfloat16"``) as ``prepack``
+    (resolved) says, for a console."""
+    if prepack == "bfloat16":
+        return "weights rounded to bfloat16 for the few-row kernel"
     if dtype != "float32":
         return "few-row products as matrix-vector ones"
     return "weights laid out for the few-row kernel" if few_rows.available() else "weights prepacked for oneDNN"
 
 
-def prepack_linears(model: nn.Module, rows: int = 8, kernel: str = "auto") -> int:
+def prepack_linears(model: nn.Module, rows: int = 8, kernel: str = "auto", weights: torch.dtype | None = None) -> int:
     """Lay out every linear layer of ``model`` on a CPU (in place) for few-row products: a float32 one becomes a
-    :class:`PackedLinear` (``kernel`` as there), a bfloat16 one a :class:`FewRowLinear`; the model is frozen.
-    Returns how many were laid out."""
+    :class:`PackedLinear` (``kernel`` and ``weights`` as there: ``torch.bfloat16`` rounds its weight), a bfloat16 one
+    a :class:`FewRowLinear`; the model is frozen. Returns how many were laid out."""
 
     def pack(linear: nn.Linear) -> nn.Module | None:
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
         if linear.weight.dtype == torch.float32:
+            if weights is not None:
+                return PackedLinear(linear, rows, "few_rows", weights)
             return PackedLinear(linear, rows, kernel)
         return FewRowLinear(linear) if linear.weight.dtype == torch.bfloat16 else None
 

@@ -319,7 +319,7 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
     target, draft = resolve_pair(cfg.target, cfg.draft, log=log)
     dtype, why = resolve_dtype(cfg.dtype, target, cfg.device)
     prepack, packing = resolve_prepack(cfg.prepack, dtype, target, cfg.device)
-    packed = f"; the target's {layout_name(dtype)} ({packing})" if prepack else ""
+    packed = f"; the target's {layout_name(dtype, prepack)} ({packing})" if prepack else ""
     bf16 = dtype == "bfloat16" if cfg.distill.bf16 is None else cfg.distill.bf16
     trains = "float32 weights under bfloat16 autocast" if bf16 else "float32"
     vllm = cfg.vllm_decodes
