@@ -56,7 +56,8 @@ def load_target(models: Models, run: str, device: str | None = None, *, scores_o
     """The frozen target of an actor of run ``run``, on ``device`` (default ``models.device``): built over the
     weights the run shares (:func:`shared_target`), else read from disk. ``scores_only``: a target that scores
     batches of many rows and never decodes (a learner's, a scoring actor's) keeps oneDNN's layout where its float32
-    weights are prepacked, whose GEMM was faster than the few-row kernel's for a prompt's 128 rows."""
+    weights are prepacked (with ``prepack=bfloat16`` too: its float32 weights), whose GEMM was faster than the
+    few-row kernel's for a prompt's 128 rows."""
     device = device or models.device
     kernel = "onednn" if scores_only else "auto"
     shared = shared_target(run)

@@ -68,6 +68,8 @@ def extension() -> ModuleType | None:
             / f"few_rows-{source}-py{sys.version_info.major}{sys.version_info.minor}-torch{version}"
         )
         build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming
+            print(f"building the few-row kernel into {build} (once, about a minute)", file=sys.stderr, flush=True)
         try:
             return cpp_extension.load(
                 "distillspec_few_rows",
@@ -78,7 +80,7 @@ def extension() -> ModuleType | None:
             )
         except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
             reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
-    log.warning("the few-row float32 kernel is not used: %s; the target's weights are prepacked for oneDNN", reason)
+    log.warning("the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN", reason)
     return None
 
 
