@@ -68,8 +68,8 @@ def extension() -> ModuleType | None:
             / f"few_rows-{source}-py{sys.version_info.major}{sys.version_info.minor}-torch{version}"
         )
         build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming
-            print(f"building the few-row kernel into {build} (once, about a minute)", file=sys.stderr, flush=True)
+        if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming (with the jobs'
+            print(f"building the few-row kernel into {build} (once, about a minute)", flush=True)  # progress lines)
         try:
             return cpp_extension.load(
                 "distillspec_few_rows",
