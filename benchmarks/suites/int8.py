@@ -44,7 +44,6 @@ from benchmarks.suites.common import cpu_kernels, limits_text
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
-from distillspec.models import few_rows
 from distillspec.models.loading import encode_prompts, int8_kernels, load_model, quantize_decoding_draft
 from distillspec.models.packing import FewRowLinear, PackedLinear, can_prepack
 from distillspec.models.pretrained import prepare_pair
@@ -76,8 +75,8 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         kernels = {"float32": linear}
         if can_prepack():
             kernels["float32 prepacked"] = PackedLinear(linear, kernel="onednn")
-            if few_rows.available() and fan_in % 8 == 0:
-                kernels["float32 few-row kernel"] = PackedLinear(linear, kernel="few_rows")
+            if (few := PackedLinear(linear)).kernel == "few_rows":  # where the few-row kernel takes it
+                kernels["float32 few-row kernel"] = few
         kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
         kernels["bfloat16 few rows"] = FewRowLinear(copy.deepcopy(linear).bfloat16())
         for model_dtype in (torch.float32, torch.bfloat16):

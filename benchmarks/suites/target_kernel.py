@@ -71,8 +71,8 @@ def suite_target_kernel(
 ) -> dict:
     """The whole suite (see the module docstring)."""
     out.mkdir(parents=True, exist_ok=True)
-    if not few_rows.available():
-        raise DistillSpecError(f"the few-row kernel does not run here: {few_rows.unavailable_reason() or 'see above'}")
+    if few_rows.missing():
+        raise DistillSpecError(f"the few-row kernel does not run here: {few_rows.missing()}")
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown or len(set(layouts)) < 2:
         raise DistillSpecError(f"--layouts takes two or more of {', '.join(LAYOUTS)}, not {' '.join(layouts)}")

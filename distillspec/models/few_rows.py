@@ -55,9 +55,9 @@ def unavailable_reason() -> str | None:
 
 
 @functools.cache
-def extension() -> ModuleType | None:
-    """The compiled kernel (built into the project cache the first time), or None with a warning where it cannot be
-    had."""
+def _built() -> tuple[ModuleType | None, str | None]:
+    """The compiled kernel (built into the project cache the first time) and None, or None and why it cannot be had
+    (warned once)."""
     reason = unavailable_reason()
     if reason is None:
         version = torch.__version__.replace("+", "_")
@@ -71,17 +71,28 @@ def extension() -> ModuleType | None:
         if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming (with the jobs'
             print(f"building the few-row kernel into {build} (once, about a minute)", flush=True)  # progress lines)
         try:
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 "distillspec_few_rows",
                 sources=[str(SOURCE)],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
             )
+            return module, None
         except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
             reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
     log.warning("the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN", reason)
-    return None
+    return None, reason
+
+
+def extension() -> ModuleType | None:
+    """The compiled kernel (built the first time), or None where it cannot be had."""
+    return _built()[0]
+
+
+def missing() -> str | None:
+    """Why the kernel does not run here (building it the first time), or None where it does."""
+    return _built()[1]
 
 
 def available() -> bool:

@@ -353,9 +353,8 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
         return False, "set by prepack"
     kind = torch.device(device).type
     if prepack == "bfloat16":
-        reason = few_rows.unavailable_reason() or ("" if few_rows.available() else "it did not build (see the warning)")
-        if kind != "cpu" or dtype != "float32" or reason:
-            why = reason or f"dtype={dtype} on {kind}"
+        if kind != "cpu" or dtype != "float32" or few_rows.missing():
+            why = f"dtype={dtype} on {kind}" if kind != "cpu" or dtype != "float32" else few_rows.missing()
             raise DistillSpecError(
                 f"prepack=bfloat16 holds a float32 target's weights in bfloat16 for the few-row kernel on a CPU; "
                 f"here {why}: set prepack=auto"

@@ -63,14 +63,13 @@ class PackedLinear(nn.Module):
         if weight.dtype == torch.bfloat16 and kernel != "few_rows":
             raise ValueError("PackedLinear takes bfloat16 weights for the few-row kernel only (kernel='few_rows')")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        fits = self.in_features % 8 == 0
-        if kernel == "few_rows" and not (fits and few_rows.available()):
-            raise DistillSpecError(
-                f"the few-row kernel does not run here: {few_rows.unavailable_reason() or 'see the warning above'}"
-                if fits
-                else f"the few-row kernel takes inputs in multiples of 8, not {self.in_features}"
-            )
-        self.kernel = "few_rows" if kernel != "onednn" and fits and few_rows.available() else "onednn"
+        why = None  # why the few-row kernel cannot take this layer (where it is wanted)
+        if kernel != "onednn":
+            fits = self.in_features % 8 == 0
+            why = few_rows.missing() if fits else f"it takes inputs in multiples of 8, not {self.in_features}"
+        if kernel == "few_rows" and why:
+            raise DistillSpecError(f"the few-row kernel does not run here: {why}")
+        self.kernel = "onednn" if kernel == "onednn" or why else "few_rows"
         if self.kernel == "few_rows":
             self.packed = few_rows.pack(weight)
         else:
