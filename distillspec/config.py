@@ -549,15 +549,16 @@ class JobConfig:
     draft_int8: DraftInt8 = knob(
         "auto",
         "decode the draft with int8 weights (a scale per row) wherever it only proposes: the evaluator, the endpoint "
-        "and the speed measurements (it trains in float32). true: weight-only, a drafting step reads a quarter of "
-        "float32's bytes, half of bfloat16's (a float32 draft's activations in bfloat16 on a CPU); fbgemm: steps "
-        "and prompts through fbgemm's int8 GEMM (x86 CPUs), its activations in 7 bits too (a scale per token), "
-        "faster still on CPUs without bfloat16 hardware at some cost in acceptance; int4: prompts as fbgemm, "
+        "and the speed measurements (it trains in float32). true: weight-only steps, a drafting step reads a "
+        "quarter of float32's bytes, half of bfloat16's (through the project's few-row kernel on x86 CPUs with "
+        "AVX2, its activations in 16 bits; elsewhere a float32 draft's activations in bfloat16 on a CPU), prompts "
+        "through fbgemm's int8 GEMM where torch has it; fbgemm: steps and prompts through fbgemm (x86 CPUs), its "
+        "activations in 7 bits too (a scale per token), at some cost in acceptance; int4: prompts as fbgemm, "
         "drafting steps through 4-bit weights (groups of 32, torch's CPU kernel), a step reading half of int8's "
-        "bytes again, at some further cost in acceptance; auto = fbgemm (true where torch has no fbgemm; int4 where "
-        "torch's CPU kernels run AVX-512) for a draft on a CPU that is large enough to be bound by reading its "
-        "weights (250M parameters, 1 GB in float32, on), else false; false where a vLLM backend decodes. "
-        "Speculative decoding stays exact",
+        "bytes again, at some further cost in acceptance; auto = int4 where torch's CPU kernels run AVX-512, else "
+        "true where the few-row kernel runs, else fbgemm (true where torch has no fbgemm), for a draft on a CPU that "
+        "is large enough to be bound by reading its weights (250M parameters, 1 GB in float32, on), else false; "
+        "false where a vLLM backend decodes. Speculative decoding stays exact",
     )
     prepack: bool | Literal["auto", "bfloat16"] = knob(
         "auto",

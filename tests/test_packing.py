@@ -217,7 +217,7 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8)
     from .test_speculative import V
 
     skip_without(draft_int8)
-    fbgemm = draft_int8 == "fbgemm" or (draft_int8 == "int4" and "fbgemm" in int8_kernels())
+    fbgemm = draft_int8 == "fbgemm" or "fbgemm" in int8_kernels()  # weight-only and int4: prompts through fbgemm
     target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0)
     draft = restrict_head(perturbed(target, 0.01), torch.arange(0, 64, 2))
     int8 = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
@@ -262,8 +262,9 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
         tokenizer.save_pretrained(tmp_path / name)
         folders.append(str(tmp_path / name))
     _, draft, _ = load_pair(*folders, dtype="float32", decode_only=True, draft_int8=draft_int8)
-    fbgemm = draft_int8 == "fbgemm" or (draft_int8 == "int4" and "fbgemm" in int8_kernels())
+    fbgemm = draft_int8 == "fbgemm" or "fbgemm" in int8_kernels()
     assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is fbgemm
+    assert draft.lm_head.weight_only_steps is (draft_int8 is True or not fbgemm)
     newer = perturbed(text_pair[1], 0.05, seed=3)
     load_arrays(draft, state_arrays(newer))
     ids = torch.randint(1, 100, (2, 9))
@@ -321,8 +322,9 @@ def test_an_int8_drafts_fused_products_give_the_unfused_logits(monkeypatch, draf
 
 
 def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):
-    """draft_int8=auto (the default): fbgemm's int8 for a draft of 250M parameters or more on a CPU (weight-only int8
-    where torch has no fbgemm), its steps in int4 where torch's kernels run AVX-512, the pair's dtype for a smaller
+    """draft_int8=auto (the default): int8 for a draft of 250M parameters or more on a CPU: weight-only where the
+    few-row kernel runs, else fbgemm's (weight-only where torch has no fbgemm), its steps in int4 where torch's kernels
+    run AVX-512; the pair's dtype for a smaller
     draft, a GPU's, or where vLLM decodes; prepare_models resolves it once and says why, and a draft that trains
     stays float."""
     from distillspec.config import load_config
@@ -332,7 +334,8 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     from distillspec.tasks.data import arith_task
 
     avx512 = loading.cpu_avx512() and "int4" in int8_kernels()
-    kernel = ("int4" if avx512 else "fbgemm") if fbgemm_available() else True
+    kernel = "int4" if avx512 and fbgemm_available() else "fbgemm" if fbgemm_available() else True
+    kernel = True if kernel == "fbgemm" and few_rows.available() else kernel  # weight-only through the few-row kernel
     assert resolve_draft_int8("auto", 630_000_000)[0] == kernel  # the Qwen2.5-Coder 0.5B
     assert resolve_draft_int8("auto", None)[0] == kernel  # a hub id: counted as large, as dtype=auto counts it
     assert resolve_draft_int8("auto", 135_000_000) == (False, "auto: 135M parameters, bound by per-call costs")
@@ -341,6 +344,8 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     monkeypatch.setattr(loading, "cpu_avx512", lambda: True)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("int4" if fbgemm_available() else True)
     monkeypatch.setattr(loading, "cpu_avx512", lambda: False)
+    assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if kernel == "fbgemm" else True)
+    monkeypatch.setattr(loading.few_rows, "available", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if fbgemm_available() else True)
     monkeypatch.setattr(loading, "fbgemm_available", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] is True
@@ -368,7 +373,8 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     cfg = pretrained.prepare_models(load_config(None, [*pair, "serve.backend=vllm"]), task, log=lines.append)
     assert cfg.draft_int8 is False and "vLLM" in lines[-1]
     draft = load_decoding_draft(folders[1], device="cpu", dtype=torch.float32, int8="auto")[0]
-    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is (kernel in ("fbgemm", "int4"))
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.fbgemm is fbgemm_available()
+    assert draft.lm_head.weight_only_steps is (kernel is True)
     assert any(m.int4 for m in draft.modules() if isinstance(m, Int8Linear)) is (kernel == "int4")
     _, trains, _ = load_pair(*folders, dtype="float32", draft_int8="auto")  # a draft that trains: float, no error
     assert not isinstance(trains.lm_head, Int8Linear)
@@ -394,18 +400,22 @@ def test_draft_int8_is_refused_with_vllm_backends():
         quantize_int8(torch.nn.Sequential(torch.nn.Linear(4, 4, device="meta")), fbgemm=True)
 
 
-def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt():
-    """Weight-only: a few rows go through the int8 kernel (a float32 layer's activations rounded to bfloat16 there),
-    many (a prompt) through the weight dequantized: nearly the same product, in float32 and in bfloat16. fbgemm's
-    int8 GEMM takes every row count, each row rounded with its own scale: a row whose activations are a thousand
-    times the others' (a prompt's attention sink) leaves the others' products as they are."""
+def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt(monkeypatch):
+    """Weight-only: a few rows go through torch's int8 kernel where the few-row kernel does not run (a float32
+    layer's activations rounded to bfloat16 there), many (a prompt) through the weight dequantized: nearly the same
+    product, in float32 and in bfloat16. fbgemm's int8 GEMM takes every row count, each row rounded with its own
+    scale: a row whose activations are a thousand times the others' (a prompt's attention sink) leaves the others'
+    products as they are."""
+    from distillspec.models import packing
     from distillspec.models.packing import INT8_ROWS, Int8Linear, fbgemm_available
 
+    monkeypatch.setattr(packing.few_rows, "available", lambda: False)
     torch.manual_seed(0)
     dense = torch.nn.Linear(64, 96)
     x = torch.randn(INT8_ROWS + 8, 64)
     exact = dense(x).detach()
     layer = Int8Linear(dense)
+    assert not layer.few_rows
     assert layer.step_dtype == torch.bfloat16 and "bfloat16 activations" in repr(layer)
     steps = torch.cat([layer(x[:8]), layer(x[8:16])])
     assert torch.allclose(steps, layer(x)[:16], atol=0.02) and (layer(x) - exact).norm() / exact.norm() < 0.01
@@ -423,6 +433,54 @@ def test_an_int8_layer_gives_nearly_the_same_product_for_a_step_and_for_a_prompt
             one_scale = torch.ops.quantized.linear_dynamic(sink, fbgemm.packed, True) + dense.bias
         rest = dense(sink)[1:].detach()
         assert (fbgemm(sink)[1:] - rest).norm() / rest.norm() < 0.03 < (one_scale[1:] - rest).norm() / rest.norm()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 8, 9, 16])
+@pytest.mark.parametrize(("inputs", "outputs"), [(32, 5), (96, 130), (1056, 200)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@needs_compiler
+def test_weight_only_int8_steps_through_the_few_row_kernel_give_the_dequantized_product(rows, inputs, outputs, dtype):
+    """Where the few-row kernel runs, a weight-only int8 layer's steps (up to INT8_ROWS rows) go through it: each
+    row rounded to 16 bits, so the product is the dequantized weight's to about 1e-4 of its scale (the bfloat16
+    activations of torch's kernel are 100x further off); past a block of 64 outputs, a chunk of 512 inputs, a tile of
+    8 rows; a bias added; a model's dtype kept. Inputs not a multiple of 32 keep torch's kernel."""
+    from distillspec.models.packing import Int8Linear
+
+    if few_rows.unavailable_reason() is not None:
+        pytest.skip(few_rows.unavailable_reason())
+    torch.manual_seed(rows + inputs)
+    dense = torch.nn.Linear(inputs, outputs, bias=outputs % 2 == 0).to(dtype)
+    layer = Int8Linear(dense)
+    assert layer.few_rows and "few-row kernel" in repr(layer)
+    x = torch.randn(rows, inputs).to(dtype)
+    dequantized = layer.weight.double() * layer.scales.double()[:, None]
+    exact = x.double() @ dequantized.T + (0 if dense.bias is None else dense.bias.double())
+    with torch.no_grad():
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (rows, outputs) and layer(x[None]).shape == (1, rows, outputs)
+        if rows:
+            error = (out.double() - exact).abs().max() / exact.abs().max()
+            assert error < (1e-4 if dtype == torch.float32 else 1e-2)
+            assert torch.equal(layer(x[:1]), out[:1])  # a row's product is its own
+    assert not Int8Linear(torch.nn.Linear(48, 8)).few_rows
+
+
+def test_weight_only_int8_with_fbgemm_keeps_its_steps_and_reads_prompts_through_fbgemm():
+    """draft_int8=true on a CPU with fbgemm: up to INT8_ROWS rows (steps) weight-only, as without fbgemm; more rows
+    (a prompt) through fbgemm's GEMM, as draft_int8=fbgemm reads them."""
+    from distillspec.models.packing import INT8_ROWS, Int8Linear, fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("this build of torch has no fbgemm")
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 96)
+    both = Int8Linear(dense, True, weight_only_steps=True)
+    weight_only, fbgemm = Int8Linear(dense), Int8Linear(dense, True)
+    assert both.few_rows is weight_only.few_rows and "prompts through fbgemm" in repr(both)
+    steps, prompt = torch.randn(INT8_ROWS, 64), torch.randn(INT8_ROWS + 1, 64)
+    with torch.no_grad():
+        assert torch.equal(both(steps), weight_only(steps)) and not torch.equal(both(steps), fbgemm(steps))
+        assert torch.equal(both(prompt), fbgemm(prompt)) and not torch.equal(both(prompt), weight_only(prompt))
 
 
 def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product():
@@ -517,3 +575,6 @@ def test_the_int8_suite_compares_the_drafts_decoding_with_each_kernel(tiny_garde
     assert set(draft["step_ms"]) == {"float", *int8_kernels()}
     for row in draft["kernels"].values():
         assert 0 < row["tvd"] < 0.2 and 0.5 < row["argmax_agreement"] <= 1
+    assert set(draft["acceptance"]) == {"float", *int8_kernels()}
+    for row in draft["acceptance"].values():  # the garden's draft, against its target
+        assert 0 < row["alpha"] < 1 and 0 <= row["argmax_agreement"] <= 1

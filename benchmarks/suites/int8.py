@@ -18,7 +18,10 @@ does to a float32 target: :mod:`distillspec.models.few_rows`), the eager bfloat1
    reference, decoded as a speculative decoder's draft decodes (the prompt prefilled, then one token a step): its
    step time, the median time it takes to read a prompt, and for each kernel the mean TVD between the int8 draft's
    distribution and the draft's own at each position (the acceptance at T = 1 can change by at most this much:
-   ``|TVD(p, q) - TVD(p, q')| <= TVD(q, q')``) and how often their argmaxes agree (what greedy acceptance can keep).
+   ``|TVD(p, q) - TVD(p, q')| <= TVD(q, q')``) and how often their argmaxes agree (what greedy acceptance can keep);
+   then, for the float draft and each int8 one, the acceptance itself against the target's distributions at the same
+   positions (read in one pass): ``alpha = E[1 - TVD(p, q)]`` (T = 1) and how often the argmaxes agree (T = 0), on
+   text neither model wrote, with far less spread than a race's few hundred drafted tokens.
 
     python benchmarks/benchmark.py int8
     python -m benchmarks.suites.int8 target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
@@ -126,8 +129,11 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
         variants[kernel] = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
     steps = suite_step_ms(list(variants.values()), [[1]] * len(variants))
     result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: ms[1] for k, ms in zip(variants, steps)}}
+    target = load_model(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype))[0]
     tvd = {kernel: [] for kernel in variants if kernel != "float"}
     agree = {kernel: [] for kernel in tvd}
+    accepted = {kernel: [] for kernel in variants}  # 1 - TVD(p, q) at each position
+    greedy = {kernel: [] for kernel in variants}  # the target's argmax is the draft's
     prompt_ms, prompt_tokens = {kernel: [] for kernel in variants}, []
     for example in task.test[:held]:
         prompt = encode_prompts(tokenizer, [example.prompt])[0]
@@ -137,17 +143,30 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
         ids = torch.cat(
             [prompt, tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids], 1
         )
+        with torch.inference_mode():
+            p = target(ids).logits[0, prompt.shape[1] - 1 : -1].float().softmax(-1)
         q = stepwise_probs(draft, ids, prompt.shape[1])
-        for kernel in tvd:
-            q8 = stepwise_probs(variants[kernel], ids, prompt.shape[1])
-            tvd[kernel] += (0.5 * (q - q8).abs().sum(-1)).tolist()
-            agree[kernel] += (q.argmax(-1) == q8.argmax(-1)).float().tolist()
+        for kernel, model in variants.items():
+            q8 = q if kernel == "float" else stepwise_probs(model, ids, prompt.shape[1])
+            accepted[kernel] += torch.minimum(p, q8).sum(-1).tolist()
+            greedy[kernel] += (p.argmax(-1) == q8.argmax(-1)).float().tolist()
+            if kernel != "float":
+                tvd[kernel] += (0.5 * (q - q8).abs().sum(-1)).tolist()
+                agree[kernel] += (q.argmax(-1) == q8.argmax(-1)).float().tolist()
     result["positions"] = len(next(iter(tvd.values()), []))
     result["prompt_ms"] = {k: statistics.median(v) for k, v in prompt_ms.items()}
     result["prompt_tokens"] = statistics.median(prompt_tokens)
     result["kernels"] = {
         k: {"tvd": statistics.fmean(tvd[k]), "argmax_agreement": statistics.fmean(agree[k])} for k in tvd
     }
+    result["acceptance"] = {
+        k: {"alpha": statistics.fmean(accepted[k]), "argmax_agreement": statistics.fmean(greedy[k])} for k in variants
+    }
+    for kernel, row in result["acceptance"].items():
+        print(
+            f"{Path(cfg.draft).name}, {'float' if kernel == 'float' else f'int8 {kernel}'} against the target: "
+            f"alpha {row['alpha']:.4f} (T = 1), argmax agreement {row['argmax_agreement']:.4f} (T = 0)"
+        )
     for kernel, row in result["kernels"].items():
         print(f"{Path(cfg.draft).name}, int8 {kernel}: step {result['step_ms'][kernel]:.1f} ms "
               f"(float {result['step_ms']['float']:.1f}), prompt {result['prompt_ms'][kernel]:.0f} ms "

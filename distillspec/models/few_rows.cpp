@@ -1,6 +1,11 @@
-// Products of a few rows by a frozen float32 or bfloat16 weight on an x86 CPU with AVX2 and FMA, at about the rate the
-// memory reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a target.
-// The rows and the sums are float32; a bfloat16 weight is widened to float32 in registers (exact).
+// Products of a few rows by a frozen float32, bfloat16 or int8 weight on an x86 CPU with AVX2 and FMA, at about the
+// rate the memory reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a
+// target, a drafting step of an int8 draft.
+// The rows and the sums are float32; a bfloat16 weight is widened to float32 in registers (exact). An int8 weight
+// (one scale per output row) is multiplied in integers: each row of the input is rounded to 16 bits (a scale per
+// row, its largest magnitude at 32767), 32 weights at a time sign-extended to 16 bits in registers and multiplied
+// in pairs (vpmaddwd) into 32-bit sums, which become float32 at the end of each chunk; the product is those sums
+// times the two scales.
 // Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
 // figures.
 //
@@ -16,7 +21,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -83,6 +90,68 @@ void chunk_rows(int64_t rows, const T* w_chunk, const float* x, int64_t K, int64
   }
 }
 
+// The int8 form of chunk: x holds the tile's rows in 16 bits, each group of 32 inputs as its 16 even inputs, then its
+// 16 odd ones, to match the weights' even and odd bytes as one 32-byte load sign-extends them in place (two shifts
+// and one). 32-bit sums cannot overflow within a chunk: 512 products of at most 128 x 32767 each.
+template <int M, int U>
+void chunk_int8(const int8_t* w_chunk, const int16_t* x, int64_t K, int64_t kc, __m256* part) {
+  for (int64_t r = 0; r < NB; ++r) {
+    const int8_t* w = w_chunk + r * kc;
+    __m256i acc[U][M];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_si256();
+    auto step = [&](int64_t k, int u) {
+      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
+      __m256i odd = _mm256_srai_epi16(wv, 8), even = _mm256_srai_epi16(_mm256_slli_epi16(wv, 8), 8);
+      for (int m = 0; m < M; ++m) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(x + m * K + k);
+        __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
+                                       _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
+        acc[u][m] = _mm256_add_epi32(acc[u][m], sum);
+      }
+    };
+    int64_t k = 0;
+    for (; k + 32 * U <= kc; k += 32 * U) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + 2048), _MM_HINT_T0);  // the stream, a few rows ahead
+      for (int u = 0; u < U; ++u) step(k + 32 * u, u);
+    }
+    for (; k < kc; k += 32) step(k, 0);
+    for (int m = 0; m < M; ++m) {
+      __m256i s = acc[0][m];
+      for (int u = 1; u < U; ++u) s = _mm256_add_epi32(s, acc[u][m]);
+      part[r * M + m] = _mm256_add_ps(part[r * M + m], _mm256_cvtepi32_ps(s));
+    }
+  }
+}
+
+void chunk_rows(int64_t rows, const int8_t* w_chunk, const int16_t* x, int64_t K, int64_t kc, __m256* part) {
+  switch (rows) {
+    case 1: chunk_int8<1, 2>(w_chunk, x, K, kc, part); break;
+    case 2: chunk_int8<2, 2>(w_chunk, x, K, kc, part); break;
+    case 3: chunk_int8<3, 1>(w_chunk, x, K, kc, part); break;
+    case 4: chunk_int8<4, 1>(w_chunk, x, K, kc, part); break;
+    case 5: chunk_int8<5, 1>(w_chunk, x, K, kc, part); break;
+    case 6: chunk_int8<6, 1>(w_chunk, x, K, kc, part); break;
+    case 7: chunk_int8<7, 1>(w_chunk, x, K, kc, part); break;
+    default: chunk_int8<8, 1>(w_chunk, x, K, kc, part); break;
+  }
+}
+
+// Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32), and each row's scale.
+void round_rows(const float* x, int16_t* xq, float* scales, int64_t M, int64_t K) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    float peak = 0.0f;
+    for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::abs(row[k]));
+    const float scale = peak > 0.0f ? peak / 32767.0f : 1.0f, inverse = 1.0f / scale;
+    scales[m] = scale;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t j = k & 31;
+      xq[m * K + (k - j) + (j & 1) * 16 + (j >> 1)] = static_cast<int16_t>(std::lrintf(row[k] * inverse));
+    }
+  }
+}
+
 template <typename T>
 void pack_blocks(const T* src, T* dst, int64_t N, int64_t K) {
   const int64_t blocks = (N + NB - 1) / NB;
@@ -96,8 +165,11 @@ void pack_blocks(const T* src, T* dst, int64_t N, int64_t K) {
   });
 }
 
-template <typename T>
-void multiply(const T* W, const float* xs, float* ys, int64_t M, int64_t K, int64_t N) {
+// ys [M, N] = xs [M, K] times W's transpose; with row_scales (an int8 weight's, [N]) and x_scales (its rows', [M])
+// each sum is multiplied by both.
+template <typename T, typename X>
+void multiply(const T* W, const X* xs, float* ys, int64_t M, int64_t K, int64_t N, const float* row_scales = nullptr,
+              const float* x_scales = nullptr) {
   const int64_t blocks = (N + NB - 1) / NB, tiles = (M + TILE - 1) / TILE;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<__m256> part(tiles * NB * TILE);
@@ -106,13 +178,16 @@ void multiply(const T* W, const float* xs, float* ys, int64_t M, int64_t K, int6
       const T* block = W + b * NB * K;
       for (int64_t c0 = 0; c0 < K; c0 += KC)
         for (int64_t t = 0; t < tiles; ++t)
-          chunk_rows<T>(std::min(TILE, M - TILE * t), block + c0 * NB, xs + TILE * t * K + c0, K,
-                        std::min(KC, K - c0), part.data() + t * NB * TILE);
+          chunk_rows(std::min(TILE, M - TILE * t), block + c0 * NB, xs + TILE * t * K + c0, K, std::min(KC, K - c0),
+                     part.data() + t * NB * TILE);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t rows = std::min(TILE, M - TILE * t);
         for (int64_t r = 0; r < NB && b * NB + r < N; ++r)
-          for (int64_t m = 0; m < rows; ++m)
-            ys[(TILE * t + m) * N + b * NB + r] = hsum(part[t * NB * TILE + r * rows + m]);
+          for (int64_t m = 0; m < rows; ++m) {
+            float y = hsum(part[t * NB * TILE + r * rows + m]);
+            if (row_scales) y *= row_scales[b * NB + r] * x_scales[TILE * t + m];
+            ys[(TILE * t + m) * N + b * NB + r] = y;
+          }
       }
     }
   });
@@ -120,16 +195,20 @@ void multiply(const T* W, const float* xs, float* ys, int64_t M, int64_t K, int6
 
 }  // namespace
 
-// The weight [N, K] (float32 or bfloat16, K a multiple of 8) in the blocked layout, its rows past N zero.
+// The weight [N, K] (float32 or bfloat16, K a multiple of 8; int8, K a multiple of 32) in the blocked layout, its rows
+// past N zero.
 torch::Tensor pack(const torch::Tensor& weight) {
-  const bool bf16 = weight.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(weight.dim() == 2 && (bf16 || weight.scalar_type() == at::kFloat) && weight.device().is_cpu(),
-              "few_rows.pack takes a 2-d float32 or bfloat16 CPU weight");
+  const auto type = weight.scalar_type();
+  const bool bf16 = type == at::kBFloat16, int8 = type == at::kChar;
+  TORCH_CHECK(weight.dim() == 2 && (bf16 || int8 || type == at::kFloat) && weight.device().is_cpu(),
+              "few_rows.pack takes a 2-d float32, bfloat16 or int8 CPU weight");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % 8 == 0, "few_rows.pack takes inputs in multiples of 8, not ", K);
+  TORCH_CHECK(K % (int8 ? 32 : 8) == 0, "few_rows.pack takes inputs in multiples of ", int8 ? 32 : 8, ", not ", K);
   auto packed = torch::zeros({(N + NB - 1) / NB * NB * K}, weight.options());
   auto dense = weight.contiguous();
-  if (bf16)
+  if (int8)
+    pack_blocks(dense.data_ptr<int8_t>(), packed.data_ptr<int8_t>(), N, K);
+  else if (bf16)
     pack_blocks(reinterpret_cast<const uint16_t*>(dense.data_ptr<at::BFloat16>()),
                 reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>()), N, K);
   else
@@ -137,24 +216,38 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return packed;
 }
 
-// x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32.
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+// x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
+// takes its rows' scales ([N], float32).
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                     const std::optional<torch::Tensor>& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "few_rows.matmul takes 2-d float32 CPU rows");
   auto X = x.contiguous();
   const int64_t M = X.size(0), K = X.size(1);
   TORCH_CHECK(packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
+  const bool int8 = packed.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
   auto Y = torch::empty({M, N}, X.options());
   if (M == 0) return Y;
-  if (packed.scalar_type() == at::kBFloat16)
+  if (int8) {
+    auto S = scales->contiguous();
+    TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> x_scales(M);
+    round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K);
+    multiply(packed.data_ptr<int8_t>(), xq.data(), Y.data_ptr<float>(), M, K, N, S.data_ptr<float>(),
+             x_scales.data());
+  } else if (packed.scalar_type() == at::kBFloat16) {
     multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<float>(),
              Y.data_ptr<float>(), M, K, N);
-  else
+  } else {
     multiply(packed.data_ptr<float>(), X.data_ptr<float>(), Y.data_ptr<float>(), M, K, N);
+  }
   return Y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
-  m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose");
+  m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
+        py::arg("N"), py::arg("scales") = py::none());
 }

@@ -420,11 +420,13 @@ def resolve_draft_int8(
 ) -> tuple[DraftInt8, str]:
     """The int8 kernel (false, true: weight-only, ``fbgemm``, ``int4``) that ``draft_int8`` names for a decoding draft
     of ``parameters`` (None: unknown, counted as large) on ``device``, and why (one line for the console). ``auto``: on
-    a CPU, a draft of :data:`AUTO_INT8_PARAMETERS` or more decodes through fbgemm's int8 GEMM (weight-only int8 where
-    this build of torch has no fbgemm), its steps through 4-bit weights where torch's kernels run at AVX-512
-    (``int4``, :func:`cpu_avx512`: the 0.5B Qwen draft's step 0.6-0.8x fbgemm's with or without AMX, speculative
-    decoding 1.91x / 1.80x the target alone at T = 0 / 1 against 1.74x / 1.45x with AMX; at AVX2 the step took 1.3x
-    fbgemm's); a smaller draft, one on a GPU, or one a vLLM engine decodes (``vllm``), in the pair's dtype."""
+    a CPU, a draft of :data:`AUTO_INT8_PARAMETERS` or more decodes with int8 weights: its steps through 4-bit weights
+    where torch's kernels run at AVX-512 (``int4``, :func:`cpu_avx512`: the 0.5B Qwen draft's step 0.6-0.8x fbgemm's
+    with or without AMX, speculative decoding 1.91x / 1.80x the target alone at T = 0 / 1 against 1.74x / 1.45x with
+    AMX; at AVX2 the step took 1.3x fbgemm's); else weight-only where the few-row kernel runs (AVX2: the 0.5B Qwen
+    draft's step 0.82x fbgemm's, its distributions closer to the float draft's, on a Zen 3 CPU), else through
+    fbgemm's int8 GEMM (weight-only int8 where this build of torch has no fbgemm); a smaller draft, one on a GPU, or
+    one a vLLM engine decodes (``vllm``), in the pair's dtype."""
     if draft_int8 != "auto":
         return draft_int8, "set by draft_int8"
     if vllm:
@@ -436,6 +438,8 @@ def resolve_draft_int8(
         return False, f"auto: {parameters / 1e6:.3g}M parameters, bound by per-call costs"
     if fbgemm_available() and int4_available() and cpu_avx512():
         return "int4", "auto: a weight-bound draft on a CPU whose kernels run AVX-512, where 4-bit steps paid"
+    if few_rows.available():
+        return True, "auto: a weight-bound draft on a CPU with AVX2, its steps through the few-row kernel"
     if fbgemm_available():
         return "fbgemm", "auto: a weight-bound draft on a CPU"
     return True, "auto: a weight-bound draft on a CPU whose torch has no fbgemm"
@@ -444,13 +448,15 @@ def resolve_draft_int8(
 def quantize_decoding_draft(model: PreTrainedModel, int8: DraftInt8, fuse: bool = True) -> PreTrainedModel:
     """``model``, a draft that only decodes, with int8 weights where ``int8`` (``draft_int8``, ``auto`` resolved by
     :func:`resolve_draft_int8` for it) says: :func:`~distillspec.models.packing.quantize_int8`, through fbgemm's int8
-    GEMM if ``fbgemm``; with ``int4`` its steps through 4-bit weights, its prompts through fbgemm where torch has it;
+    GEMM if ``fbgemm``; with ``true`` its steps weight-only, with ``int4`` through 4-bit weights, and for both its
+    prompts through fbgemm where torch has it (on a CPU);
     with ``fuse`` (the default; off for a benchmark's comparison), sibling products of one input as one."""
     if int8 == "auto":
         int8 = resolve_draft_int8(int8, parameter_count(model), str(next(model.parameters()).device))[0]
     if int8:
-        fbgemm = int8 == "fbgemm" or (int8 == "int4" and fbgemm_available())  # int4: prompts through fbgemm
-        quantize_int8(model, fbgemm=fbgemm, int4=int8 == "int4", fuse=fuse)
+        on_cpu = next(model.parameters()).device.type == "cpu"  # weight-only and int4: prompts through fbgemm
+        fbgemm = int8 == "fbgemm" or (int8 in (True, "int4") and fbgemm_available() and on_cpu)
+        quantize_int8(model, fbgemm=fbgemm, int4=int8 == "int4", fuse=fuse, weight_only_steps=int8 is True)
         release_memory()
     return model
 

@@ -228,19 +228,24 @@ class Int8Linear(nn.Module):
     proposes: speculative decoding stays exact whatever the draft computes; a draft rounded this way is accepted
     about as often as before. A step reads a quarter of float32's bytes, half of bfloat16's.
 
-    The product is weight-only, as gpt-fast's int8 mode (``torch.ops.aten._weight_int8pack_mm``), its activations in
-    bfloat16 where the model runs in float32 on a CPU: the kernel has no fast float32 path (on an AVX2-only CPU it
-    ran 1.7-3.7x slower than the float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which
-    moved the 0.5B Qwen draft's distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``).
-    More than :data:`INT8_ROWS` rows (a prompt) are multiplied by the int8 values as floats, then the row scales, the
-    weight-only kernel not using the CPU's matrix units.
+    The product is weight-only, as gpt-fast's int8 mode. On an x86 CPU with AVX2 its steps (up to :data:`INT8_ROWS`
+    rows) go through the few-row kernel (:mod:`distillspec.models.few_rows`; inputs a multiple of 32), which rounds
+    each row of activations to 16 bits, not 8, and reads the int8 weight at about the memory's rate: the 0.5B Qwen
+    draft's step took 0.8x fbgemm's on a Zen 3 CPU (docs/MEASUREMENTS.md). Elsewhere they go through
+    ``torch.ops.aten._weight_int8pack_mm``, its activations in bfloat16 where the model runs in float32 on a CPU: that
+    kernel has no fast float32 path (on an AVX2-only CPU it ran 1.7-3.7x slower than the float32 product it replaces,
+    and 1.8-3.6x faster with bfloat16 activations, which moved the 0.5B Qwen draft's distribution by a mean TVD of
+    0.012: ``python -m benchmarks.suites.int8``). More than :data:`INT8_ROWS` rows (a prompt) are multiplied by the
+    int8 values as floats, then the row scales, the weight-only kernels not using the CPU's matrix units.
 
     ``fbgemm=True`` runs every product through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
     ``draft_int8=fbgemm`` setting): on such a CPU its products ran 2-3x faster again, the 0.5B draft's step 1.5x and
     its prompt 2.0x, but it rounds the activations to 7 bits. The GEMM takes one scale per call, so each row is
     divided by its largest magnitude first (and the product multiplied back): in effect one scale per token. With one
     scale spanning a prompt, whose first token takes the outlying activations of Qwen2.5-like models (the attention
-    sink), the 0.5B Qwen draft's mean TVD from the float draft was 0.073; with a scale per token 0.038.
+    sink), the 0.5B Qwen draft's mean TVD from the float draft was 0.073; with a scale per token 0.038. With
+    ``weight_only_steps`` as well (``draft_int8=true`` on a CPU with fbgemm) only the prompts go through fbgemm, 3x
+    faster than through the dequantized weight, and the steps stay weight-only.
 
     ``int4=True`` (``draft_int8=int4``) also holds the weight in 4 bits, each group of :data:`INT4_GROUP` inputs with
     its own scale and zero point (:func:`int4_groups`), and runs up to :data:`INT4_ROWS` rows (drafting steps) through
@@ -250,7 +255,9 @@ class Int8Linear(nn.Module):
     took 51 ms against fbgemm's 76 (AMX), its mean TVD from the bfloat16 draft 0.061 against 0.039; where torch's
     kernels run at AVX2 it took 1.3x fbgemm's."""
 
-    def __init__(self, linear: nn.Linear, fbgemm: bool = False, int4: bool = False) -> None:
+    def __init__(
+        self, linear: nn.Linear, fbgemm: bool = False, int4: bool = False, weight_only_steps: bool = False
+    ) -> None:
         super().__init__()
         if int4 and not (int4_available() and linear.weight.device.type == "cpu"):
             raise DistillSpecError("draft_int8=int4 runs torch's CPU kernel for 4-bit weights: use draft_int8=fbgemm")
@@ -265,6 +272,12 @@ class Int8Linear(nn.Module):
         #: divide, keeps int8 ones
         self.int4 = int4 and self.in_features % INT4_GROUP == 0 and self.out_features % 16 == 0
         self.int4_packed = self.int4_scales_zeros = None  #: the 4-bit weight and its groups' scales, with ``int4``
+        #: steps (up to INT8_ROWS rows) weight-only, not through fbgemm: asked for, or where there is no fbgemm
+        self.weight_only_steps = weight_only_steps or not fbgemm
+        #: ... through the few-row kernel where it runs: its layout of the weight and the rows' scales (float32)
+        self.few_rows = self.weight_only_steps and self.in_features % 32 == 0 and weight.device.type == "cpu"
+        self.few_rows = self.few_rows and few_rows.available()
+        self.few_rows_packed = self.few_rows_scales = None
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
@@ -287,6 +300,8 @@ class Int8Linear(nn.Module):
                 zero = torch.zeros(len(scales), dtype=torch.long)
                 quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
                 self.packed = torch.ops.quantized.linear_prepack(quantized, None)  # the bias: after the row scales
+        if self.few_rows:
+            self.few_rows_packed, self.few_rows_scales = few_rows.pack(self.weight), scales.clone()
         if self.int4:
             codes, scales_zeros = int4_groups(weight)
             self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
@@ -300,7 +315,11 @@ class Int8Linear(nn.Module):
                 steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
             )
             out = out.to(self.dtype)
-        elif self.packed is not None:  # fbgemm, float32 in and out; one scale per row (token), as above
+        elif self.few_rows_packed is not None and rows.shape[0] <= INT8_ROWS:  # a weight-only step, float32 in and out
+            out = few_rows.matmul(rows.float(), self.few_rows_packed, self.out_features, self.few_rows_scales)
+            out = out.to(self.dtype)
+        elif self.packed is not None and not (self.weight_only_steps and rows.shape[0] <= INT8_ROWS):
+            # fbgemm, float32 in and out; one scale per row (token), as above
             rows = rows.float()
             if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
                 out = torch.ops.quantized.linear_dynamic(rows.contiguous(), self.packed, True)
@@ -318,8 +337,14 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "fbgemm" if self.fbgemm else f"weight-only, {str(self.step_dtype).removeprefix('torch.')} activations"
+        if not self.weight_only_steps:
+            kernel = "fbgemm"
+        elif self.few_rows:
+            kernel = "weight-only steps through the few-row kernel"
+        else:
+            kernel = f"weight-only steps, {str(self.step_dtype).removeprefix('torch.')} activations"
         kernel += f"; steps in int4, groups of {INT4_GROUP}" if self.int4 else ""
+        kernel += "; prompts through fbgemm" if self.fbgemm and self.weight_only_steps else ""
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         return f"{shape}, int8 ({kernel})"
 
@@ -417,11 +442,13 @@ def fuse_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> in
     return fused
 
 
-def quantize_int8(model: nn.Module, fbgemm: bool = False, int4: bool = False, fuse: bool = True) -> int:
+def quantize_int8(
+    model: nn.Module, fbgemm: bool = False, int4: bool = False, fuse: bool = True, weight_only_steps: bool = False
+) -> int:
     """Replace every linear layer of ``model`` (in place; its decoder layers and head, a draft vocabulary's too) by
-    an :class:`Int8Linear` in the model's dtype (through fbgemm's int8 GEMM with ``fbgemm``; its steps through 4-bit
-    weights with ``int4``), with ``fuse`` the siblings that read one input as one (:func:`fuse_linears`); the model
-    is frozen. Returns how many int8 layers it has."""
+    an :class:`Int8Linear` in the model's dtype (through fbgemm's int8 GEMM with ``fbgemm``, but for its steps with
+    ``weight_only_steps``; its steps through 4-bit weights with ``int4``), with ``fuse`` the siblings that read one
+    input as one (:func:`fuse_linears`); the model is frozen. Returns how many int8 layers it has."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     if fbgemm and not (fbgemm_available() and on_cpu):
         raise DistillSpecError(
@@ -430,7 +457,7 @@ def quantize_int8(model: nn.Module, fbgemm: bool = False, int4: bool = False, fu
         )
 
     def int8_like(linear: nn.Linear) -> nn.Module:  # a draft vocabulary's head keeps its d2t map
-        quantized = Int8Linear(linear, fbgemm, int4)
+        quantized = Int8Linear(linear, fbgemm, int4, weight_only_steps)
         if hasattr(linear, "d2t"):
             quantized.register_buffer("d2t", linear.d2t)
         return quantized
