@@ -13,9 +13,9 @@ through the endpoint: ``--sets`` the questions it served and others) shows what 
         draft=qwen2.5-coder-0.5b-instruct dataset=../shared/data/gsm8k draft_vocab=32768 \\
         --drafts outputs/online-qwen/online/distill/draft --sets 0:32 32:64
 
-``--decoding dtype fbgemm`` also scores the job's draft as a decoder runs it (in the pair's dtype; with int8 weights
-through fbgemm, as ``draft_int8=auto`` decodes a large draft on an x86 CPU) on the same target samples: what a kernel
-costs in acceptance, without the draws of a race.
+``--decoding dtype weight-only fbgemm`` also scores the job's draft as a decoder runs it (in the pair's dtype; with
+int8 weights, weight-only as ``draft_int8=auto`` decodes a large draft on an AVX2 CPU, or through fbgemm) on the same
+target samples: what a kernel costs in acceptance, without the draws of a race.
 
 Writes ``acceptance_by_kind.json``, ``acceptance_by_kind.md`` and ``acceptance_by_kind.png``.
 """

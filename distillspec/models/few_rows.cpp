@@ -92,7 +92,7 @@ void chunk_rows(int64_t rows, const T* w_chunk, const float* x, int64_t K, int64
 
 // The int8 form of chunk: x holds the tile's rows in 16 bits, each group of 32 inputs as its 16 even inputs, then its
 // 16 odd ones, to match the weights' even and odd bytes as one 32-byte load sign-extends them in place (two shifts
-// and one). 32-bit sums cannot overflow within a chunk: 512 products of at most 128 x 32767 each.
+// and one). 32-bit sums cannot overflow within a chunk: a lane sums 64 of its 512 products, each at most 128 x 32767.
 template <int M, int U>
 void chunk_int8(const int8_t* w_chunk, const int16_t* x, int64_t K, int64_t kc, __m256* part) {
   for (int64_t r = 0; r < NB; ++r) {

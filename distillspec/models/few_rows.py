@@ -21,7 +21,8 @@ weights in the second-level cache: a step of 128 rows took 1.06x oneDNN's, so a 
 The kernel is compiled on first use with the C++ compiler torch's own extensions use (``torch.utils.cpp_extension``)
 into the project cache, once per version of its source and of torch. Where it cannot be had (no AVX2, no compiler,
 inputs that are not multiples of 8, or ``DISTILLSPEC_FEW_ROWS=0``) the target keeps oneDNN's layout
-(:class:`~distillspec.models.packing.PackedLinear`), with one warning that says why.
+(:class:`~distillspec.models.packing.PackedLinear`) and a weight-only int8 draft's steps go through torch's kernel
+(:class:`~distillspec.models.packing.Int8Linear`; ``draft_int8=auto`` takes fbgemm), with one warning that says why.
 """
 
 from __future__ import annotations
@@ -86,7 +87,11 @@ def _built() -> tuple[ModuleType | None, str | None]:
             return module, None
         except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
             reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
-    log.warning("the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN", reason)
+    log.warning(
+        "the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN, and an int8 "
+        "draft's steps go through fbgemm or torch's weight-only kernel",
+        reason,
+    )
     return None, reason
 
 
