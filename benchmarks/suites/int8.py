@@ -47,6 +47,7 @@ from benchmarks.suites.common import cpu_kernels, limits_text
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
+from distillspec.decoding.metrics import position_tvd
 from distillspec.models.loading import encode_prompts, int8_kernels, load_model, quantize_decoding_draft
 from distillspec.models.packing import FewRowLinear, PackedLinear, can_prepack
 from distillspec.models.pretrained import prepare_pair
@@ -110,13 +111,20 @@ def prefill_ms(model, prompt: torch.Tensor, reps: int = 2) -> float:
 
 
 @torch.inference_mode()
-def stepwise_probs(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """The next-token distributions [positions, V] of ``model`` over ``ids`` [1, L] after its first ``prompt_len``
+def stepwise_logits(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The next-token logits [positions, V] (float32) of ``model`` over ``ids`` [1, L] after its first ``prompt_len``
     tokens, decoded as a draft decodes: the prompt prefilled, then one token a step."""
     lm = CachedLM(model, capacity=bucketed_capacity(ids.shape[1] + 1))
     logits = [lm.prefill(ids[:, :prompt_len], torch.ones_like(ids[:, :prompt_len]))]
     logits += [lm.step(ids[:, t : t + 1])[:, -1] for t in range(prompt_len, ids.shape[1] - 1)]
-    return torch.cat(logits).float().softmax(-1)
+    return torch.cat(logits).float()
+
+
+def apart(logits: torch.Tensor, reference: torch.Tensor) -> tuple[list[float], list[float]]:
+    """At each position of two models' logits [positions, V]: the TVD of their distributions, and whether their
+    argmaxes agree (1 - the TVD of T = 0) (:func:`~distillspec.decoding.metrics.position_tvd`)."""
+    tvd = position_tvd(logits, reference).tolist()
+    return tvd, (1 - position_tvd(logits, reference, temperature=0)).tolist()
 
 
 def draft_closeness(overrides: list[str], held: int) -> dict:
@@ -144,15 +152,17 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
             [prompt, tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids], 1
         )
         with torch.inference_mode():
-            p = target(ids).logits[0, prompt.shape[1] - 1 : -1].float().softmax(-1)
-        q = stepwise_probs(draft, ids, prompt.shape[1])
+            p = target(ids).logits[0, prompt.shape[1] - 1 : -1].float()
+        q = stepwise_logits(draft, ids, prompt.shape[1])
         for kernel, model in variants.items():
-            q8 = q if kernel == "float" else stepwise_probs(model, ids, prompt.shape[1])
-            accepted[kernel] += torch.minimum(p, q8).sum(-1).tolist()
-            greedy[kernel] += (p.argmax(-1) == q8.argmax(-1)).float().tolist()
+            q8 = q if kernel == "float" else stepwise_logits(model, ids, prompt.shape[1])
+            rejected, same = apart(q8, p)
+            accepted[kernel] += [1 - r for r in rejected]
+            greedy[kernel] += same
             if kernel != "float":
-                tvd[kernel] += (0.5 * (q - q8).abs().sum(-1)).tolist()
-                agree[kernel] += (q.argmax(-1) == q8.argmax(-1)).float().tolist()
+                off, same = apart(q8, q)
+                tvd[kernel] += off
+                agree[kernel] += same
     result["positions"] = len(next(iter(tvd.values()), []))
     result["prompt_ms"] = {k: statistics.median(v) for k, v in prompt_ms.items()}
     result["prompt_tokens"] = statistics.median(prompt_tokens)

@@ -31,7 +31,7 @@ from statistics import mean
 import torch
 
 from benchmarks.suites.common import cpu_kernels
-from benchmarks.suites.int8 import stepwise_probs
+from benchmarks.suites.int8 import apart, stepwise_logits
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
@@ -119,18 +119,18 @@ def suite_target_kernel(
 @torch.inference_mode()
 def closeness(targets: dict, tokenizer, examples: list) -> dict[str, dict[str, float]]:
     """Per layout, the mean TVD of its next-token distributions from the last layout's and their argmax agreement,
-    over each example's reference answer after its prompt, decoded a token a step (:func:`stepwise_probs`)."""
+    over each example's reference answer after its prompt, decoded a token a step (:func:`stepwise_logits`)."""
     names = list(targets)
     tvd, agree = {n: [] for n in names[:-1]}, {n: [] for n in names[:-1]}
     for example in examples:
         prompt = encode_prompts(tokenizer, [example.prompt])[0]
         answer = tokenizer(example.reference, return_tensors="pt", add_special_tokens=False).input_ids
         ids = torch.cat([prompt, answer], 1)
-        base = stepwise_probs(targets[names[-1]], ids, prompt.shape[1])
+        base = stepwise_logits(targets[names[-1]], ids, prompt.shape[1])
         for name in names[:-1]:
-            probs = stepwise_probs(targets[name], ids, prompt.shape[1])
-            tvd[name] += (0.5 * (probs - base).abs().sum(-1)).tolist()
-            agree[name] += (probs.argmax(-1) == base.argmax(-1)).float().tolist()
+            off, same = apart(stepwise_logits(targets[name], ids, prompt.shape[1]), base)
+            tvd[name] += off
+            agree[name] += same
     return {n: {"tvd": mean(tvd[n]), "argmax_agreement": mean(agree[n]), "positions": len(tvd[n])} for n in tvd}
 
 

@@ -105,6 +105,19 @@ def missing() -> str | None:
     return _built()[1]
 
 
+#: A weight's inputs come in multiples of this many for the kernel, by dtype (its vectors: 8 floats, 32 int8 weights).
+INPUT_MULTIPLE = {torch.float32: 8, torch.bfloat16: 8, torch.int8: 32}
+
+
+def refusal(in_features: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel does not take a weight of ``in_features`` inputs in ``dtype`` here (building it the first time
+    when the shape fits), or None where it does."""
+    multiple = INPUT_MULTIPLE[dtype]
+    if in_features % multiple:
+        return f"it takes inputs in multiples of {multiple}, not {in_features}"
+    return missing()
+
+
 def available() -> bool:
     """Whether the kernel runs here (building it the first time)."""
     return extension() is not None

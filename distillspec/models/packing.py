@@ -63,10 +63,8 @@ class PackedLinear(nn.Module):
         if weight.dtype == torch.bfloat16 and kernel != "few_rows":
             raise ValueError("PackedLinear takes bfloat16 weights for the few-row kernel only (kernel='few_rows')")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        why = None  # why the few-row kernel cannot take this layer (where it is wanted)
-        if kernel != "onednn":
-            fits = self.in_features % 8 == 0
-            why = few_rows.missing() if fits else f"it takes inputs in multiples of 8, not {self.in_features}"
+        # why the few-row kernel cannot take this layer (where it is wanted)
+        why = few_rows.refusal(self.in_features, weight.dtype) if kernel != "onednn" else None
         if kernel == "few_rows" and why:
             raise DistillSpecError(f"the few-row kernel does not run here: {why}")
         self.kernel = "onednn" if kernel == "onednn" or why else "few_rows"
@@ -276,8 +274,8 @@ class Int8Linear(nn.Module):
         #: steps (up to INT8_ROWS rows) weight-only, not through fbgemm: asked for, or where there is no fbgemm
         self.weight_only_steps = weight_only_steps or not fbgemm
         #: ... through the few-row kernel where it runs: its layout of the weight and the rows' scales (float32)
-        self.few_rows = self.weight_only_steps and self.in_features % 32 == 0 and weight.device.type == "cpu"
-        self.few_rows = self.few_rows and few_rows.available()
+        self.few_rows = self.weight_only_steps and weight.device.type == "cpu"
+        self.few_rows = self.few_rows and few_rows.refusal(self.in_features, torch.int8) is None
         self.few_rows_packed = self.few_rows_scales = None
         self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
@@ -310,16 +308,17 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
+        step = rows.shape[0] <= INT8_ROWS  # a drafting step (a few rows), not a prompt
         if self.int4_packed is not None and rows.shape[0] <= INT4_ROWS:  # a drafting step, its weight in 4 bits
             steps = rows.to(self.step_dtype).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
             )
             out = out.to(self.dtype)
-        elif self.few_rows_packed is not None and rows.shape[0] <= INT8_ROWS:  # a weight-only step, float32 in and out
+        elif step and self.few_rows_packed is not None:  # a weight-only step, float32 in and out
             out = few_rows.matmul(rows.float(), self.few_rows_packed, self.out_features, self.few_rows_scales)
             out = out.to(self.dtype)
-        elif self.packed is not None and not (self.weight_only_steps and rows.shape[0] <= INT8_ROWS):
+        elif self.packed is not None and not (step and self.weight_only_steps):
             # fbgemm, float32 in and out; one scale per row (token), as above
             rows = rows.float()
             if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
@@ -328,7 +327,7 @@ class Int8Linear(nn.Module):
                 peaks = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)
                 out = torch.ops.quantized.linear_dynamic((rows / peaks).contiguous(), self.packed, True) * peaks
             out = out.to(self.dtype)
-        elif rows.shape[0] > INT8_ROWS:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
+        elif not step:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
             out = torch.nn.functional.linear(rows, self.weight.to(self.dtype)) * self.scales
         else:
             steps = rows.to(self.step_dtype).contiguous()
