@@ -96,7 +96,13 @@ class Completions:
             shared = shared_target(s.follow.run or cfg.ray.run_name) if cfg.ray.share_target else None
             target, draft, tokenizer = load_decoding_pair(cfg.models, shared_target=shared)
             completer = Completer(
-                target, draft, tokenizer, max_prompt_tokens=s.limits.max_prompt_tokens, seed=seed, max_gamma=s.max_gamma
+                target,
+                draft,
+                tokenizer,
+                max_prompt_tokens=s.limits.max_prompt_tokens,
+                seed=seed,
+                max_gamma=s.max_gamma,
+                compile=s.compile,
             )
             log.info("replica warmed up in %.1f s", completer.warm_up(s.batching.max_batch_size))
             self.completer = completer

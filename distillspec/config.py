@@ -32,6 +32,8 @@ DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: false, true (weight-only int8), fbgemm (its int8 GEMM, x86), int4 (fbgemm's prompts, 4-bit steps) or auto
 #: (resolved by ``loading.resolve_draft_int8``)
 DraftInt8 = bool | Literal["fbgemm", "int4", "auto"]
+#: decoding steps through torch.compile: false, true (both models') or draft (the draft's alone)
+Compile = bool | Literal["draft"]
 
 PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
@@ -181,7 +183,11 @@ class EvalConfig:
         "passes over the speedup prompts; each pass decodes every prompt with the target alone and with each draft "
         "in turn (after training: the undistilled and the distilled draft side by side); the spread is reported",
     )
-    compile: bool = knob(False, "time the speedup with torch.compile'd decoding steps (Llama, Mistral, Qwen2)")
+    compile: Compile = knob(
+        False,
+        "time the speedup with torch.compile'd decoding steps (Llama, Mistral, Qwen2): true = both models', "
+        "draft = the draft's alone (the target alone then decodes eagerly)",
+    )
 
 
 @dataclass(config=SCHEMA)
@@ -464,6 +470,12 @@ class ServeConfig:
         None, "serve what this jobs/distill.py output folder distilled: its draft/ with the target it was distilled for"
     )
     record_prompts: bool = knob(False, "online distillation: send served prompts to the run's prompt log")
+    compile: Compile = knob(
+        False,
+        "backend hf: decode with torch.compile'd steps (Llama, Mistral, Qwen2; a C++ compiler): draft = the draft's "
+        "alone (the 0.5B Qwen draft on a 2-core CPU: SD 2-7% faster), true = the target's too; a replica compiles the "
+        "draft's steps as it warms up (minutes on 2 cores), new draft versions reuse them",
+    )
     limits: LimitsConfig = knob(help="request and replica limits", factory=LimitsConfig)
     batching: BatchingConfig = knob(help="batching concurrent requests", factory=BatchingConfig)
     autoscaling: AutoscalingConfig = knob(help="the replicas' autoscaling", factory=AutoscalingConfig)
@@ -478,6 +490,11 @@ class ServeConfig:
 
     def validate(self) -> None:
         self.autoscaling.validate()
+        if self.compile and self.backend == "vllm":
+            raise DistillSpecError(
+                f"serve.compile={str(self.compile).lower()} compiles this project's decoder; vLLM compiles its own "
+                "(vllm.enforce_eager): set serve.compile=false or serve.backend=hf"
+            )
 
 
 @dataclass(config=SCHEMA)
@@ -680,6 +697,11 @@ class JobConfig:
                 "learner.use_gpu=true trains on GPUs but device='cpu': set device=cuda, or ray.gpu_dry_run=true to ask "
                 "for the GPUs while computing on CPU"
             )
+
+    @property
+    def compile_knobs(self) -> dict[str, Compile]:
+        """The knobs that compile decoding steps, by name (``eval.compile``, ``serve.compile``), with their values."""
+        return {"eval.compile": self.eval.compile, "serve.compile": self.serve.compile}
 
     @property
     def vllm_decodes(self) -> bool:

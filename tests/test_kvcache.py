@@ -97,17 +97,20 @@ def test_compiled_decoders_give_the_same_tokens():
     draft = perturbed(target, 0.05, seed=5)
     prompt = torch.tensor([[3, 4, 5, 6]])
 
-    def eager_and_compiled(decode, *models, **kw):
+    def eager_and_compiled(decode, *models, modes=(False, True), **kw):
         return [
             decode(*models, prompt, max_new_tokens=24, generator=torch.Generator().manual_seed(7), compile=c, **kw)
-            for c in (False, True)
+            for c in modes
         ]
 
-    for temperature in (0.0, 1.0):
-        outs = eager_and_compiled(speculative_generate, target, draft, gamma=3, temperature=temperature)
-        assert torch.equal(outs[0].sequences, outs[1].sequences)
-        stats = [vars(o.stats) for o in outs]
-        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(*(s.values() for s in stats)))
+    for temperature in (0.0, 1.0):  # eager, both models compiled, the draft's steps alone compiled
+        outs = eager_and_compiled(
+            speculative_generate, target, draft, modes=(False, True, "draft"), gamma=3, temperature=temperature
+        )
+        stats = [list(vars(o.stats).values()) for o in outs]
+        for out, other in zip(outs[1:], stats[1:]):
+            assert torch.equal(outs[0].sequences, out.sequences)
+            assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(stats[0], other))
         assert 0 < outs[1].stats.alpha < 1  # the draft differs from the target, so rejections were exercised
         plain = eager_and_compiled(autoregressive_generate, target, temperature=temperature)
         assert torch.equal(plain[0].sequences, plain[1].sequences)
@@ -125,25 +128,45 @@ def test_compiled_speedup_measurement_decodes_what_the_eager_one_does(text_pair,
         measure_speedup(
             target, draft, tokenizer, prompts, gamma=3, temperature=1.0, max_new_tokens=10, seed=0, compile=compile
         )
-        for compile in (False, True)
+        for compile in (False, True, "draft")
     ]
-    assert runs[0]["speedup_tau"] == runs[1]["speedup_tau"]  # the same seeds: the same blocks, compiled or not
+    assert runs[0]["speedup_tau"] == runs[1]["speedup_tau"] == runs[2]["speedup_tau"]  # the same blocks
     assert all(r["measured_speedup"] > 0 and r["c"] > 0 for r in runs)
 
 
-def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_path, tiny_garden):
+def test_the_compile_knobs_take_false_true_or_draft():
+    from distillspec.config import load_config
+
+    cfg = load_config(None, ["serve.compile=draft", "eval.compile=true"])
+    assert cfg.compile_knobs == {"eval.compile": True, "serve.compile": "draft"}
+    with pytest.raises(DistillSpecError, match="did you mean 'draft'"):
+        load_config(None, ["serve.compile=drafts"])
+    with pytest.raises(DistillSpecError, match="serve.compile=draft compiles this project's decoder"):
+        load_config(None, ["serve.compile=draft", "serve.backend=vllm"])
+
+
+def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_path, tiny_garden, monkeypatch):
     from transformers import AutoTokenizer
 
     from distillspec.models.loading import check_pair_sources
 
-    check_pair_sources(str(tiny_garden.target), str(tiny_garden.draft), compile=True)  # Llama: accepted
+    target, draft = str(tiny_garden.target), str(tiny_garden.draft)
+    check_pair_sources(target, draft, compile={"eval.compile": True})  # Llama: accepted
     tokenizer = AutoTokenizer.from_pretrained(tiny_garden.target)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
     gpt2.save_pretrained(tmp_path / "gpt2")
     tokenizer.save_pretrained(tmp_path / "gpt2")
-    check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"))  # eager decoding runs any architecture
+    gpt2 = str(tmp_path / "gpt2")
+    check_pair_sources(target, gpt2)  # eager decoding runs any architecture
     with pytest.raises(DistillSpecError, match="eval.compile=true: .* is a 'gpt2' model"):
-        check_pair_sources(str(tiny_garden.target), str(tmp_path / "gpt2"), compile=True)
+        check_pair_sources(target, gpt2, compile={"eval.compile": True})
+    with pytest.raises(DistillSpecError, match="serve.compile=draft: .* is a 'gpt2' model.*set serve.compile=false"):
+        check_pair_sources(target, gpt2, compile={"eval.compile": False, "serve.compile": "draft"})
+    check_pair_sources(gpt2, draft, compile={"serve.compile": "draft"})  # a gpt2 target stays eager: accepted
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(DistillSpecError, match=r"serve.compile=draft: .*no-such-compiler.*set serve.compile=false"):
+        check_pair_sources(target, draft, compile={"serve.compile": "draft"})
+    check_pair_sources(target, draft, compile={"serve.compile": False})  # nothing compiles: no compiler needed
 
 
 def test_step_times_run_every_model_and_width_in_turn_on_the_same_cache(text_pair, monkeypatch):

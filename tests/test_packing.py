@@ -113,6 +113,28 @@ def test_the_few_row_kernel_is_refused_where_it_cannot_run(monkeypatch):
     assert few_rows.unavailable_reason() == f"{few_rows.SWITCH}=0"
 
 
+@needs_compiler
+@pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
+def test_compiled_steps_take_the_few_row_kernel_into_one_graph():
+    """A target laid out for the few-row kernel and a weight-only int8 draft whose steps go through it, their decoding
+    steps compiled: the eager cache's logits, and no graph breaks (the kernel is a custom operator to torch.compile)."""
+    from distillspec.models.packing import Int8Linear
+
+    target = tiny_llama(64, d=64, layers=2, seed=1)
+    prepack_linears(target, kernel="few_rows")
+    draft = quantize_decoding_draft(tiny_llama(64, d=64, layers=2, seed=2), True)
+    assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.few_rows_packed is not None
+    torch._dynamo.utils.counters.clear()
+    ids, mask = left_padded_prompts()
+    for model in (target, draft):
+        compiled, eager = CachedLM(model, compile=True, capacity=32), CachedLM(model)
+        torch.testing.assert_close(compiled.prefill(ids, mask), eager.prefill(ids, mask))
+        for k in (1, 2, 6) if model is target else (1, 2):  # drafting steps, the target's verification
+            new = torch.randint(1, 64, (len(ids), k))
+            torch.testing.assert_close(compiled.step(new), eager.step(new), rtol=1e-4, atol=1e-4)
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
 def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits():
     """Over FEW_ROWS rows (a prompt) the same product, bit for bit; a step (one row: torch.mv) and a verification
     (six rows: torch.mm) within bfloat16's rounding; the same weight tensors."""
@@ -467,7 +489,8 @@ def test_weight_only_int8_steps_through_the_few_row_kernel_give_the_dequantized_
 
 def test_weight_only_int8_with_fbgemm_keeps_its_steps_and_reads_prompts_through_fbgemm():
     """draft_int8=true on a CPU with fbgemm: up to INT8_ROWS rows (steps) weight-only, as without fbgemm; more rows
-    (a prompt) through fbgemm's GEMM, as draft_int8=fbgemm reads them."""
+    (a prompt) through fbgemm's GEMM, as draft_int8=fbgemm reads them. The int8 weight as it is stays only where a
+    product reads it: the kernels hold their own layouts."""
     from distillspec.models.packing import INT8_ROWS, Int8Linear, fbgemm_available
 
     if not fbgemm_available():
@@ -477,6 +500,8 @@ def test_weight_only_int8_with_fbgemm_keeps_its_steps_and_reads_prompts_through_
     both = Int8Linear(dense, True, weight_only_steps=True)
     weight_only, fbgemm = Int8Linear(dense), Int8Linear(dense, True)
     assert both.few_rows is weight_only.few_rows and "prompts through fbgemm" in repr(both)
+    assert weight_only.weight.shape == (96, 64) and fbgemm.weight.numel() == 0  # without fbgemm prompts read it
+    assert both.weight.numel() == (0 if both.few_rows else 96 * 64)  # steps read it without the few-row kernel
     steps, prompt = torch.randn(INT8_ROWS, 64), torch.randn(INT8_ROWS + 1, 64)
     with torch.no_grad():
         assert torch.equal(both(steps), weight_only(steps)) and not torch.equal(both(steps), fbgemm(steps))
@@ -537,12 +562,14 @@ def test_a_compiled_int4_draft_proposes_what_the_eager_one_does():
 def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel(dtype):
     from distillspec.models.packing import Int8Linear, fbgemm_available
 
-    for fbgemm in [False, True] if fbgemm_available() else [False]:
-        layer, newer = Int8Linear(torch.nn.Linear(32, 16).to(dtype), fbgemm), torch.nn.Linear(32, 16)
+    kernels = [(False, False), (True, False), (True, True)] if fbgemm_available() else [(False, False)]
+    for fbgemm, weight_only_steps in kernels:  # weight-only, fbgemm, weight-only steps and fbgemm's prompts
+        layer = Int8Linear(torch.nn.Linear(32, 16).to(dtype), fbgemm, weight_only_steps=weight_only_steps)
+        newer = torch.nn.Linear(32, 16)
         layer.load_dense(newer.weight, newer.bias.detach())
-        x = torch.randn(3, 32)
-        product = layer(x.to(dtype))
-        assert product.dtype == dtype and (product.float() - newer(x)).norm() / newer(x).norm() < 0.03
+        for x in (torch.randn(3, 32), torch.randn(40, 32)):  # steps and a prompt
+            product = layer(x.to(dtype))
+            assert product.dtype == dtype and (product.float() - newer(x)).norm() / newer(x).norm() < 0.03
 
 
 def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):

@@ -20,7 +20,7 @@ from distillspec.serving.completer import (
     ratio_variance,
 )
 
-from .conftest import greedy_text
+from .conftest import greedy_text, needs_compiler
 
 PROMPTS = ["12+7=", "3*4=", "100-1=", "9+9+9="]
 
@@ -141,6 +141,33 @@ def test_swap_keeps_a_running_call_on_its_draft(text_pair, tokenizer):
     assert completer.complete([CompletionJob(PROMPTS[0], 4, DecodingArgs(gamma=2))])[0].version == 3
     assert completer.roll_back() == -1 and completer.draft is draft  # the draft the swap replaced, again
     assert completer.roll_back() == -1  # one step back only
+
+
+@needs_compiler
+def test_a_compiled_draft_serves_the_eager_texts_and_a_new_version_reuses_its_steps(text_pair, tokenizer):
+    """serve.compile=draft: after the warm-up, batches of every size up to the largest and prompts of every length
+    compile nothing more and give the eager completer's greedy texts (the target's); a new draft version, a copy of
+    the draft, decodes without compiling anything again either."""
+    target, draft = text_pair
+    eager = Completer(target, draft, tokenizer, max_prompt_tokens=16)
+    compiled = Completer(target, draft, tokenizer, max_prompt_tokens=16, compile="draft")
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled.warm_up(rows=4) > 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > before  # the draft's steps were compiled
+    args = DecodingArgs(gamma=3, temperature=0.0)
+    for batch in ([PROMPTS[3]], PROMPTS[:3], PROMPTS, [PROMPTS[0] * 3, PROMPTS[1]]):
+        jobs = [CompletionJob(p, 10, args) for p in batch]
+        assert [c.text for c in compiled.complete(jobs)] == [c.text for c in eager.complete(jobs)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    compiled.swap_draft(lambda m: (torch.nn.init.normal_(m.lm_head.weight, std=0.02), 1)[1])
+    with torch.no_grad():
+        eager.swap_draft(lambda m: (m.lm_head.weight.copy_(compiled.draft.lm_head.weight), 1)[1])
+    for batch in ([PROMPTS[3]], PROMPTS):
+        jobs = [CompletionJob(p, 10, args) for p in batch]
+        done = compiled.complete(jobs)
+        assert [c.text for c in done] == [c.text for c in eager.complete(jobs)] and done[0].version == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def test_live_acceptance_judges_a_new_version_once_like_with_like():

@@ -5,6 +5,8 @@ import json
 
 from benchmarks.suites.speed import suite_speed
 
+from .conftest import needs_compiler
+
 
 def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_target_alones_text(tiny_garden, tmp_path):
     overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
@@ -75,3 +77,24 @@ def test_the_vllm_rows_name_their_draft_and_compare_with_vllms_target_alone():
     table = format_table(result)
     assert "| 0 | target alone | - | - | - | 4.00 | 1.00x |" in table
     assert "| 0 | outputs/run/draft | 5 | 0.900 | 5.00 | 8.00 | 2.00x |" in table
+
+
+@needs_compiler
+def test_compiled_drafts_race_beside_their_eager_selves(tiny_garden, tmp_path):
+    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
+    result = suite_speed(
+        overrides,
+        draft_vocab=0,
+        pruned=[],
+        gammas=[2],
+        temperatures=[0.0],
+        prompts=1,
+        max_new_tokens=6,
+        repeats=1,
+        out=tmp_path,
+        compiled_drafts=True,
+    )
+    assert {row["draft"] for row in result["rows"]} == {"draft", "draft compiled"}
+    assert set(result["draft_ms"]) == {"draft", "draft compiled"}
+    assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD, compiled or not, is the target's
+    assert result["config"]["compiled_drafts"] and not result["config"]["compile"]

@@ -8,7 +8,9 @@ made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``l
 those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
 ``--int8 only``: instead of its own), once per kernel of ``--int8-kernels`` (``weight-only``, as ``draft_int8=true``
 decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do); with ``--unfused`` each int8
-draft also with one product per projection (``fuse=False``), against the sibling products of one input fused in one.
+draft also with one product per projection (``fuse=False``), against the sibling products of one input fused in one;
+with ``--compiled-drafts`` every draft kind again with its steps alone through ``torch.compile`` (``compile="draft"``:
+the same weights, the target eager), raced beside its eager self.
 Each extra draft kind is made once and cached. The models run in ``dtype`` (``auto``: bfloat16 where the CPU computes it
 natively, for a target bound by reading its weights): the target alone too, so every speedup compares like with like.
 
@@ -60,11 +62,12 @@ CONTEXT = 192  #: cached tokens before each timed step (a chat-templated questio
 
 
 def suite_step_ms(
-    models: list, widths: list[list[int]], reps: int = 9, context: int = CONTEXT, compile: bool = False
+    models: list, widths: list[list[int]], reps: int = 9, context: int = CONTEXT, compile: bool | list[bool] = False
 ) -> list[dict[int, float]]:
     """Median milliseconds of one cached decoding step of k new tokens, for each model and each k of its ``widths``,
     all in turn (:func:`~distillspec.decoding.metrics.step_times`) on a cache of ``context`` random tokens; two
-    untimed rounds first; with ``compile``, the steps compiled as the decoder compiles them."""
+    untimed rounds first; with ``compile`` (one flag, or one per model), the steps compiled as the decoder compiles
+    them."""
     ids = torch.randint(vocab_size(models[0]), (1, context), device=models[0].device)
     return step_times(models, widths, ids, steps=reps, warmup=2, compile=compile)
 
@@ -115,6 +118,7 @@ def suite_speed(
     int8: str | None = None,
     int8_kernels: tuple[str, ...] = ("weight-only",),
     unfused: bool = False,
+    compiled_drafts: bool = False,
 ) -> dict:
     """The whole suite (see the module docstring); writes ``speed.json`` and ``speed.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -135,14 +139,18 @@ def suite_speed(
                 quantize_decoding_draft(drafts[f"{name} unfused"], INT8_KERNELS[kernel], fuse=False)
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_decoding_draft(drafts[name], INT8_KERNELS[kernel])
+    for kind in list(drafts) if compiled_drafts else []:  # the same draft again, its steps compiled
+        drafts[f"{kind} compiled"] = drafts[kind]
+    compiled = [compile] + [compile or kind.endswith(" compiled") for kind in drafts]
     ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
-    times = suite_step_ms([target, *drafts.values()], [ks] + [[1]] * len(drafts), compile=compile)
+    times = suite_step_ms([target, *drafts.values()], [ks] + [[1]] * len(drafts), compile=compiled)
     target_ms, draft_ms = times[0], {kind: ms[1] for kind, ms in zip(drafts, times[1:])}
     print(f"target step ms by k: {target_ms}; draft step ms: {draft_ms}")
     texts = [e.prompt for e in task.test[:prompts]]
     config = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "prepack": cfg.prepack, "int8": int8}
     config |= {"int8_kernels": list(int8_kernels), "unfused": unfused} if int8 else {}
-    config |= {"compile": compile, "threads": torch.get_num_threads(), "prompts": len(texts), "repeats": repeats}
+    config |= {"compile": compile, "compiled_drafts": compiled_drafts, "threads": torch.get_num_threads()}
+    config |= {"prompts": len(texts), "repeats": repeats}
     config |= cpu_kernels()
     result = {
         "config": config | {"max_new_tokens": max_new_tokens},
@@ -166,6 +174,7 @@ def suite_speed(
             seed=cfg.seed,
             seeded=coupled,
             compile=compile,
+            compiled_drafts=[kind for kind in drafts if kind.endswith(" compiled")],
             desc=f"race at T = {race_name(temperature, coupled)}",
         )
         result["target_alone"][race_name(temperature, coupled)] = raced["target"]
@@ -305,6 +314,11 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="decoding steps through torch.compile (eval.compile)")
     parser.add_argument(
+        "--compiled-drafts",
+        action="store_true",
+        help='each draft also raced with its steps alone through torch.compile (compile="draft"), the target eager',
+    )
+    parser.add_argument(
         "--int8",
         nargs="?",
         const="also",
@@ -348,6 +362,7 @@ def main() -> None:
         int8=args.int8,
         int8_kernels=tuple(args.int8_kernels),
         unfused=args.unfused,
+        compiled_drafts=args.compiled_drafts,
     )
 
 

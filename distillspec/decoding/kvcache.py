@@ -14,10 +14,12 @@ Two ways to run the model behind the same bookkeeping:
 - **hf**: the model's ``forward`` with a ``DynamicCache``, for every other architecture.
 
 A lean model may also be **compiled** (``compile=True``): its decoding steps (not the prompt) run through
-``torch.compile`` at static shapes, attending over the whole preallocated cache with the validity mask, as
-gpt-fast does. That removes the per-operator dispatch cost that dominates a small draft's one-token steps
-(on this project's CPU garden drafts, 0.43 -> 0.22 ms a step). Each new (batch, tokens, capacity) shape
-compiles once, in seconds, so it pays off for single-stream decoding that runs many steps at one shape.
+``torch.compile``, attending over the whole preallocated cache with the validity mask, as gpt-fast does. That
+removes the per-operator dispatch cost that dominates a small draft's one-token steps (on this project's CPU garden
+drafts, 0.43 -> 0.22 ms a step; the 0.5B Qwen draft's int8 step on a 2-core CPU, 30.5 -> 24.9 ms). On a GPU each
+new (batch, tokens, capacity) shape compiles once; on a CPU the batch and the capacity are dynamic sizes, so a step
+of one or two new tokens compiles once for a batch of one and once for larger ones, tens of seconds each for a
+model of that size on 2 cores.
 On a CUDA GPU the compiled steps are also replayed as CUDA graphs (:class:`CudaGraphs`), captured once per shape and
 cache: there an eager step is bound by its kernel launches (on an H200, a step of a 1.5B model took 33 ms eager and
 3.9 ms replayed as a graph; the GPU suite, ``benchmarks/suites/gpu.py``, times both).
@@ -134,14 +136,27 @@ def static_step(model: PreTrainedModel) -> StaticStep:
 
 
 def _compiled_step(model: PreTrainedModel) -> StaticStep:
-    """:func:`static_step` through ``torch.compile``, once per model."""
+    """:func:`static_step` through ``torch.compile``, once per model. On a GPU every shape compiles on its own (and is
+    replayed as a CUDA graph); on a CPU the batch and the cache's capacity are dynamic sizes (:func:`_dynamic`), so
+    one compiled step takes every cache length and every batch from 2 on (a batch of 1 compiles a step of its own): a
+    server compiles four steps (one or two new tokens, one or more rows), not one per prompt length. A copy of the
+    model (a new draft version) reuses what was compiled."""
     if model not in _COMPILED:
         # Every model's step shares one code object, and dynamo keeps at most ``recompile_limit`` compiled
         # versions of a code object (8 by default) before falling back to eager: 2-3 shapes a model would
         # exhaust it after a few models, so allow more.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        _COMPILED[model] = torch.compile(static_step(model), dynamic=False)
+        _COMPILED[model] = torch.compile(static_step(model), dynamic=None if model.device.type == "cpu" else False)
     return _COMPILED[model]
+
+
+def _dynamic(tensor: Tensor, *dims: int) -> Tensor:
+    """``tensor`` with ``dims`` marked as dynamic sizes for a compiled step on a CPU (a GPU's steps keep static shapes
+    for their CUDA graphs)."""
+    if tensor.device.type == "cpu":
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return tensor
 
 
 class CudaGraphs:
@@ -186,9 +201,9 @@ class CachedLM:
 
     ``mask`` [B, cache_len] marks valid cache columns; ``next_pos`` [B] is each row's next position id.
     ``lean`` picks the forward pass (see the module docstring); None means lean where the model supports it.
-    ``compile`` runs the decoding steps of a lean model compiled at static shapes (on CUDA, replayed as CUDA graphs);
-    ``capacity`` is the cache length to allocate at first (it doubles when outgrown, which costs a compiled model one
-    more compile).
+    ``compile`` runs the decoding steps of a lean model compiled (on CUDA at static shapes, replayed as CUDA graphs;
+    on a CPU with dynamic batch and capacity); ``capacity`` is the cache length to allocate at first (it doubles when
+    outgrown, which costs a compiled model on CUDA one more compile).
     """
 
     def __init__(
@@ -254,7 +269,7 @@ class CachedLM:
         """Keep only ``rows`` of the batch (finished rows leave the batch)."""
         if self.lean:
             if self.keys is not None:  # (None: nothing read yet)
-                self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
+                self.keys, self.values = ([self._cache_tensor(x[rows]) for x in xs] for xs in (self.keys, self.values))
         else:
             self.cache.batch_select_indices(rows)
         self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]
@@ -282,6 +297,10 @@ class CachedLM:
         )
         return out.logits.float()
 
+    def _cache_tensor(self, x: Tensor) -> Tensor:
+        """A cache tensor [B, kv_heads, capacity, head_dim], its batch and capacity dynamic sizes for compiled steps."""
+        return _dynamic(x, 0, 2) if self.compiled is not None else x
+
     def _reserve(self, length: int, batch: int, layer) -> None:
         """Grow the preallocated cache (doubling) so it holds ``length`` columns."""
         cap = 0 if self.keys is None else self.keys[0].shape[2]
@@ -291,7 +310,7 @@ class CachedLM:
         shape = (batch, attn.k_proj.out_features // attn.head_dim, max(length, 2 * cap, self.capacity), attn.head_dim)
         grown = []
         for old in (self.keys, self.values):
-            new = [like.new_zeros(shape) for _ in self.model.model.layers]
+            new = [self._cache_tensor(like.new_zeros(shape)) for _ in self.model.model.layers]
             for n, o in zip(new, old or []):
                 n[:, :, :cap] = o
             grown.append(new)
@@ -308,7 +327,9 @@ class CachedLM:
             mask[:, :end] = self.mask
             start_t = torch.tensor(start, device=tokens.device)
             step = self.graphs if self.graphs is not None and start > 0 else self.compiled
-            return step(self.keys, self.values, tokens, positions, start_t, mask)
+            # fresh tensors: a slice's strides (a row's length) would be guarded on as sizes of their own
+            tokens, positions = (_dynamic(x.new_empty(x.shape).copy_(x), 0) for x in (tokens, positions))
+            return step(self.keys, self.values, tokens, positions, start_t, _dynamic(mask, 0, 1))
         visible = _visibility(self.mask, start + torch.arange(k, device=tokens.device))
 
         def attend(i: int, q: Tensor, key: Tensor, value: Tensor) -> Tensor:

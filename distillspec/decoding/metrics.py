@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from distillspec.config import Compile
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.training.divergences import reduce, tvd
 
@@ -117,15 +118,16 @@ def step_times(
     *,
     steps: int = 64,
     warmup: int = 8,
-    compile: bool = False,
+    compile: bool | Sequence[bool] = False,
 ) -> list[dict[int, float]]:
     """Median milliseconds of one cached decoding call of ``k`` new tokens, for each model ``models[i]`` and each
     ``k`` in ``widths[i]``, after a prefill of ``input_ids`` [1, L]: the calls run in turn, a round of every (model,
     k) per step, so that a drift in the machine's speed hits them all alike; each call's tokens are then rolled back,
-    so every call sees the same cache length. ``compile``: the calls run compiled (see :class:`CachedLM`); the
-    warm-up rounds compile them. Returns ``[{k: ms}]``, one dict per model."""
+    so every call sees the same cache length. ``compile``: the calls run compiled (see :class:`CachedLM`; one flag
+    for every model, or one per model); the warm-up rounds compile them. Returns ``[{k: ms}]``, one dict per model."""
     capacity = bucketed_capacity(input_ids.shape[1] + max(max(ks) for ks in widths) + 1)
-    lms = [CachedLM(model, compile=compile, capacity=capacity) for model in models]
+    compiled = [compile] * len(models) if isinstance(compile, bool) else list(compile)
+    lms = [CachedLM(model, compile=c, capacity=capacity) for model, c in zip(models, compiled, strict=True)]
     for lm in lms:
         lm.prefill(input_ids, torch.ones_like(input_ids))
     times: dict[tuple[int, int], list[float]] = {(i, k): [] for i, ks in enumerate(widths) for k in ks}
@@ -147,12 +149,13 @@ def measure_cost_ratio(
     gamma: int = 5,
     steps: int = 64,
     warmup: int = 8,
-    compile: bool = False,
+    compile: Compile = False,
 ) -> CostRatio:
     """The costs of a pair (:func:`step_times`, interleaved): a 1-token target call, a 1-token draft call and a
-    (gamma+1)-token target (verify) call."""
+    (gamma+1)-token target (verify) call; ``compile``: both models' steps compiled, or the draft's alone."""
+    compiled = [compile is True, bool(compile)]
     target_ms, draft_ms = step_times(
-        [target, draft], [[1, gamma + 1], [1]], input_ids, steps=steps, warmup=warmup, compile=compile
+        [target, draft], [[1, gamma + 1], [1]], input_ids, steps=steps, warmup=warmup, compile=compiled
     )
     verify_ms = target_ms[gamma + 1]
     return CostRatio(

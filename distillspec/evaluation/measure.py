@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from distillspec.config import Compile
 from distillspec.decoding.metrics import (
     AcceptanceCounts,
     CostRatio,
@@ -118,7 +119,7 @@ def measure_speedup(
     temperature: float,
     max_new_tokens: int,
     seed: int = 0,
-    compile: bool = False,
+    compile: Compile = False,
     repeats: int = 1,
 ) -> dict:
     """:func:`measure_speeds` of one draft at one gamma and temperature."""
@@ -149,11 +150,12 @@ def measure_speeds(
     max_new_tokens: int,
     repeats: int = 1,
     seed: int = 0,
-    compile: bool = False,
+    compile: Compile = False,
 ) -> dict[tuple[str, int, float], dict]:
     """Wall-clock speedups of SD with each of ``drafts`` over the target alone, all side by side (:func:`race`,
     ``repeats`` passes over ``prompts``), with the measured costs (``c``, ``v``) and the speedups they predict
-    (:func:`speed_record`), keyed by (draft name, gamma, temperature)."""
+    (:func:`speed_record`), keyed by (draft name, gamma, temperature). ``compile``: every decoder's steps compiled
+    (true), or the drafts' alone (``"draft"``: the target alone decodes eagerly)."""
     ids, _ = encode_prompts(tokenizer, prompts[:1])
     costs = {
         (name, gamma): measure_cost_ratio(target, d, ids.to(target.device), gamma=gamma, compile=compile)
@@ -172,7 +174,8 @@ def measure_speeds(
             max_new_tokens=max_new_tokens,
             repeats=repeats,
             seed=seed,
-            compile=compile,
+            compile=compile is True,
+            compiled_drafts=list(drafts) if compile == "draft" else (),
             desc=f"speedups at T = {temperature:g}",
         )
         for row in raced["sd"]:
@@ -226,6 +229,7 @@ def race(
     repeats: int = 1,
     seed: int = 0,
     compile: bool = False,
+    compiled_drafts: Collection[str] = (),
     seeded: bool = False,
     desc: str | None = None,
 ) -> dict:
@@ -236,7 +240,9 @@ def race(
     block (:class:`FirstBlock`): the time to the first tokens (``ttft_s``, per prompt: the target reads the prompt and
     gives the first token, in SD as alone) and the rate after them, whose ratio (``decode_speedup``) is what a long
     answer approaches and what the step costs predict. ``compile``: every decoder's steps compiled
-    (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first.
+    (:func:`distillspec.decoding.speculative.cached_lm`), each shape once in an untimed pass first;
+    ``compiled_drafts``: the drafts (names in ``drafts``) whose steps alone run compiled (``compile="draft"``), the
+    same way.
     ``seeded``: prompt ``i`` decoded with the seed ``seed + i`` by every decoder
     (:class:`~distillspec.decoding.speculative.SeededNoise`), so each emits the target alone's text; ``same_text``
     counts the prompts where it did. ``desc``: a progress bar of that name, a step per prompt and pass.
@@ -252,11 +258,13 @@ def race(
         compile=compile,
     )
     cells = [(name, gamma) for name in drafts for gamma in gammas]
-    for prompt in prompts if compile else []:
+    compiles = {cell: compile or ("draft" if cell[0] in compiled_drafts else False) for cell in cells}
+    for prompt in prompts if compile or any(compiles.values()) else []:  # an untimed pass compiles each shape
         ids = encode_prompts(tokenizer, [prompt])[0].to(target.device)
-        autoregressive_generate(target, ids, **common)
-        for name, gamma in cells:
-            speculative_generate(target, drafts[name], ids, gamma=gamma, **common)
+        if compile:
+            autoregressive_generate(target, ids, **common)
+        for cell in [cell for cell in cells if compiles[cell]]:
+            speculative_generate(target, drafts[cell[0]], ids, gamma=cell[1], **common | {"compile": compiles[cell]})
     timings = {cell: [FirstBlock() for _ in range(repeats)] for cell in [None, *cells]}
     counts = {cell: AcceptanceCounts(0, 0, 0) for cell in cells}
     same = dict.fromkeys(cells, 0)
@@ -281,7 +289,7 @@ def race(
                         gamma=cell[1],
                         generator=generators[cell],
                         on_block=timing.on_block,
-                        **common,
+                        **common | {"compile": compiles[cell]},
                         **seeds,
                     )
                     counts[cell] = counts[cell] + out.stats.counts

@@ -133,5 +133,23 @@ def pack(weight: Tensor) -> Tensor:
 def matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None = None) -> Tensor:
     """``rows`` [M, in] (float32) times the weight :func:`pack` laid out, transposed: [M, out_features] in float32.
     An int8 weight takes its output rows' ``scales`` [out_features] (float32); the rows are rounded to 16 bits, one
-    scale each."""
+    scale each.
+
+    Under ``torch.compile`` (a compiled decoding step, ``CachedLM(compile=True)``) the product is the custom operator
+    ``torch.ops.distillspec.few_rows_matmul``, which the compiled graph calls as it is, so that the rest of the step
+    (norms, rotary embedding, attention, activations) compiles into one graph around it; eager calls go to the kernel
+    directly (the operator's dispatch costs about 17 us a call, 1.6 ms a step of the 0.5B Qwen draft)."""
+    if torch.compiler.is_compiling():
+        return few_rows_matmul(rows, packed, out_features, scales)
     return extension().matmul(rows, packed, out_features, scales)
+
+
+@torch.library.custom_op("distillspec::few_rows_matmul", mutates_args=())
+def few_rows_matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None) -> Tensor:
+    """:func:`matmul` as a custom operator: what a compiled step calls."""
+    return extension().matmul(rows.contiguous(), packed, out_features, scales)
+
+
+@few_rows_matmul.register_fake
+def _(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None) -> Tensor:
+    return rows.new_empty(rows.shape[0], out_features, dtype=torch.float32)

@@ -6,8 +6,11 @@ import copy
 import ctypes
 import ctypes.util
 import logging
+import os
+import shutil
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import DraftInt8, Models
+from distillspec.config import Compile, DraftInt8, Models
 from distillspec.decoding.kvcache import LEAN_MODEL_TYPES
 from distillspec.decoding.speculative import check_pair
 from distillspec.errors import DistillSpecError
@@ -282,11 +285,24 @@ def check_tokenizers(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedT
         )
 
 
-def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: bool = False) -> None:
+def compiler_missing() -> str | None:
+    """Why torch.compile could not build its kernels here (inductor compiles C++ for a CPU, and for a GPU's host
+    code), or None where a C++ compiler is on the PATH."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+    if any(shutil.which(name) for name in names):
+        return None
+    return f"torch.compile builds its kernels with a C++ compiler, and none is on the PATH ({', '.join(names)})"
+
+
+def check_pair_sources(
+    target: str, draft: str, *, compile: Mapping[str, Compile] | None = None, vllm: bool = False
+) -> None:
     """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
-    share one tokenizer and one vocabulary; with ``compile``, both are models the compiled decoder runs; with
-    ``vllm``, the draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the
-    models to its workers, before anything long starts."""
+    share one tokenizer and one vocabulary; ``compile`` (the knobs that compile decoding, ``{"eval.compile": True}``):
+    each model a knob compiles (both for true, the draft for draft) is one the compiled decoder runs, and a C++ compiler
+    is there for torch.compile's kernels (:func:`compiler_missing`); with ``vllm``, the
+    draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the models to its
+    workers, before anything long starts."""
     tokenizers, vocab = [], []
     for name in (target, draft):
         _check_path(name)
@@ -302,11 +318,16 @@ def check_pair_sources(target: str, draft: str, *, compile: bool = False, vllm: 
                 "drafts take none; set rollout.backend=hf and serve.backend=hf, or give vLLM its whole-vocabulary copy "
                 "(distillspec.models.pretrained.whole_vocab_draft)"
             )
-        if compile and (config.model_type not in LEAN_MODEL_TYPES or getattr(config, "sliding_window", None)):
-            raise DistillSpecError(
-                f"eval.compile=true: {name} is a {config.model_type!r} model; compiled decoding runs "
-                f"{', '.join(LEAN_MODEL_TYPES)} models with full attention: set eval.compile=false"
-            )
+        lean = config.model_type in LEAN_MODEL_TYPES and not getattr(config, "sliding_window", None)
+        for knob, how in (compile or {}).items():
+            if how and (how is True or name == draft) and not lean:
+                raise DistillSpecError(
+                    f"{knob}={str(how).lower()}: {name} is a {config.model_type!r} model; compiled decoding runs "
+                    f"{', '.join(LEAN_MODEL_TYPES)} models with full attention: set {knob}=false"
+                )
+    for knob, how in (compile or {}).items():
+        if how and (missing := compiler_missing()):
+            raise DistillSpecError(f"{knob}={str(how).lower()}: {missing}: install one, or set {knob}=false")
     check_tokenizers(*tokenizers)
     if vocab[0] != vocab[1]:
         raise DistillSpecError(

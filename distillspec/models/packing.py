@@ -277,7 +277,12 @@ class Int8Linear(nn.Module):
         self.few_rows = self.weight_only_steps and weight.device.type == "cpu"
         self.few_rows = self.few_rows and few_rows.refusal(self.in_features, torch.int8) is None
         self.few_rows_packed = self.few_rows_scales = None
-        self.register_buffer("weight", torch.empty(weight.shape, dtype=torch.int8, device=weight.device))
+        #: the int8 weight as it is, where a product reads it (prompts without fbgemm, weight-only steps without the
+        #: few-row kernel); else the buffer is empty, the kernels holding their own layouts of it: a weight-only draft
+        #: with fbgemm for its prompts holds two int8 copies, not three
+        self.holds_dense = not self.fbgemm or (self.weight_only_steps and not self.few_rows)
+        shape = weight.shape if self.holds_dense else (0, weight.shape[1])
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=weight.device))
         self.register_buffer("scales", torch.empty(weight.shape[0], dtype=self.dtype, device=weight.device))
         bias = None if linear.bias is None else linear.bias.detach().to(self.dtype).clone()
         self.register_buffer("bias", bias)
@@ -288,7 +293,9 @@ class Int8Linear(nn.Module):
         """Quantize the float ``weight`` [out, in] (and take ``bias``) in place: a new draft version's weights."""
         weight = weight.to(self.weight.device).float()
         scales = weight.abs().amax(1).clamp(min=1e-12) / 127
-        self.weight.copy_((weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8))
+        codes = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        if self.holds_dense:
+            self.weight.copy_(codes)
         self.scales.copy_(scales.to(self.dtype))
         self.step_scales = scales.to(self.step_dtype)
         if bias is not None and self.bias is not None:
@@ -297,10 +304,10 @@ class Int8Linear(nn.Module):
             with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; its int8 GEMM is not
                 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
                 zero = torch.zeros(len(scales), dtype=torch.long)
-                quantized = torch._make_per_channel_quantized_tensor(self.weight, scales.double(), zero, 0)
+                quantized = torch._make_per_channel_quantized_tensor(codes, scales.double(), zero, 0)
                 self.packed = torch.ops.quantized.linear_prepack(quantized, None)  # the bias: after the row scales
         if self.few_rows:
-            self.few_rows_packed, self.few_rows_scales = few_rows.pack(self.weight), scales.clone()
+            self.few_rows_packed, self.few_rows_scales = few_rows.pack(codes), scales.clone()
         if self.int4:
             codes, scales_zeros = int4_groups(weight)
             self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)

@@ -332,7 +332,7 @@ def prepare_models(cfg: JobConfig, task: Task, *, log: Callable[[str], None] = p
         log(f"warning: distill.bf16=true on a {cfg.device} without native bfloat16 emulates it, about 18x slower")
     distill = replace(cfg.distill, bf16=bf16)
     cfg = replace(cfg, target=target, draft=draft, dtype=dtype, prepack=prepack, draft_int8=draft_int8, distill=distill)
-    check_pair_sources(cfg.target, cfg.draft, compile=cfg.eval.compile, vllm=vllm)
+    check_pair_sources(cfg.target, cfg.draft, compile=cfg.compile_knobs, vllm=vllm)
     return cfg
 
 
@@ -468,5 +468,8 @@ def resolve_models(cfg: JobConfig) -> JobConfig:
                 f"{RUN_CONFIG}, knows its target)"
             )
     if run is not None:
-        return replace(cfg, **run_models(run))
+        cfg = replace(cfg, **run_models(run))
+        if cfg.serve.compile:  # (the run's own job checked the rest)
+            check_pair_sources(cfg.target, cfg.draft, compile={"serve.compile": cfg.serve.compile})
+        return cfg
     return prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))[0]

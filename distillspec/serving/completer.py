@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import Lenience
+from distillspec.config import Compile, Lenience
 from distillspec.decoding.auto_gamma import AutoGamma
+from distillspec.decoding.kvcache import CachedLM
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.sampling import SamplingControls
 from distillspec.decoding.speculative import (
@@ -273,7 +274,10 @@ class DraftServer(Protocol):
 
 
 class Completer:
-    """Completions from a target and a swappable draft (a :class:`DraftServer`)."""
+    """Completions from a target and a swappable draft (a :class:`DraftServer`). ``compile``: the decoding steps
+    through ``torch.compile`` (see :func:`~distillspec.decoding.speculative.speculative_generate`; ``"draft"``: the
+    draft's alone), each new batch size compiled once; a new draft version is a copy of the draft and reuses what was
+    compiled."""
 
     def __init__(
         self,
@@ -285,8 +289,10 @@ class Completer:
         version: int = -1,
         seed: int = 0,
         max_gamma: int = 7,
+        compile: Compile = False,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
+        self.compile = compile
         self.max_prompt_tokens = max_prompt_tokens
         self.auto = AutoGamma(max_gamma)  #: chooses gamma per block for jobs with ``gamma="auto"``
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -302,7 +308,8 @@ class Completer:
         speculation, greedily, and forget what gamma=auto measured meanwhile (a cold call's costs are not a warm
         one's). A server's first calls pay one-time costs (thread pools, allocations the allocator then keeps, lazy
         initialisation); paid here, its first requests cost what later ones do and its memory is taken before it
-        serves. Returns the seconds it took."""
+        serves. With ``compile``, it also compiles the draft's decoding steps (:meth:`compile_draft_steps`). Returns
+        the seconds it took."""
         start, auto = time.perf_counter(), self.auto
         self.auto = AutoGamma(auto.max_gamma)
         try:
@@ -313,7 +320,22 @@ class Completer:
                         raise done
         finally:
             self.auto = auto
+        if self.compile:
+            self.compile_draft_steps(rows, prompt)
         return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def compile_draft_steps(self, rows: int, prompt: str = "Hello") -> None:
+        """Compile the draft's decoding steps before any request waits on them: a step of one new token and of two
+        (after a block whose drafts were all accepted), for one row and, if ``rows`` > 1, for two. On a CPU a compiled
+        step takes any cache length, and one of 2 rows any batch from 2 on, so a server's later calls compile nothing
+        more (a copy of the draft, a new version, reuses them); on a GPU each batch size compiles when it comes."""
+        ids = torch.tensor([prompt_ids(self.tokenizer, prompt)], device=self.draft.device)
+        for batch in sorted({1, min(rows, 2)}):
+            lm, x = CachedLM(self.draft, compile=True), ids.repeat(batch, 1)
+            lm.prefill(x, torch.ones_like(x))
+            for k in (1, 2):
+                lm.step(x[:, -k:])
 
     def check_health(self) -> None:
         """Nothing to probe: the models live in this process."""
@@ -444,7 +466,7 @@ class Completer:
             prompt = score_prompts(self.target, ids, mask, jobs[0].logprobs or 0)
             out = GenerationOutput(ids, torch.zeros(len(jobs), dtype=torch.long), prompt_logprobs=prompt)
         elif gamma == 0:
-            out = autoregressive_generate(self.target, ids, **common)
+            out = autoregressive_generate(self.target, ids, compile=self.compile is True, **common)
         else:
             auto = gamma == "auto"  # a fixed gamma's blocks are measured too: every call teaches the costs
             # Coupled verification (seeded rows) accepts at its own rate: its acceptance is learnt apart.
@@ -458,6 +480,7 @@ class Completer:
                 schedule=self.auto.for_call(key, None if auto else gamma),
                 lenience=args.lenience,
                 epsilon=args.epsilon,
+                compile=self.compile,
                 **common,
             )
         seconds = time.perf_counter() - start
