@@ -139,9 +139,10 @@ def suite_speed(
                 quantize_decoding_draft(drafts[f"{name} unfused"], INT8_KERNELS[kernel], fuse=False)
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
             quantize_decoding_draft(drafts[name], INT8_KERNELS[kernel])
+    compiled_kinds = [f"{kind} compiled" for kind in drafts] if compiled_drafts else []
     for kind in list(drafts) if compiled_drafts else []:  # the same draft again, its steps compiled
         drafts[f"{kind} compiled"] = drafts[kind]
-    compiled = [compile] + [compile or kind.endswith(" compiled") for kind in drafts]
+    compiled = [compile] + [compile or kind in compiled_kinds for kind in drafts]
     ks = sorted({1, *(g + 1 for g in gammas)})  # the target's and every draft's steps in turn (step_times)
     times = suite_step_ms([target, *drafts.values()], [ks] + [[1]] * len(drafts), compile=compiled)
     target_ms, draft_ms = times[0], {kind: ms[1] for kind, ms in zip(drafts, times[1:])}
@@ -174,7 +175,7 @@ def suite_speed(
             seed=cfg.seed,
             seeded=coupled,
             compile=compile,
-            compiled_drafts=[kind for kind in drafts if kind.endswith(" compiled")],
+            compiled_drafts=compiled_kinds,
             desc=f"race at T = {race_name(temperature, coupled)}",
         )
         result["target_alone"][race_name(temperature, coupled)] = raced["target"]

@@ -692,7 +692,7 @@ def speculative_generate(
     :func:`verify`. ``max_new_tokens`` is one budget or one per row; ``on_block`` streams (see :data:`BlockCallback`).
     ``compile`` runs both models' decoding steps through ``torch.compile`` (see :func:`cached_lm`); ``compile="draft"``
     the draft's alone: a small draft's step is the one whose operators cost most beside its products (on a CPU, the 0.5B
-    Qwen draft's compiled step took 0.85x its eager one), and each of the target's shapes would compile anew. With a
+    Qwen draft's compiled step took 0.82x its eager one), and each of the target's shapes would compile anew. With a
     ``schedule``, each block drafts the number of tokens it chooses, 0 to ``gamma`` (0: the target alone emits one
     token; the draft catches up at its next block), and the schedule is told what each block cost and yielded. With
     ``seeds`` (one per row, lossless only) each row's random numbers are keyed by its seed and the token's position, and

@@ -300,9 +300,9 @@ def check_pair_sources(
     """What :func:`load_pair` checks, from the tokenizers and configs alone (no weights): both load, and they
     share one tokenizer and one vocabulary; ``compile`` (the knobs that compile decoding, ``{"eval.compile": True}``):
     each model a knob compiles (both for true, the draft for draft) is one the compiled decoder runs, and a C++ compiler
-    is there for torch.compile's kernels (:func:`compiler_missing`); with ``vllm``, the
-    draft is one vLLM's ``draft_model`` takes (no draft vocabulary). For a driver that leaves the models to its
-    workers, before anything long starts."""
+    is there for torch.compile's kernels (:func:`compiler_missing`); with ``vllm``, the draft is one vLLM's
+    ``draft_model`` takes (no draft vocabulary). For a driver that leaves the models to its workers, before anything
+    long starts."""
     tokenizers, vocab = [], []
     for name in (target, draft):
         _check_path(name)

@@ -276,8 +276,8 @@ class DraftServer(Protocol):
 class Completer:
     """Completions from a target and a swappable draft (a :class:`DraftServer`). ``compile``: the decoding steps
     through ``torch.compile`` (see :func:`~distillspec.decoding.speculative.speculative_generate`; ``"draft"``: the
-    draft's alone), each new batch size compiled once; a new draft version is a copy of the draft and reuses what was
-    compiled."""
+    draft's alone), the draft's compiled as the server warms up (:meth:`compile_draft_steps`); a new draft version is a
+    copy of the draft and reuses them."""
 
     def __init__(
         self,
