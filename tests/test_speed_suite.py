@@ -38,25 +38,18 @@ def test_the_speed_suite_races_every_draft_kind_and_seeded_requests_give_the_tar
     assert "1 seeded" in (tmp_path / "speed.md").read_text()
 
 
+def greedy_race(tiny_garden, tmp_path, **kinds) -> dict:
+    """The suite on the garden pair: one prompt, 6 greedy tokens, gamma 2, the draft kinds ``kinds`` asks for."""
+    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
+    common = dict(pruned=[], gammas=[2], temperatures=[0.0], prompts=1, max_new_tokens=6, repeats=1, out=tmp_path)
+    return suite_speed(overrides, **common | {"draft_vocab": 0} | kinds)
+
+
 def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own_fused_or_not(tiny_garden, tmp_path):
     from distillspec.models.loading import int8_kernels
 
     kernels = tuple(int8_kernels())
-    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
-    result = suite_speed(
-        overrides,
-        draft_vocab=64,
-        pruned=[],
-        gammas=[2],
-        temperatures=[0.0],
-        prompts=1,
-        max_new_tokens=6,
-        repeats=1,
-        out=tmp_path,
-        int8="only",
-        int8_kernels=kernels,
-        unfused=True,
-    )
+    result = greedy_race(tiny_garden, tmp_path, draft_vocab=64, int8="only", int8_kernels=kernels, unfused=True)
     suffixes = ["" if kernel == "weight-only" else f" {kernel}" for kernel in kernels]
     names = {f"{draft} int8{suffix}{fused}" for draft in ("draft", "draft V=64") for suffix in suffixes
              for fused in ("", " unfused")}  # fmt: skip
@@ -81,19 +74,7 @@ def test_the_vllm_rows_name_their_draft_and_compare_with_vllms_target_alone():
 
 @needs_compiler
 def test_compiled_drafts_race_beside_their_eager_selves(tiny_garden, tmp_path):
-    overrides = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", "dataset=arith"]
-    result = suite_speed(
-        overrides,
-        draft_vocab=0,
-        pruned=[],
-        gammas=[2],
-        temperatures=[0.0],
-        prompts=1,
-        max_new_tokens=6,
-        repeats=1,
-        out=tmp_path,
-        compiled_drafts=True,
-    )
+    result = greedy_race(tiny_garden, tmp_path, compiled_drafts=True)
     assert {row["draft"] for row in result["rows"]} == {"draft", "draft compiled"}
     assert set(result["draft_ms"]) == {"draft", "draft compiled"}
     assert all(row["same_text"] == 1.0 for row in result["rows"])  # greedy SD, compiled or not, is the target's

@@ -327,8 +327,9 @@ class CachedLM:
             mask[:, :end] = self.mask
             start_t = torch.tensor(start, device=tokens.device)
             step = self.graphs if self.graphs is not None and start > 0 else self.compiled
-            # fresh tensors: a slice's strides (a row's length) would be guarded on as sizes of their own
-            tokens, positions = (_dynamic(x.new_empty(x.shape).copy_(x), 0) for x in (tokens, positions))
+            if tokens.device.type == "cpu":  # (CUDA graphs copy their inputs into buffers of their own)
+                # fresh tensors: a slice's strides (a row's length) would be guarded on as sizes of their own
+                tokens, positions = (_dynamic(x.new_empty(x.shape).copy_(x), 0) for x in (tokens, positions))
             return step(self.keys, self.values, tokens, positions, start_t, _dynamic(mask, 0, 1))
         visible = _visibility(self.mask, start + torch.arange(k, device=tokens.device))
 
