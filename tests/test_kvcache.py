@@ -5,7 +5,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
-from distillspec.decoding.kvcache import CachedLM, supports_lean
+from distillspec.decoding.kvcache import COMPILE_CACHE, CachedLM, compile_cache, supports_lean
+from distillspec.files import cache_root
 
 from .conftest import needs_compiler, perturbed, tiny_llama
 
@@ -89,6 +90,20 @@ def test_compiled_steps_match_the_eager_cache():
     for a, b in zip(run(compiled, ids, mask), run(eager, ids, mask)):
         torch.testing.assert_close(a[..., -1, :] if a.ndim == 3 else a, b[..., -1, :] if b.ndim == 3 else b)
     assert torch.equal(compiled.mask, eager.mask) and compiled.keys[0].shape[2] == 16
+
+
+def test_compiled_kernels_are_cached_in_the_project_cache_unless_the_user_chose_a_folder(monkeypatch, tmp_path):
+    import torch._inductor.runtime.cache_dir_utils as torch_cache  # where torch reads and writes its kernels
+
+    ours = str(cache_root() / COMPILE_CACHE)
+    for unset in (None, torch_cache.default_cache_dir()):  # torch's own default (set as torch._dynamo is imported)
+        if unset is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", unset)
+        assert compile_cache() == ours == torch_cache.cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's choice stays
+    assert compile_cache() == str(tmp_path) == torch_cache.cache_dir()
 
 
 @needs_compiler
