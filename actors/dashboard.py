@@ -26,6 +26,11 @@ SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
     "distillspec_buffer_size": (Gauge, "batches waiting in the buffer", ("run",)),
     "distillspec_samples": (Counter, "batches by ledger column", ("run", "column")),
     "distillspec_online_prompts": (Counter, "prompts the endpoint sent for online distillation", ("run",)),
+    "distillspec_online_samples": (
+        Counter,
+        "completions with the target's scores the endpoint sent for online distillation",
+        ("run",),
+    ),
     "distillspec_weights_refused": (Counter, "published draft versions a consumer refused to load", ("run", "reason")),
     "distillspec_serving_version": (Gauge, "draft version that passed the serving gate", ("run",)),
     "distillspec_versions_refused": (Counter, "versions the serving gate refused, by reason", ("run", "reason")),

@@ -47,10 +47,11 @@ class LearnerSettings:
     learner: LearnerConfig
     run: str
     gpu_dry_run: bool  #: ray.gpu_dry_run: hold GPU shares, compute on CPU
+    scored: bool  #: every batch comes with the target's scores (JobConfig.batches_come_scored)
 
     @classmethod
     def of(cls, cfg: JobConfig) -> LearnerSettings:
-        return cls(cfg.models, cfg.distill, cfg.learner, cfg.ray.run_name, cfg.ray.gpu_dry_run)
+        return cls(cfg.models, cfg.distill, cfg.learner, cfg.ray.run_name, cfg.ray.gpu_dry_run, cfg.batches_come_scored)
 
 
 def take_batch(buffer: ray.actor.ActorHandle, version: int, timeout_s: float) -> RolloutBatch:
@@ -95,8 +96,9 @@ def learner_loop(config: dict) -> None:
     run = s.run
     buffer, store = ray.get_actor(buffer_name(run)), ray.get_actor(weights_name(run))
 
-    target = None  # with scoring actors every batch comes scored: the learner holds no copy of the target
-    if s.learner.target_logits == "learner":
+    # With scoring actors, or served samples alone, every batch comes scored: the learner holds no copy of the target.
+    target = None
+    if s.learner.target_logits == "learner" and not s.scored:
         target = load_target(m, run, str(device), scores_only=True)
     draft, tokenizer = load_model(m.draft, device=str(device))
     learner = Learner(draft, target, distill)

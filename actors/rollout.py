@@ -18,12 +18,13 @@ from actors.target import load_target
 from actors.weights import take
 from actors.worker import setup_worker
 from distillspec.config import DistillConfig, JobConfig, Models, RolloutConfig, VLLMConfig, resolve_recipe
+from distillspec.errors import DistillSpecError
 from distillspec.integrity import TransferRefused
 from distillspec.models.loading import load_arrays, load_tokenizer
 from distillspec.tasks.data import Example
-from distillspec.training.batches import BatchHeader, RolloutBatch
+from distillspec.training.batches import Batch, BatchHeader, RolloutBatch
 from distillspec.training.losses import forward_logits, train_temperature
-from distillspec.training.rollout import Sampler, load_rollout_draft, needs_target_samples, online_rows
+from distillspec.training.rollout import Sampler, load_rollout_draft, online_rows, served_batch
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,13 @@ class RolloutSettings:
     run: str  #: the run's name: the actors it finds (buffer, weight store, prompt log)
     seed: int
     topk: int  #: target samples come with the target's top-k (scorer.topk where scorers score; 0: none)
+    scored: bool  #: every batch is served samples, scored already (JobConfig.batches_come_scored)
 
     @classmethod
     def of(cls, cfg: JobConfig) -> RolloutSettings:
         topk = cfg.scorer.topk if cfg.learner.target_logits == "scorer" else 0
-        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, cfg.seed, topk)
+        scored = cfg.batches_come_scored
+        return cls(cfg.models, cfg.distill, cfg.rollout, cfg.vllm, cfg.ray.run_name, cfg.seed, topk, scored)
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,22 @@ class ScorerSettings:
     vllm: VLLMConfig
     run: str  #: the run's name: the target's weights it shares
     seed: int
+    scored: bool  #: every batch comes scored (JobConfig.batches_come_scored): the scorer holds no target
 
     @classmethod
     def of(cls, cfg: JobConfig) -> ScorerSettings:
         temperature = train_temperature(cfg.distill.temperature)
-        return cls(cfg.models, cfg.scorer.topk, temperature, cfg.rollout.backend, cfg.vllm, cfg.ray.run_name, cfg.seed)
+        run = cfg.ray.run_name
+        return cls(
+            cfg.models,
+            cfg.scorer.topk,
+            temperature,
+            cfg.rollout.backend,
+            cfg.vllm,
+            run,
+            cfg.seed,
+            cfg.batches_come_scored,
+        )
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)
@@ -76,7 +90,14 @@ class RolloutActor:
         d = s.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = s.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
-        if s.rollout.backend == "vllm":  # the engines hold the draft; new versions load into them in place
+        online = {  # online distillation: served prompts, and served completions for the target's samples
+            "prompts": self.served_prompts if s.rollout.online else None,
+            "served": self.served_samples if s.rollout.online_samples else None,
+        }
+        if s.scored:  # served samples alone: nothing to sample, no model to hold
+            self.draft, self.tokenizer, self.engine = None, load_tokenizer(m.draft), None
+            self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.nothing, **online)
+        elif s.rollout.backend == "vllm":  # the engines hold the draft; new versions load into them in place
             from distillspec.serving.vllm_backend import VLLMGenerator  # noqa: PLC0415 (vLLM, optional)
 
             self.draft, self.tokenizer = None, load_tokenizer(m.draft)
@@ -91,16 +112,17 @@ class RolloutActor:
                 seed=seed,
                 max_prompt_tokens=d.max_prompt_tokens,
             )
-            self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine)
+            self.sampler = Sampler(None, None, self.tokenizer, train, d, seed=seed, generate=self.engine, **online)
         else:
             self.draft, self.tokenizer = load_rollout_draft(m, d.bf16, s.rollout.decoding_copy)
-            target = None
-            if needs_target_samples(resolve_recipe(d)):
+            self.engine, target = None, None
+            if resolve_recipe(d).draws_target_samples and not s.rollout.online_samples:
                 target = load_target(m, s.run)
-            self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed, topk=s.topk)
+            self.sampler = Sampler(target, self.draft, self.tokenizer, train, d, seed=seed, topk=s.topk, **online)
         self.store = ray.get_actor(weights_name(s.run))
         self.prompts = ray.get_actor(prompts_name(s.run)) if s.rollout.online else None
-        self.dataset, self.rows = train, {"served": 0, "data": 0}  #: online: the data set, and the prompts drawn
+        #: online: the data set, the prompts drawn (served and the data set's) and the served samples taken
+        self.dataset, self.rows = train, {"served": 0, "data": 0, "samples": 0}
         self.version = -1  #: the draft version this actor samples with
         self.made = 0
         log.info("rollout %d up (pid %d%s)", rank, os.getpid(), ", restarted" if restarted else "")
@@ -113,8 +135,6 @@ class RolloutActor:
         """One batch from the latest draft, and its header checked against the buffer's limits: the buffer calls this
         (:meth:`actors.buffer.BufferActor.feed`) when it holds a slot for the batch, and owns the answer."""
         self.sync()
-        if self.prompts is not None:
-            self.sampler.train = self.served_prompts()
         start = time.perf_counter()
         source, tokens = self.sampler()
         batch = RolloutBatch.from_batch(tokens, version=self.version, source=source)
@@ -133,11 +153,32 @@ class RolloutActor:
             time.sleep(0.5)
         replayed = self.sampler.rng.sample(self.dataset, min(data, len(self.dataset)))
         # one assignment: stats() runs on another thread of this actor and must not see one count moved alone
-        self.rows = {"served": self.rows["served"] + len(prompts), "data": self.rows["data"] + len(replayed)}
+        rows = self.rows
+        self.rows = {**rows, "served": rows["served"] + len(prompts), "data": rows["data"] + len(replayed)}
         return [Example(prompt=p, reference="") for p in prompts] + replayed
 
+    def served_samples(self) -> Batch:
+        """Online distillation on served completions (``rollout.online_samples``): a batch of the newest
+        ``distill.batch_size`` the endpoint recorded at this run's temperature with the target's scores (waits until
+        the log holds as many; each trains once)."""
+        d = self.settings.distill
+        while not (samples := ray.get(self.prompts.take_samples.remote(d.batch_size, d.temperature))):
+            time.sleep(0.5)
+        self.sync()  # the batch is made now, not when the wait began: its version is the latest, not a stale one
+        self.rows = {**self.rows, "samples": self.rows["samples"] + len(samples)}
+        return served_batch(samples, self.tokenizer.pad_token_id, d.max_prompt_tokens, d.max_new_tokens)
+
+    @staticmethod
+    def nothing(source: str, examples: list[Example]) -> Batch:
+        raise DistillSpecError(f"a rollout actor of served samples alone was asked to sample from the {source}")
+
     def sync(self) -> None:
-        """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines."""
+        """Take the store's latest draft version, if newer: into the torch draft, or into the vLLM engines; with
+        neither (served samples alone), the version's number only: the version the batches are made at."""
+        if self.draft is None and self.engine is None:
+            held = ray.get(self.store.follow.remote("latest")).held
+            self.version = self.version if held is None else held.number
+            return
         load = functools.partial(load_arrays, self.draft) if self.draft is not None else self.engine.load_draft
         try:
             self.version = take(self.store, self.version, load)[0]
@@ -145,9 +186,9 @@ class RolloutActor:
             pass  # logged and counted where it was found; sample with the weights held
 
     def stats(self) -> dict:
-        """The version this actor samples with, the batches it made, online the served and data-set prompts it drew,
-        and with vLLM its in-place weight loads."""
-        loads = self.engine.loads if self.draft is None else None
+        """The version this actor samples with, the batches it made, online the served and data-set prompts it drew
+        and the served samples it took, and with vLLM its in-place weight loads."""
+        loads = self.engine.loads if self.engine is not None else None
         return {
             "version": self.version,
             "made": self.made,
@@ -167,7 +208,9 @@ class ScorerActor:
         s, m = settings, settings.models
         self.topk, self.temperature = s.topk, s.temperature
         self.target = self.engine = None
-        if s.backend == "vllm":
+        if s.scored:  # every batch comes scored (served samples alone): nothing to load
+            pass
+        elif s.backend == "vllm":
             from distillspec.serving.vllm_backend import start_engine  # noqa: PLC0415 (vLLM, optional)
 
             self.engine = start_engine(s.vllm, m.target, seed=s.seed)
@@ -182,6 +225,8 @@ class ScorerActor:
         comes scored already (speculative decoding computed the target's top-k of each token): it passes as it is."""
         if batch.scored:
             return batch.header(max_tokens=max_tokens, vocab_size=vocab_size), batch
+        if self.engine is None and self.target is None:
+            raise DistillSpecError("a batch came unscored to a scorer of served samples, which holds no target")
         if self.engine is not None:
             from distillspec.serving.vllm_backend import prompt_topk  # noqa: PLC0415 (vLLM, optional)
 

@@ -58,6 +58,7 @@ from distillspec.serving.completer import (
     DraftServer,
     RequestBatcher,
     ScoredDelta,
+    recordable,
 )
 
 log = logging.getLogger("distillspec.serve")
@@ -141,10 +142,23 @@ class Completions:
         self.completer.check_health()
 
     def _record(self, prompts: list[str]) -> None:
-        if not self.s.record_prompts:
-            return
+        if self.s.record_prompts:
+            self._to_prompt_log("add", prompts)
+
+    def _mark(self, jobs: list[CompletionJob]) -> None:
+        """With ``serve.record_samples``, the jobs whose completions are samples of the target keep their tokens with
+        the target's top-k (:func:`~distillspec.serving.completer.recordable`)."""
+        for job in jobs:
+            if self.s.record_samples and recordable(job):
+                job.record = self.s.record_samples
+
+    def _record_samples(self, done: list[Completion]) -> None:
+        if samples := [d.sample for d in done if d.sample is not None]:
+            self._to_prompt_log("add_samples", samples)
+
+    def _to_prompt_log(self, method: str, items: list) -> None:
         try:
-            ray.get_actor(prompts_name(self.run), namespace=NAMESPACE).add.remote(prompts)
+            getattr(ray.get_actor(prompts_name(self.run), namespace=NAMESPACE), method).remote(items)
         except ValueError:
             pass  # no online distillation job is running
 
@@ -198,6 +212,7 @@ class Completions:
         try:
             # The chat template and the tokenizer run in a thread: a long prompt never stalls the other streams.
             jobs = await asyncio.to_thread(lambda: completion_jobs(body, prompts(), self.s, self.completer.check))
+            self._mark(jobs)
             held = self._hold(len(jobs))
             if body.stream:
                 if len(jobs) != body.n:
@@ -226,6 +241,7 @@ class Completions:
             self.held -= held
         self.metrics.count("ok")
         self._record([j.prompt for j in jobs])
+        self._record_samples(done)
         self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
         return completion_response(done, chat, self.s.model_name, self.replica, self._token_text)
 
@@ -295,6 +311,7 @@ class Completions:
                         yield event(item.text, index=index, logprobs=scores)
                         continue
                     self._observe([item])
+                    self._record_samples([item])
                     self.metrics["distillspec_serve_latency_s"].observe(time.perf_counter() - start)
                     sd = {**sd_stats([item]), "replica": self.replica}
                     yield event("", item.finish_reason, index=index, usage=usage([item]), distillspec=sd)

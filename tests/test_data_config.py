@@ -99,11 +99,25 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["rollout.backend=vllm", "vllm.max_model_len=256"], "a rollout's engine would refuse its longest prompts"),
         (["rollout.online_mix=0.5"], r"rollout.online_mix=0.5 mixes the data set into served prompts: it needs"),
         (["rollout.online=true", "rollout.online_mix=1"], "rollout.online_mix=1: input should be less than 1"),
+        (["rollout.online_samples=true"], "rollout.online_samples=true trains on served completions: it needs"),
+        (["rollout.online=true", "rollout.online_samples=true"], "recipe 'distillspec' never draws the target's"),
+        (
+            ["rollout.online=true", "rollout.online_samples=true", "distill.recipe=seqkd", "distill.temperature=0.7"],
+            "distill.temperature=0.7 would need them at its own",
+        ),
+        (["serve.record_samples=8", "serve.backend=vllm"], "serve.record_samples=8 keeps the scores"),
     ],
 )
 def test_bad_config(overrides, match):
     with pytest.raises(DistillSpecError, match=match):
         load_config(None, overrides)
+
+
+def test_served_samples_stand_in_for_the_targets_where_a_recipe_draws_them():
+    for recipe in ("seqkd", "fdistill"):
+        overrides = ["rollout.online=true", "rollout.online_samples=true", f"distill.recipe={recipe}"]
+        assert load_config(None, overrides).rollout.online_samples
+    assert load_config(None, ["serve.record_samples=64"]).serve.record_samples == 64
 
 
 def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):

@@ -26,8 +26,8 @@ from actors.weights import WeightStore, publish
 from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
 from distillspec.config import JobConfig, load_config
-from distillspec.models.loading import load_model
-from distillspec.training.batches import BatchHeader, RolloutBatch
+from distillspec.models.loading import load_model, load_tokenizer
+from distillspec.training.batches import BatchHeader, RolloutBatch, ServedSample
 from jobs import distill
 
 from .conftest import run_here, start_job
@@ -144,6 +144,51 @@ def test_online_batches_mix_served_prompts_with_the_data_sets(ray_cluster, tiny_
     assert len(result.train_log) == 3 and result.ledger["balanced"], result.ledger
     rows = stats["online_rows"]  # 2 served and 2 of the data set's a batch (a batch may still be in the making)
     assert rows["served"] == rows["data"] >= 2 * 3 and stats["made"] >= 3, stats
+
+
+def served_samples(n: int, vocab: int, k: int = 4, temperature: float = 1.0) -> list[ServedSample]:
+    """What an endpoint with serve.record_samples=k would send: prompts, completions, the target's top-k at each."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(n):
+        tokens = rng.integers(0, vocab, 3 + i % 4).tolist()
+        top = np.sort(np.log(rng.dirichlet(np.ones(k + 1), len(tokens))[:, :k]), 1)[:, ::-1].astype(np.float32)
+        ids = np.stack([rng.choice(vocab, k, replace=False) for _ in tokens])
+        samples.append(ServedSample(rng.integers(0, vocab, 5).tolist(), tokens, ids, top.copy(), temperature))
+    return samples
+
+
+def test_online_batches_of_served_samples_need_no_sampling_nor_scoring(ray_cluster, tiny_garden, task, tmp_path):
+    cfg = job_config(
+        tiny_garden,
+        tmp_path,
+        "distill.steps=3",
+        "distill.checkpoint_every=0",
+        "evaluator.every=0",
+        "rollout.workers=1",
+        "rollout.online=true",
+        "rollout.online_samples=true",
+        "distill.recipe=seqkd",
+        "learner.target_logits=scorer",
+    )
+    pipeline = Pipeline(cfg, task, tmp_path)
+    vocab = len(load_tokenizer(cfg.target))
+    try:
+        log = pipeline.prompt_log
+        ray.get(log.add_samples.remote(served_samples(2, vocab, temperature=0.0)))  # another temperature: not taken
+        ray.get(log.add_samples.remote(served_samples(3 * 4 + 1, vocab)))  # 3 batches of 4, one left over
+        result = pipeline.run()
+        stats, held = ray.get(pipeline.rollouts[0].stats.remote()), ray.get(log.stats.remote())
+    finally:
+        pipeline.shutdown()
+    assert len(result.train_log) == 3 and result.ledger["balanced"], result.ledger
+    assert {r["source"] for r in result.train_log} == {"target"} and all(
+        np.isfinite(r["loss"]) for r in result.train_log
+    )
+    assert stats["online_rows"] == {"served": 0, "data": 0, "samples": held["samples_taken"]}, (stats, held)
+    assert stats["version"] >= 0  # holding no draft, it still stamps its batches with the latest version
+    assert held["samples_taken"] >= 3 * 4 and held["samples_received"] == 15
+    assert held["samples_held"] == 15 - held["samples_taken"]
 
 
 def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):

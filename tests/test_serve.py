@@ -39,6 +39,7 @@ def endpoint(ray_cluster, tiny_garden, tmp_path_factory):
         "serve.replica.cpus=0.25",
         "serve.follow.sync_every_s=0.2",
         "serve.record_prompts=true",
+        "serve.record_samples=4",  # every test's requests at T = 0 or 1 keep the target's top 4: the client sees none
         "serve.gamma=3",
         "serve.limits.max_body_bytes=65536",
         "serve.limits.max_prompts=16",
@@ -445,7 +446,7 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     ray.kill(store)
 
 
-def test_served_prompts_reach_the_prompt_log(client):
+def test_served_prompts_and_samples_reach_the_prompt_log(client):
     import ray
 
     from actors.common import NAMESPACE, prompts_name
@@ -453,11 +454,21 @@ def test_served_prompts_reach_the_prompt_log(client):
 
     log = PromptLog.options(name=prompts_name(RUN), namespace=NAMESPACE).remote(RUN, 16)
     ray.get(log.stats.remote())
-    client.completions.create(model="distillspec", prompt=["7+7=", "8+8="], max_tokens=4, temperature=0)
+    done = client.completions.create(model="distillspec", prompt=["7+7=", "8+8="], max_tokens=4, temperature=0)
+    assert all(choice.logprobs is None for choice in done.choices)  # recorded scores are not the client's
+    stream = client.completions.create(model="distillspec", prompt="9+9=", max_tokens=4, temperature=1, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream)
+    client.completions.create(model="distillspec", prompt="6+6=", max_tokens=4, temperature=0.5)  # not a sample
     deadline = time.monotonic() + 10
-    while ray.get(log.stats.remote())["received"] < 2 and time.monotonic() < deadline:
+    while ray.get(log.stats.remote())["samples_received"] < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sorted(ray.get(log.sample.remote(8))) == ["7+7=", "8+8="]
+    assert sorted(ray.get(log.sample.remote(8))) == ["6+6=", "7+7=", "8+8=", "9+9="]
+    stats = ray.get(log.stats.remote())
+    assert stats["samples_received"] == 3, stats
+    greedy, sampled = ray.get(log.take_samples.remote(2, 0.0)), ray.get(log.take_samples.remote(1, 1.0))
+    assert len(greedy) == 2 and len(sampled) == 1 and not ray.get(log.take_samples.remote(1, 0.5))
+    assert all(s.top.shape == s.top_ids.shape == (len(s.tokens), 4) for s in greedy + sampled)
+    assert sum(len(s.tokens) for s in greedy) == done.usage.completion_tokens
     ray.kill(log)
 
 

@@ -45,6 +45,48 @@ def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
     assert off[0].stats["drafted"] == 0 and off[0].stats["alpha"] is None
 
 
+def test_a_recorded_completion_is_a_sample_of_the_target_with_its_own_scores(completer, text_pair, tokenizer):
+    """A recorded job keeps its tokens with the target's top-k at each (its log-softmax there), whatever the client
+    asked for: a client's logprobs keep their own k; a job not recorded keeps nothing."""
+    target, _ = text_pair
+    args = DecodingArgs(gamma=3, temperature=1.0)
+    jobs = [
+        CompletionJob(PROMPTS[0], 12, args, seed=5, record=6),
+        CompletionJob(PROMPTS[1], 12, args, seed=6, logprobs=2, record=6),
+        CompletionJob(PROMPTS[2], 12, args, seed=7),
+    ]
+    plain, scored, unrecorded = done = completer.complete(jobs)
+    assert plain.logprobs is None and unrecorded.sample is None
+    assert all(len(top) == 2 for top in scored.logprobs.top)  # the client's k, not the recorded one
+    for job, d in zip(jobs[:2], done[:2], strict=False):
+        sample = d.sample
+        assert sample.temperature == 1.0 and sample.prompt == job.ids(tokenizer)
+        assert len(sample.tokens) == d.completion_tokens and sample.top.shape == sample.top_ids.shape == (
+            d.completion_tokens,
+            6,
+        )
+        with torch.no_grad():
+            logits = target(torch.tensor([sample.prompt + sample.tokens])).logits[0, len(sample.prompt) - 1 : -1]
+        top = torch.log_softmax(logits.float(), -1).topk(6, -1)
+        torch.testing.assert_close(torch.from_numpy(sample.top), top.values, rtol=1e-4, atol=1e-4)
+        assert torch.equal(torch.from_numpy(sample.top_ids), top.indices)
+    assert scored.sample.tokens[: len(scored.logprobs.tokens)] == scored.logprobs.tokens
+    best = [max(top.values()) for top in scored.logprobs.top]
+    assert best == pytest.approx(scored.sample.top[: len(best), 0].tolist(), abs=1e-6)
+
+
+def test_only_samples_of_the_target_are_recorded():
+    from distillspec.decoding.sampling import SamplingControls
+    from distillspec.serving.completer import recordable
+
+    assert recordable(CompletionJob("x", 4, DecodingArgs(temperature=1.0)))
+    assert recordable(CompletionJob("x", 4, DecodingArgs(temperature=0.0)))
+    assert not recordable(CompletionJob("x", 4, DecodingArgs(temperature=0.7)))
+    assert not recordable(CompletionJob("x", 4, DecodingArgs(temperature=1.0, lenience="lin", epsilon=0.5)))
+    assert not recordable(CompletionJob("x", 4, DecodingArgs(controls=SamplingControls(top_p=0.9))))
+    assert not recordable(CompletionJob("x", 0, DecodingArgs(), echo=True, logprobs=1))
+
+
 def test_one_bad_job_fails_alone_not_its_batch(completer, caplog):
     """A job that breaks the batched call it shares (here a prompt with a lone surrogate, which no tokenizer can
     encode; a seed torch refuses breaks its own call) gets its error in its own place; the seven jobs batched with

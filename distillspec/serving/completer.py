@@ -42,6 +42,7 @@ from distillspec.decoding.speculative import (
 from distillspec.errors import DistillSpecError
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import load_arrays, pad_prompts, prompt_ids
+from distillspec.training.batches import ServedSample
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class CompletionJob:
     seed: int | None = None
     logprobs: int | None = None
     echo: bool = False
+    #: keep the completion's tokens with the target's ``record`` likeliest tokens at each (:attr:`Completion.sample`),
+    #: whatever the client asked for: online distillation on served samples (``serve.record_samples``); 0: none
+    record: int = 0
     prompt_ids: list[int] | None = field(default=None, repr=False)  #: the prompt tokenised (once: :meth:`ids`)
 
     def ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -101,10 +105,11 @@ class TokenLogprobs:
     top: list[dict[int, float] | None]
 
     @classmethod
-    def of(cls, scores: Logprobs, row: int, tokens: list[int], start: int) -> TokenLogprobs:
-        """``tokens``, scored in row ``row`` of ``scores`` from column ``start`` on."""
+    def of(cls, scores: Logprobs, row: int, tokens: list[int], start: int, k: int | None = None) -> TokenLogprobs:
+        """``tokens``, scored in row ``row`` of ``scores`` from column ``start`` on, with the ``k`` likeliest tokens
+        of each position (default: all ``scores`` has)."""
         columns = slice(start, start + len(tokens))
-        ids, top = scores.top_ids[row, columns].tolist(), scores.top[row, columns].tolist()
+        ids, top = scores.top_ids[row, columns, :k].tolist(), scores.top[row, columns, :k].tolist()
         top = [dict(zip(i, v, strict=True)) for i, v in zip(ids, top, strict=True)]
         return cls(tokens, scores.token[row, columns].tolist(), top)
 
@@ -127,6 +132,16 @@ class ScoredDelta:
         return bool(self.text or self.logprobs.tokens)
 
 
+def recordable(job: CompletionJob) -> bool:
+    """Whether a job's completion is a sample of the target as a distillation run trains on it: lossless, at
+    temperature 1 or greedy, without sampling controls that change the target's distribution, some tokens asked
+    for."""
+    args = job.args
+    return (
+        args.temperature in (0.0, 1.0) and args.lenience is None and not args.controls.active and job.max_new_tokens > 0
+    )
+
+
 @dataclass
 class Completion:
     text: str
@@ -138,6 +153,7 @@ class Completion:
     seconds: float
     args: DecodingArgs = field(default_factory=DecodingArgs)  #: the decoding settings it was made with
     logprobs: TokenLogprobs | None = None  #: with the job's ``logprobs`` (its text starts with the prompt: ``echo``)
+    sample: ServedSample | None = None  #: with the job's ``record``
 
 
 def tokens_within(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: str) -> int:
@@ -383,8 +399,10 @@ class Completer:
         def on_block(tokens: torch.Tensor, counts: torch.Tensor, scores: Logprobs | None) -> bool:
             ids = tokens[0, : int(counts[0])].tolist()
             delta, hit = text.update(ids)
-            if delta and scores is not None:
-                delta = text.scored_delta(delta, ids, lambda a, b: TokenLogprobs.of(scores, 0, ids[a:b], a))
+            if delta and job.logprobs is not None:
+                delta = text.scored_delta(
+                    delta, ids, lambda a, b: TokenLogprobs.of(scores, 0, ids[a:b], a, job.logprobs)
+                )
             if delta:
                 loop.call_soon_threadsafe(queue.put_nowait, delta)
             return hit or state["cancel"]
@@ -417,7 +435,7 @@ class Completer:
         batched with it, get their completions)."""
         groups: dict[tuple, list[int]] = {}
         for i, job in enumerate(jobs):
-            scoring = (job.logprobs, job.echo, job.max_new_tokens == 0)
+            scoring = (job.logprobs, job.echo, job.max_new_tokens == 0, job.record)
             groups.setdefault((job.args, seed_group(job, i), *scoring), []).append(i)
         results: list[Completion | Exception | None] = [None] * len(jobs)
         for (args, group, *_), rows in groups.items():
@@ -459,7 +477,7 @@ class Completer:
             on_block=on_block,
             seeds=seeds,
             controls=args.controls,
-            logprobs=jobs[0].logprobs,
+            logprobs=scored(jobs[0]),
             prompt_logprobs=jobs[0].echo,
         )
         if all(j.max_new_tokens == 0 for j in jobs):  # echo alone: the prompts scored, nothing generated
@@ -490,7 +508,11 @@ class Completer:
             new = out.sequences[row, ids.shape[1] : ids.shape[1] + n].tolist()
             ended = bool(new) and new[-1] in common["eos_token_id"]
             text, hit = cut_at_stop(self.tokenizer.decode(new, skip_special_tokens=True), job.stop)
-            scores = self._logprobs(job, out, row, ids, mask, new, text) if job.logprobs is not None else None
+            kept = new[: tokens_within(self.tokenizer, new, text)] if job.logprobs is not None or hit else new
+            scores = self._logprobs(job, out, row, ids, mask, kept) if job.logprobs is not None else None
+            # a sample keeps what a stop string did not cut: without one, every token, EOS included (no text)
+            trained = kept if hit else new
+            sample = self._sample(job, out, row, trained) if job.record and trained else None
             done.append(
                 Completion(
                     text=job.prompt + text if job.echo else text,
@@ -502,23 +524,43 @@ class Completer:
                     seconds=seconds,
                     args=args,
                     logprobs=scores,
+                    sample=sample,
                 )
             )
         return done
 
     def _logprobs(
-        self, job: CompletionJob, out: GenerationOutput, row: int, ids, mask, new: list[int], text: str
+        self, job: CompletionJob, out: GenerationOutput, row: int, ids, mask, tokens: list[int]
     ) -> TokenLogprobs:
-        """Row ``row``'s scores: its new tokens up to the text's end (a stop string cuts them), after its prompt's
-        (``echo``)."""
-        kept = tokens_within(self.tokenizer, new, text)
-        scores = TokenLogprobs.of(out.logprobs, row, new[:kept], 0) if kept else TokenLogprobs([], [], [])
+        """Row ``row``'s scores: ``tokens``, the new tokens its text keeps (a stop string cuts them), after its
+        prompt's (``echo``), each with the job's ``logprobs`` likeliest tokens."""
+        k = job.logprobs
+        scores = TokenLogprobs.of(out.logprobs, row, tokens, 0, k) if tokens else TokenLogprobs([], [], [])
         if not job.echo:
             return scores
         width, real = ids.shape[1], int(mask[row].sum())
         prompt = ids[row, width - real :].tolist()
         first = TokenLogprobs(prompt[:1], [None], [None])  # nothing scores a text's first token
-        return first + TokenLogprobs.of(out.prompt_logprobs, row, prompt[1:], width - real) + scores
+        return first + TokenLogprobs.of(out.prompt_logprobs, row, prompt[1:], width - real, k) + scores
+
+    def _sample(self, job: CompletionJob, out: GenerationOutput, row: int, tokens: list[int]) -> ServedSample:
+        """Row ``row`` as a :class:`ServedSample`: its new ``tokens``, each with the target's top ``job.record``."""
+        columns = slice(0, len(tokens))
+        return ServedSample(
+            prompt=list(job.ids(self.tokenizer)),
+            tokens=tokens,
+            top_ids=out.logprobs.top_ids[row, columns, : job.record].cpu().numpy().astype(np.int64),
+            top=out.logprobs.top[row, columns, : job.record].float().cpu().numpy(),
+            temperature=job.args.temperature,
+        )
+
+
+def scored(job: CompletionJob) -> int | None:
+    """How many likeliest tokens a call scores at each position for ``job`` (None: no scores): the client's
+    ``logprobs``, or the ``record`` a recorded job keeps if more."""
+    if not job.record:
+        return job.logprobs
+    return max(job.logprobs or 0, job.record)
 
 
 UNSEEDED = -1  #: the group of jobs without a seed (and of greedy ones, which draw no random numbers)

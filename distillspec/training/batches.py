@@ -1,6 +1,7 @@
 """A training batch and its way from a rollout worker to the learner.
 
 - :class:`Batch`: prompts left-padded to one column, continuations after them (the tensors the loss reads);
+- :class:`ServedSample`: a completion an endpoint served, kept as a sample of the target for online distillation;
 - :class:`RolloutBatch`: what a rollout worker hands the learner: the batch's arrays, the draft version that sampled
   it, its source and, optionally, the target's distribution over it; with the checks a batch must pass;
 - :class:`SampleBuffer`: the bookkeeping of the bounded buffer between them: a staleness bound and a ledger in which
@@ -82,6 +83,22 @@ class BatchHeader(NamedTuple):
     version: int
     source: str | None
     problem: str | None  #: why the batch is unfit for training (:meth:`RolloutBatch.problem`), None when it is fit
+
+
+@dataclass
+class ServedSample:
+    """A completion an endpoint served (``serve.record_samples``), kept as a sample of the target: its prompt's and its
+    tokens (those its text keeps), the target's ``k`` likeliest tokens at each token's position with their
+    log-probabilities (the raw distribution, at temperature 1, that speculative decoding verified the token with)
+    and the temperature it was sampled at. Lists and arrays: it travels to the run's prompt log
+    (:class:`actors.prompts.PromptLog`), and batches of them train the draft
+    (:func:`distillspec.training.rollout.served_batch`)."""
+
+    prompt: list[int]
+    tokens: list[int]
+    top_ids: np.ndarray  #: [len(tokens), k], int64
+    top: np.ndarray  #: [len(tokens), k], float32
+    temperature: float
 
 
 @dataclass

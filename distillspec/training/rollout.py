@@ -17,9 +17,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from distillspec.config import Models, Recipe, resolve_recipe
 from distillspec.decoding.speculative import Logprobs, autoregressive_generate, speculative_generate
 from distillspec.errors import DistillSpecError
-from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, resolve_dtype
+from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, pad_prompts, resolve_dtype
 from distillspec.tasks.data import Example
-from distillspec.training.batches import Batch, make_batch
+from distillspec.training.batches import Batch, ServedSample, make_batch
 from distillspec.training.divergences import TopKLogprobs
 
 
@@ -90,6 +90,32 @@ def window_topk(scores: Logprobs, lengths: Tensor) -> TopKLogprobs:
     return TopKLogprobs(logprobs, indices, 1.0)
 
 
+def served_batch(
+    samples: list[ServedSample], pad_token_id: int, max_prompt_tokens: int | None, max_new_tokens: int
+) -> Batch:
+    """A batch of the target's samples from completions an endpoint served (online distillation,
+    ``rollout.online_samples``): each prompt's last ``max_prompt_tokens`` tokens, its first ``max_new_tokens``
+    tokens, and the target's top-k that speculative decoding verified each with (:attr:`Batch.target`, as
+    :func:`generate_batch` attaches them: k the fewest any sample kept). Nothing is sampled or scored again."""
+    if not samples:
+        raise DistillSpecError("a batch of served samples needs at least one")
+    prompts = [s.prompt[-max_prompt_tokens:] if max_prompt_tokens else s.prompt for s in samples]
+    prompt_ids, prompt_mask = pad_prompts(prompts, pad_token_id)
+    tokens = [s.tokens[:max_new_tokens] for s in samples]
+    lengths = torch.tensor([len(t) for t in tokens])
+    width, k = int(lengths.max()), min(s.top.shape[1] for s in samples)
+    continuation = torch.full((len(samples), width), pad_token_id)
+    top_ids = torch.zeros(len(samples), width, k, dtype=torch.long)
+    top = torch.zeros(len(samples), width, k)
+    for row, (s, t) in enumerate(zip(samples, tokens, strict=True)):
+        continuation[row, : len(t)] = torch.tensor(t)
+        top_ids[row, : len(t)] = torch.from_numpy(s.top_ids[: len(t), :k])
+        top[row, : len(t)] = torch.from_numpy(s.top[: len(t), :k])
+    batch = make_batch(prompt_ids, prompt_mask, continuation, lengths)
+    batch.target = window_topk(Logprobs(continuation.float(), top_ids, top), lengths)
+    return batch
+
+
 def draw_source(rng: random.Random, recipe: Recipe) -> str:
     """``"fixed"``, ``"draft"`` or ``"target"``, as in Algorithm A.2."""
     if rng.random() < recipe.lambda1:
@@ -102,11 +128,6 @@ def online_rows(batch_size: int, mix: float) -> tuple[int, int]:
     them (``rollout.online_mix``) but at least one served."""
     data = min(round(mix * batch_size), batch_size - 1)
     return batch_size - data, data
-
-
-def needs_target_samples(recipe: Recipe) -> bool:
-    """Whether Algorithm A.2 can draw target-generated batches for ``recipe``."""
-    return recipe.lambda1 < 1.0 and recipe.lambda2 < 1.0
 
 
 def load_rollout_draft(
@@ -175,8 +196,11 @@ class Sampler:
 
     Used by the single-process :class:`Distiller` and by each rollout actor of the Ray pipeline. Continuations come
     from ``generate`` (default: :class:`HFGenerator` over ``target`` and ``draft``, target samples with the target's
-    top ``topk`` log-probs where it is not 0). ``target`` may be None when the recipe never asks for target-generated
-    data, and both may be None when ``generate`` is given.
+    top ``topk`` log-probs where it is not 0). Online distillation: with ``prompts``, each sampled batch's prompts
+    are ``prompts()`` (served ones), not a draw from ``train``; with ``served`` (``rollout.online_samples``), a batch
+    drawn from the target's samples is ``served()`` (completions the endpoint served and scored), and no target is
+    needed. ``target`` may be None when the recipe never asks for target-generated data, and both may be None when
+    ``generate`` is given.
     """
 
     def __init__(
@@ -191,12 +215,14 @@ class Sampler:
         max_len: int = 256,
         generate: Generate | None = None,
         topk: int = 0,
+        prompts: Callable[[], list[Example]] | None = None,
+        served: Callable[[], Batch] | None = None,
     ) -> None:
         if not train:
             raise DistillSpecError("the distillation data set is empty: give a dataset with training examples")
         self.recipe = resolve_recipe(cfg)
         if generate is None:
-            if target is None and needs_target_samples(self.recipe):
+            if target is None and self.recipe.draws_target_samples and served is None:
                 raise DistillSpecError(f"recipe {cfg.recipe!r} samples from the target: a target model is needed")
             generate = HFGenerator(
                 target,
@@ -210,12 +236,18 @@ class Sampler:
                 topk=topk,
             )
         self.generate, self.tokenizer, self.train, self.cfg = generate, tokenizer, train, cfg
+        self.prompts, self.served = prompts, served
         self.max_len = max_len
         self.rng = random.Random(seed)
 
     def __call__(self) -> tuple[str, Batch]:
         source = draw_source(self.rng, self.recipe)
-        examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
+        if source == "target" and self.served is not None:
+            return source, self.served()
+        if self.prompts is not None:
+            examples = self.prompts()
+        else:
+            examples = self.rng.sample(self.train, min(self.cfg.batch_size, len(self.train)))
         if source == "fixed":
             return source, encode_examples(self.tokenizer, examples, self.max_len)
         return source, self.generate(source, examples)
