@@ -62,18 +62,9 @@ class ScorerSettings:
 
     @classmethod
     def of(cls, cfg: JobConfig) -> ScorerSettings:
-        temperature = train_temperature(cfg.distill.temperature)
-        run = cfg.ray.run_name
-        return cls(
-            cfg.models,
-            cfg.scorer.topk,
-            temperature,
-            cfg.rollout.backend,
-            cfg.vllm,
-            run,
-            cfg.seed,
-            cfg.batches_come_scored,
-        )
+        temperature, scored = train_temperature(cfg.distill.temperature), cfg.batches_come_scored
+        s = cfg.scorer
+        return cls(cfg.models, s.topk, temperature, cfg.rollout.backend, cfg.vllm, cfg.ray.run_name, cfg.seed, scored)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=-1, max_concurrency=2)

@@ -122,18 +122,14 @@ def test_killed_rollout_actor_is_replaced_and_ledger_balances(ray_cluster, tiny_
     assert result.ledger["balanced"] and result.ledger["consumed"] == 14, result.ledger
 
 
+def online_config(garden, out: Path, *overrides: str) -> JobConfig:
+    """An online run of 3 steps, one rollout actor, no evaluator."""
+    online = ["distill.steps=3", "distill.checkpoint_every=0", "evaluator.every=0", "rollout.workers=1"]
+    return job_config(garden, out, *online, "rollout.online=true", *overrides)
+
+
 def test_online_batches_mix_served_prompts_with_the_data_sets(ray_cluster, tiny_garden, task, tmp_path):
-    cfg = job_config(
-        tiny_garden,
-        tmp_path,
-        "distill.steps=3",
-        "distill.checkpoint_every=0",
-        "evaluator.every=0",
-        "rollout.workers=1",
-        "rollout.online=true",
-        "rollout.online_min_prompts=2",
-        "rollout.online_mix=0.5",
-    )
+    cfg = online_config(tiny_garden, tmp_path, "rollout.online_min_prompts=2", "rollout.online_mix=0.5")
     pipeline = Pipeline(cfg, task, tmp_path)
     try:
         ray.get(pipeline.prompt_log.add.remote(["1+1=", "2+2=", "3+3="]))  # what an endpoint would have served
@@ -159,17 +155,8 @@ def served_samples(n: int, vocab: int, k: int = 4, temperature: float = 1.0) -> 
 
 
 def test_online_batches_of_served_samples_need_no_sampling_nor_scoring(ray_cluster, tiny_garden, task, tmp_path):
-    cfg = job_config(
-        tiny_garden,
-        tmp_path,
-        "distill.steps=3",
-        "distill.checkpoint_every=0",
-        "evaluator.every=0",
-        "rollout.workers=1",
-        "rollout.online=true",
-        "rollout.online_samples=true",
-        "distill.recipe=seqkd",
-        "learner.target_logits=scorer",
+    cfg = online_config(
+        tiny_garden, tmp_path, "rollout.online_samples=true", "distill.recipe=seqkd", "learner.target_logits=scorer"
     )
     pipeline = Pipeline(cfg, task, tmp_path)
     vocab = len(load_tokenizer(cfg.target))

@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from distillspec.config import Models, Recipe, resolve_recipe
-from distillspec.decoding.speculative import Logprobs, autoregressive_generate, speculative_generate
+from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.errors import DistillSpecError
 from distillspec.models.loading import encode_prompts, load_decoding_draft, load_model, pad_prompts, resolve_dtype
 from distillspec.tasks.data import Example
@@ -73,20 +73,21 @@ def generate_batch(
     continuation = out.sequences[:, prompt_ids.shape[1] :].clone()
     batch = make_batch(prompt_ids.clone(), prompt_mask.clone(), continuation, out.num_new_tokens.clone())
     if out.logprobs is not None:
-        batch.target = window_topk(out.logprobs, out.num_new_tokens)
+        batch.target = window_topk(out.logprobs.top_ids, out.logprobs.top, out.num_new_tokens)
     return batch
 
 
-def window_topk(scores: Logprobs, lengths: Tensor) -> TopKLogprobs:
-    """The top-k of the target's distribution that sampled each continuation token (``scores`` [B, C]), laid out as
-    a scorer lays out its top-k over :attr:`Batch.window` ([B, C + 1, k]: column j predicts continuation token j).
-    Past a row's end, and in the last column (which predicts nothing), a uniform stand-in that the loss masks out."""
-    rows, width, k = scores.top.shape
+def window_topk(top_ids: Tensor, top: Tensor, lengths: Tensor) -> TopKLogprobs:
+    """The top-k of the target's distribution that sampled each continuation token (``top_ids`` and their log-probs
+    ``top``, [B, C, k]), laid out as a scorer lays out its top-k over :attr:`Batch.window` ([B, C + 1, k]: column j
+    predicts continuation token j). Past a row's end, and in the last column (which predicts nothing), a uniform
+    stand-in that the loss masks out."""
+    rows, width, k = top.shape
     valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
     logprobs = torch.full((rows, width + 1, k), -math.log(k), device=lengths.device)
     indices = torch.arange(k, device=lengths.device).expand(rows, width + 1, k).clone()
-    logprobs[:, :width][valid] = scores.top[valid].float()
-    indices[:, :width][valid] = scores.top_ids[valid]
+    logprobs[:, :width][valid] = top[valid].float()
+    indices[:, :width][valid] = top_ids[valid]
     return TopKLogprobs(logprobs, indices, 1.0)
 
 
@@ -112,7 +113,7 @@ def served_batch(
         top_ids[row, : len(t)] = torch.from_numpy(s.top_ids[: len(t), :k])
         top[row, : len(t)] = torch.from_numpy(s.top[: len(t), :k])
     batch = make_batch(prompt_ids, prompt_mask, continuation, lengths)
-    batch.target = window_topk(Logprobs(continuation.float(), top_ids, top), lengths)
+    batch.target = window_topk(top_ids, top, lengths)
     return batch
 
 
