@@ -3,7 +3,9 @@ and every actor that holds the target (the scoring actors, rollout actors that s
 scores, the evaluator, the Serve replicas that follow the run) builds it over that one copy in Ray's object store
 (:func:`shared_target`), instead of reading its own from disk: one target's memory per node, not one per actor.
 
-An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy.
+An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy. A
+bfloat16 target that decodes through the few-row kernel (``prepack``, a CPU with AVX512-BF16) is shared in that
+layout too, so that the actors that decode with it read one more copy a node, not one each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from distillspec.models.loading import SharedWeights, load_model, resolve_dtype,
 def _load_shared(models: Models) -> SharedWeights:
     setup_worker()
     model, _ = load_model(models.target, device=models.device, dtype=models.dtype)
-    return share_weights(model, models.target)
+    dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
+    # a bfloat16 target that decodes through the few-row kernel: its layout is shared too, once a node
+    layouts = dtype == "bfloat16" and resolve_prepack(models.prepack, dtype, models.target, models.device)[0] is True
+    return share_weights(model, models.target, layouts=layouts)
 
 
 def share_target(models: Models) -> list[ray.ObjectRef] | None:

@@ -605,12 +605,13 @@ class JobConfig:
         "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights laid out once "
         "for the project's few-row kernel on x86 CPUs with AVX2 (built on first use with a C++ compiler; "
         "DISTILLSPEC_FEW_ROWS=0 turns it off), else prepacked for oneDNN (eager float32 re-lays them on every "
-        "call), bfloat16 ones multiplied as matrix-vector products "
-        "(oneDNN's bfloat16 product of a few rows reads them at half the rate on a CPU with AMX). auto = on for a "
-        "target on a CPU that is large enough to be bound by reading its weights (over 1 GB): float32, or bfloat16 "
-        "on a CPU with AMX; true; false; bfloat16: a float32 target's linear weights rounded to bfloat16 for the "
-        "few-row kernel, which widens them in registers (a step reads half the bytes; the target decodes a little "
-        "differently, and speculative decoding stays exact for it; a learner or scoring actor keeps float32 weights)",
+        "call), bfloat16 ones for the same kernel with bfloat16 rows on x86 CPUs with AVX512-BF16, else as "
+        "matrix-vector products (oneDNN's bfloat16 product of a few rows reads them at half the rate on a CPU with "
+        "AMX). auto = on for a target on a CPU that is large enough to be bound by reading its weights (over 1 GB): "
+        "float32, or bfloat16 on a CPU with AVX512-BF16 or AMX; true; false; bfloat16: a float32 target's linear "
+        "weights rounded to bfloat16 for the few-row kernel, which widens them in registers (a step reads half the "
+        "bytes; the target decodes a little differently, and speculative decoding stays exact for it; a learner or "
+        "scoring actor keeps float32 weights)",
     )
     chat_template: bool = knob(
         True,

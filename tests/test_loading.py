@@ -7,9 +7,11 @@ import logging
 import pytest
 import torch
 
+from distillspec.models import few_rows
 from distillspec.models.loading import SharedWeights, load_model, share_weights
+from distillspec.models.packing import FewRowLinear, PackedLinear
 
-from .conftest import tiny_llama
+from .conftest import needs_compiler, tiny_llama
 
 
 def _saved(tmp_path, tokenizer, *, tied: bool) -> str:
@@ -30,9 +32,10 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 def _through_pickle(shared: SharedWeights) -> SharedWeights:
     """As the object store hands it out: arrays read-only, not the sharer's."""
     arrays = {k: a.copy() for k, a in shared.arrays.items()}
-    for a in arrays.values():
+    layouts = {k: a.copy() for k, a in shared.layouts.items()}
+    for a in [*arrays.values(), *layouts.values()]:
         a.flags.writeable = False
-    return SharedWeights(shared.name, shared.dtype, arrays, shared.dtypes)
+    return SharedWeights(shared.name, shared.dtype, arrays, shared.dtypes, layouts)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -62,3 +65,27 @@ def test_shared_weights_of_another_model_or_dtype_are_not_used(tmp_path, tokeniz
     assert model.dtype == torch.float32 and "loading it" in caplog.text
     addresses = {a.__array_interface__["data"][0] for a in shared.arrays.values()}
     assert not any(p.data_ptr() in addresses for p in model.parameters())
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    few_rows.unavailable_reason() is not None or not few_rows.bf16_rows(),
+    reason="bfloat16 rows take an x86 CPU with AVX512-BF16",
+)
+def test_a_bfloat16_target_shares_its_few_row_layout_with_the_processes_that_decode(tmp_path, tokenizer):
+    """A decoding target is laid out over the shared layouts (no copy of its own) and gives the logits of one laid
+    out by itself; a target that only scores (kernel=onednn) keeps the shared dense weights."""
+    name = _saved(tmp_path, tokenizer, tied=False)
+    own, _ = load_model(name, dtype="bfloat16", prepack=True)
+    shared = _through_pickle(share_weights(load_model(name, dtype="bfloat16")[0], name, layouts=True))
+    assert len(shared.layouts) == 2 * 7 + 1  # every linear layer, the head among them
+    built, _ = load_model(name, dtype="bfloat16", prepack=True, shared=shared)
+    layers = [m for m in built.modules() if isinstance(m, PackedLinear)]
+    addresses = {a.__array_interface__["data"][0] for a in shared.layouts.values()}
+    assert len(layers) == 2 * 7 + 1 and all(m.packed.data_ptr() in addresses for m in layers)
+    ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    assert torch.equal(_logits(built, ids), _logits(own, ids))
+    scorer, _ = load_model(name, dtype="bfloat16", prepack=True, shared=shared, kernel="onednn")
+    assert isinstance(scorer.lm_head, FewRowLinear)
+    dense = {a.__array_interface__["data"][0] for a in shared.arrays.values()}
+    assert scorer.lm_head.weight.data_ptr() in dense

@@ -1,7 +1,7 @@
 """A target's weights laid out for few-row products (distillspec/models/packing.py: float32 for the few-row kernel
-of distillspec/models/few_rows.py or prepacked for oneDNN, bfloat16 as matrix-vector products): the same logits,
-exact speculative decoding, and the choice of when to lay them out (distillspec.models.loading.resolve_prepack); and
-int8 drafts."""
+of distillspec/models/few_rows.py or prepacked for oneDNN, bfloat16 for that kernel or as matrix-vector products): the
+same logits, exact speculative decoding, and the choice of when to lay them out
+(distillspec.models.loading.resolve_prepack); and int8 drafts."""
 
 import copy
 
@@ -12,7 +12,14 @@ from distillspec import DistillSpecError, speculative_generate
 from distillspec.decoding.kvcache import CachedLM
 from distillspec.models import few_rows
 from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft, resolve_prepack
-from distillspec.models.packing import FEW_ROWS, FewRowLinear, PackedLinear, can_prepack, prepack_linears
+from distillspec.models.packing import (
+    FEW_ROWS,
+    FewRowLinear,
+    PackedLinear,
+    can_prepack,
+    prepack_linears,
+    replace_linears,
+)
 
 from .conftest import needs_compiler, perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
@@ -124,37 +131,90 @@ def test_compiled_steps_take_the_few_row_kernel_into_one_graph():
     prepack_linears(target, kernel="few_rows")
     draft = quantize_decoding_draft(tiny_llama(64, d=64, layers=2, seed=2), True)
     assert isinstance(draft.lm_head, Int8Linear) and draft.lm_head.few_rows_packed is not None
+    models = [target, draft]
+    if few_rows.bf16_rows():  # a bfloat16 target's rows go in as they are
+        models.append(tiny_llama(64, d=64, layers=2, seed=3).bfloat16())
+        prepack_linears(models[-1])
+        assert models[-1].lm_head.bf16_rows
     torch._dynamo.utils.counters.clear()
     ids, mask = left_padded_prompts()
-    for model in (target, draft):
+    for model in models:
         compiled, eager = CachedLM(model, compile=True, capacity=32), CachedLM(model)
-        torch.testing.assert_close(compiled.prefill(ids, mask), eager.prefill(ids, mask))
-        for k in (1, 2, 6) if model is target else (1, 2):  # drafting steps, the target's verification
+        bf16 = model.dtype == torch.bfloat16
+        near = {"rtol": 0.05, "atol": 0.05} if bf16 else {"rtol": 1e-4, "atol": 1e-4}
+        torch.testing.assert_close(compiled.prefill(ids, mask), eager.prefill(ids, mask), **(near if bf16 else {}))
+        for k in (1, 2) if model is draft else (1, 2, 6):  # drafting steps, a target's verification
             new = torch.randint(1, 64, (len(ids), k))
-            torch.testing.assert_close(compiled.step(new), eager.step(new), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(compiled.step(new), eager.step(new), **near)
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits():
-    """Over FEW_ROWS rows (a prompt) the same product, bit for bit; a step (one row: torch.mv) and a verification
-    (six rows: torch.mm) within bfloat16's rounding; the same weight tensors."""
+#: A bfloat16 target's layouts: the few-row kernel's with bfloat16 rows (AVX512-BF16), and matrix-vector products.
+BF16_LAYOUTS = [
+    pytest.param(
+        "few_rows",
+        marks=[
+            needs_compiler,
+            pytest.mark.skipif(
+                few_rows.unavailable_reason() is not None or not few_rows.bf16_rows(),
+                reason="bfloat16 rows take an x86 CPU with AVX512-BF16",
+            ),
+        ],
+    ),
+    "matrix_vector",
+]
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits(layout):
+    """A step (one row) and a verification (six rows) within bfloat16's rounding of the plain model's; matrix-vector
+    products keep the same weight tensors and, over FEW_ROWS rows (a prompt), the same product bit for bit."""
     model = tiny_llama(64, d=64, layers=2, seed=1).bfloat16()
     few = copy.deepcopy(model)
-    assert prepack_linears(few) == 2 * 7 + 1 and isinstance(few.lm_head, FewRowLinear)
-    assert torch.equal(few.lm_head.weight, model.lm_head.weight) and not any(p.requires_grad for p in few.parameters())
-    layer = torch.nn.Linear(8, 4).bfloat16()
-    assert FewRowLinear(layer).weight is layer.weight  # shared weights stay shared
+    if layout == "few_rows":  # what prepack_linears chooses where the CPU takes bfloat16 rows
+        assert prepack_linears(few) == 2 * 7 + 1 and isinstance(few.lm_head, PackedLinear) and few.lm_head.bf16_rows
+    else:
+        assert replace_linears(few, FewRowLinear) == 2 * 7 + 1
+        assert torch.equal(few.lm_head.weight, model.lm_head.weight)
+        layer = torch.nn.Linear(8, 4).bfloat16()
+        assert FewRowLinear(layer).weight is layer.weight  # shared weights stay shared
+    assert not any(p.requires_grad for p in few.parameters())
     ids, mask = left_padded_prompts()
     assert ids.numel() > FEW_ROWS
     plain_lm, few_lm = CachedLM(model), CachedLM(few)
     with torch.no_grad():
-        assert torch.equal(few_lm.prefill(ids, mask), plain_lm.prefill(ids, mask))
+        prompt, plain_prompt = few_lm.prefill(ids, mask), plain_lm.prefill(ids, mask)
+        assert (
+            torch.equal(prompt, plain_prompt)
+            if layout == "matrix_vector"
+            else torch.allclose(prompt, plain_prompt, atol=0.05)
+        )
         one, plain_one = CachedLM(few), CachedLM(model)
         one.prefill(ids[1:2], mask[1:2])
         plain_one.prefill(ids[1:2], mask[1:2])
         for new in (torch.tensor([[5]]), torch.randint(1, 64, (1, 6))):  # a step, a verification at gamma 5
             fast, plain = one.step(new).float(), plain_one.step(new).float()
             assert (fast - plain).abs().max() < 0.05 * plain.abs().max(), (fast - plain).abs().max()
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    few_rows.unavailable_reason() is not None or not few_rows.bf16_rows(),
+    reason="bfloat16 rows take an x86 CPU with AVX512-BF16",
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 17])
+def test_the_few_row_kernel_multiplies_bfloat16_rows_exactly_into_float32_sums(rows):
+    """bfloat16 rows by a bfloat16 weight: each product exact, the sums float32 (a chunk's tail of 8 or 24 inputs
+    under a mask); bfloat16 rows by a float32 weight are refused."""
+    torch.manual_seed(rows)
+    for inputs, outputs in ((24, 5), (1032, 130)):
+        weight = torch.randn(outputs, inputs).bfloat16()
+        x = torch.randn(rows, inputs).bfloat16()
+        out = few_rows.matmul(x, few_rows.pack(weight), outputs)
+        exact = x.double() @ weight.double().t()
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), exact, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 rows with a bfloat16 weight"):
+        few_rows.matmul(x, few_rows.pack(weight.float()), outputs)
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
@@ -173,7 +233,8 @@ def test_prepack_is_chosen_for_weight_bound_targets_on_a_cpu(tmp_path):
     assert resolve_prepack("auto", "float32", str(small))[0] is False  # bound by per-call costs
     assert resolve_prepack("auto", "float32", "some/hub-id")[0] is True  # size unknown: a real model
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is amx  # matrix-vector products pay with AMX
+    # the few-row kernel with bfloat16 rows (AVX512-BF16) pays; matrix-vector products pay with AMX
+    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is (few_rows.bf16_rows() or amx)
     assert resolve_prepack("auto", "bfloat16", str(small))[0] is False
     assert resolve_prepack(True, "float32", str(small)) == (True, "set by prepack")
     assert resolve_prepack(True, "bfloat16", str(small)) == (True, "set by prepack")
@@ -218,8 +279,9 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
     target, _, _ = load_pair(*folders, dtype="float32")  # auto: a small target is not packed
     assert not any(isinstance(m, PackedLinear) for m in target.modules())
     target, draft, _ = load_pair(*folders, dtype="bfloat16", prepack=True)
-    assert isinstance(target.lm_head, FewRowLinear) and target.lm_head.weight.dtype == torch.bfloat16
-    assert not any(isinstance(m, FewRowLinear) for m in draft.modules())
+    layout = PackedLinear if few_rows.bf16_rows() else FewRowLinear  # the few-row kernel takes bfloat16 rows
+    assert isinstance(target.lm_head, layout) and next(target.parameters()).dtype == torch.bfloat16
+    assert not any(isinstance(m, (PackedLinear, FewRowLinear)) for m in draft.modules())
 
 
 def skip_without(draft_int8) -> None:

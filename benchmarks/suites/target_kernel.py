@@ -1,8 +1,10 @@
-"""A float32 target's products on a CPU by layout (``prepack``): the few-row kernel
+"""A target's products on a CPU by layout (``prepack``). A float32 target: the few-row kernel
 (:mod:`distillspec.models.few_rows`, ``few_rows``), oneDNN's prepacked layout, which it replaces where it runs
-(``onednn``), and the few-row kernel over weights rounded to bfloat16 (``bfloat16``: ``prepack=bfloat16``). The
+(``onednn``), and the few-row kernel over weights rounded to bfloat16 (``bfloat16``: ``prepack=bfloat16``). A
+bfloat16 target: the few-row kernel (``bf16-few-rows``: bfloat16 rows where the CPU has AVX512-BF16, else float32
+ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``). The
 target is loaded once with each of ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the
-bfloat16 one, with its float32 embedding 4.5 GB). The last layout named is the baseline.
+bfloat16 ones, with its float32 embedding 4.5 GB). The last layout named is the baseline, whose dtype the draft takes.
 
 1. Milliseconds of one cached step of k new tokens for each k of ``--ks`` (a decoding step, a verification of
    ``gamma + 1`` positions, a prompt's products), the targets in turn (:func:`benchmarks.suites.speed.suite_step_ms`).
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from statistics import mean
 
 import torch
+from torch import nn
 
 from benchmarks.suites.common import cpu_kernels
 from benchmarks.suites.int8 import apart, stepwise_logits
@@ -44,15 +49,18 @@ from distillspec.models.loading import (
     quantize_decoding_draft,
     resolve_draft_int8,
 )
-from distillspec.models.packing import prepack_linears
+from distillspec.models.packing import FewRowLinear, PackedLinear, prepack_linears, replace_linears
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
-#: A layout's name -> :func:`~distillspec.models.packing.prepack_linears` arguments.
-LAYOUTS = {
-    "few_rows": {"kernel": "few_rows"},
-    "onednn": {"kernel": "onednn"},
-    "bfloat16": {"kernel": "few_rows", "weights": torch.bfloat16},
+#: A layout's name -> the target's dtype and what lays its linear layers out (None: as they come).
+LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None]] = {
+    "few_rows": (torch.float32, partial(prepack_linears, kernel="few_rows")),
+    "onednn": (torch.float32, partial(prepack_linears, kernel="onednn")),
+    "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16)),
+    "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows"))),
+    "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear)),
+    "bf16-plain": (torch.bfloat16, None),
 }
 
 
@@ -80,9 +88,11 @@ def suite_target_kernel(
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     targets, tokenizer = {}, None
     for name in layouts:
-        targets[name], tokenizer = load_model(cfg.target, device="cpu", dtype=torch.float32)
-        prepack_linears(targets[name], **LAYOUTS[name])
-    draft = load_model(cfg.draft, device="cpu", dtype=torch.float32)[0]
+        dtype, lay_out = LAYOUTS[name]
+        targets[name], tokenizer = load_model(cfg.target, device="cpu", dtype=dtype)
+        if lay_out is not None:
+            lay_out(targets[name])
+    draft = load_model(cfg.draft, device="cpu", dtype=LAYOUTS[layouts[-1]][0])[0]
     draft_int8 = resolve_draft_int8(cfg.draft_int8, parameter_count(draft))[0]
     quantize_decoding_draft(draft, draft_int8)
     result = {"config": {"target": cfg.target, "draft": cfg.draft, "draft_int8": draft_int8, "layouts": layouts}}

@@ -1,7 +1,8 @@
 // Products of a few rows by a frozen float32, bfloat16 or int8 weight on an x86 CPU with AVX2 and FMA, at about the
 // rate the memory reads the weight: a decoding step (1 row) and a verification of gamma + 1 positions (2-8 rows) of a
 // target, a drafting step of an int8 draft.
-// The rows and the sums are float32; a bfloat16 weight is widened to float32 in registers (exact). An int8 weight
+// The rows and the sums are float32; a bfloat16 weight is widened to float32 in registers (exact). Where the CPU has
+// AVX512-BF16 a bfloat16 weight also takes bfloat16 rows (a bfloat16 target's), multiplied in pairs. An int8 weight
 // (one scale per output row) is multiplied in integers: each row of the input is rounded to 16 bits (a scale per
 // row, its largest magnitude at 32767), 32 weights at a time sign-extended to 16 bits in registers and multiplied
 // in pairs (vpmaddwd) into 32-bit sums, which become float32 at the end of each chunk; the product is those sums
@@ -137,6 +138,57 @@ void chunk_rows(int64_t rows, const int8_t* w_chunk, const int16_t* x, int64_t K
   }
 }
 
+// bfloat16 rows by a bfloat16 weight on a CPU with AVX512-BF16 (compiled for it alone, called only where the CPU has
+// it): vdpbf16ps multiplies 32 weights by 32 inputs in pairs into 16 float32 sums, the products exact, so the rows
+// stay bfloat16 as the model computes them and a chunk's tile of inputs takes half the first-level cache of float32
+// rows. A chunk's tail (kc a multiple of 8) is loaded under a mask. The sums of a row are folded to 8 lanes into part.
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+template <int M, int U>
+BF16_TARGET void chunk_bf16(const uint16_t* w_chunk, const uint16_t* x, int64_t K, int64_t kc, __m256* part) {
+  for (int64_t r = 0; r < NB; ++r) {
+    const uint16_t* w = w_chunk + r * kc;
+    __m512 acc[U][M];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 * U <= kc; k += 32 * U)
+      for (int u = 0; u < U; ++u) {
+        const __m512i wv = _mm512_loadu_si512(w + k + 32 * u);
+        for (int m = 0; m < M; ++m)
+          acc[u][m] = _mm512_dpbf16_ps(acc[u][m], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+      }
+    for (; k < kc; k += 32) {
+      const __mmask32 mask = kc - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (kc - k)) - 1;
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + k);
+      for (int m = 0; m < M; ++m)
+        acc[0][m] = _mm512_dpbf16_ps(acc[0][m], (__m512bh)wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 s = acc[0][m];
+      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][m]);
+      const __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(s),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
+      part[r * M + m] = _mm256_add_ps(part[r * M + m], folded);
+    }
+  }
+}
+
+BF16_TARGET void chunk_rows(int64_t rows, const uint16_t* w_chunk, const at::BFloat16* xs, int64_t K, int64_t kc,
+                            __m256* part) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(xs);
+  switch (rows) {
+    case 1: chunk_bf16<1, 4>(w_chunk, x, K, kc, part); break;
+    case 2: chunk_bf16<2, 4>(w_chunk, x, K, kc, part); break;
+    case 3: chunk_bf16<3, 2>(w_chunk, x, K, kc, part); break;
+    case 4: chunk_bf16<4, 2>(w_chunk, x, K, kc, part); break;
+    case 5: chunk_bf16<5, 2>(w_chunk, x, K, kc, part); break;
+    case 6: chunk_bf16<6, 2>(w_chunk, x, K, kc, part); break;
+    case 7: chunk_bf16<7, 2>(w_chunk, x, K, kc, part); break;
+    default: chunk_bf16<8, 2>(w_chunk, x, K, kc, part); break;
+  }
+}
+
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32), and each row's scale.
 void round_rows(const float* x, int16_t* xq, float* scales, int64_t M, int64_t K) {
   for (int64_t m = 0; m < M; ++m) {
@@ -195,6 +247,9 @@ void multiply(const T* W, const X* xs, float* ys, int64_t M, int64_t K, int64_t 
 
 }  // namespace
 
+// Whether this CPU has AVX512-BF16, which bfloat16 rows take (by a bfloat16 weight).
+bool bf16_rows_supported() { return __builtin_cpu_supports("avx512bf16"); }
+
 // The weight [N, K] (float32 or bfloat16, K a multiple of 8; int8, K a multiple of 32) in the blocked layout, its rows
 // past N zero.
 torch::Tensor pack(const torch::Tensor& weight) {
@@ -220,14 +275,17 @@ torch::Tensor pack(const torch::Tensor& weight) {
 // takes its rows' scales ([N], float32).
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                      const std::optional<torch::Tensor>& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "few_rows.matmul takes 2-d float32 CPU rows");
+  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16_rows || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
+              "few_rows.matmul takes 2-d float32 or bfloat16 CPU rows");
+  TORCH_CHECK(!bf16_rows || (packed.scalar_type() == at::kBFloat16 && bf16_rows_supported()),
+              "few_rows.matmul takes bfloat16 rows with a bfloat16 weight on a CPU with AVX512-BF16 only");
   auto X = x.contiguous();
   const int64_t M = X.size(0), K = X.size(1);
   TORCH_CHECK(packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
-  auto Y = torch::empty({M, N}, X.options());
+  auto Y = torch::empty({M, N}, X.options().dtype(at::kFloat));
   if (M == 0) return Y;
   if (int8) {
     auto S = scales->contiguous();
@@ -237,6 +295,9 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
     round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K);
     multiply(packed.data_ptr<int8_t>(), xq.data(), Y.data_ptr<float>(), M, K, N, S.data_ptr<float>(),
              x_scales.data());
+  } else if (bf16_rows) {
+    multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<at::BFloat16>(),
+             Y.data_ptr<float>(), M, K, N);
   } else if (packed.scalar_type() == at::kBFloat16) {
     multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<float>(),
              Y.data_ptr<float>(), M, K, N);
@@ -247,6 +308,7 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_rows_supported", &bf16_rows_supported, "whether bfloat16 rows run here (AVX512-BF16)");
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("scales") = py::none());

@@ -11,7 +11,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from distillspec.models.packing import (
     Int8Linear,
     can_prepack,
     fbgemm_available,
+    few_rows_layouts,
     int4_available,
     prepack_linears,
     quantize_int8,
@@ -140,19 +141,25 @@ class SharedWeights:
     dtype: str  #: its weights' dtype ("bfloat16")
     arrays: dict[str, np.ndarray]  #: every parameter and buffer, by name (16-bit floats as their raw 16-bit words)
     dtypes: dict[str, str]  #: each tensor's torch dtype, by name
+    #: a bfloat16 target's linear weights in the few-row kernel's layout (raw 16-bit words), by module name, for the
+    #: processes that decode with it (:func:`~distillspec.models.packing.few_rows_layouts`); empty where none is
+    layouts: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
+        return sum(a.nbytes for a in [*self.arrays.values(), *self.layouts.values()])
 
 
-def share_weights(model: PreTrainedModel, name: str) -> SharedWeights:
+def share_weights(model: PreTrainedModel, name: str, layouts: bool = False) -> SharedWeights:
     """``model``'s parameters and buffers (rotary tables included) as numpy arrays over its own memory (no copy), each
-    tied tensor once."""
+    tied tensor once; with ``layouts``, also its bfloat16 linear weights laid out for the few-row kernel where
+    :func:`~distillspec.models.packing.prepack_linears` would lay them out (as much memory again)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
     dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
-    return SharedWeights(name, str(model.dtype).removeprefix("torch."), arrays, dtypes)
+    laid_out = few_rows_layouts(model) if layouts else {}
+    words = {k: t.view(torch.int16).numpy() for k, t in laid_out.items()}
+    return SharedWeights(name, str(model.dtype).removeprefix("torch."), arrays, dtypes, words)
 
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  #: what numpy holds a 16-bit float as
@@ -196,7 +203,7 @@ def load_model(
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
     :class:`~distillspec.models.packing.PackedLinear` takes it). ``shared``: the weights of this model in this dtype,
     shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of
-    read from files."""
+    read from files, and over the layouts they hold where it is laid out for the few-row kernel."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -223,7 +230,12 @@ def load_model(
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
         weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
-        prepack_linears(model, kernel=kernel, weights=weights)
+        with warnings.catch_warnings():  # frozen layouts: nothing writes to them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            laid_out = {
+                k: torch.from_numpy(a).view(torch.bfloat16) for k, a in (shared.layouts if shared else {}).items()
+            }
+        prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
     return model, tokenizer
 
@@ -366,10 +378,11 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
     ``prepack`` (``auto``, true, false, ``bfloat16``) with the resolved ``dtype``, and why. ``auto`` lays out a target
     on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one for the
-    few-row kernel or oneDNN (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one as matrix-vector
-    products where the CPU has AMX (where they were measured to pay; without AMX they took 1.4-2.2x the plain
-    product's). ``bfloat16`` (a float32 target on a CPU where the few-row kernel runs, else an error) comes back as
-    it is: the weights rounded to bfloat16 for that kernel."""
+    few-row kernel or oneDNN (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one for the few-row
+    kernel where it takes bfloat16 rows (AVX512-BF16), else as matrix-vector products where the CPU has AMX (where
+    they were measured to pay; without AMX they took 1.4-2.2x the plain product's). ``bfloat16`` (a float32 target
+    on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to bfloat16 for
+    that kernel."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type
@@ -394,6 +407,8 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     if size is not None and size < AUTO_BF16_BYTES:
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
     if dtype == "bfloat16":
+        if few_rows.bf16_rows():
+            return True, "auto: a weight-bound bfloat16 target on a CPU with AVX512-BF16, for the few-row kernel"
         if not cpu_has("amx_tile"):
             return False, "auto: bfloat16 on a CPU without AMX, where matrix-vector products ran slower"
         return True, "auto: a weight-bound bfloat16 target on a CPU with AMX"

@@ -9,9 +9,11 @@ freezing pass does), laid out once when the model is loaded; 1-8 rows then cost 
 AVX2 it holds the layout of the few-row kernel (:mod:`distillspec.models.few_rows`) instead, which keeps the rows'
 inputs in cache while the weight streams past: faster at every row count of a step or a verification; with
 ``prepack=bfloat16`` it holds the weights rounded to bfloat16, which the kernel widens in registers. On CPUs that
-compute bfloat16 natively the pair runs in bfloat16 instead (``dtype=auto``), whose products are flat in the rows;
-on one with AMX, though, oneDNN's bfloat16 product of a few rows reads its weight at half the rate of the same
-product as matrix-vector ones, which a :class:`FewRowLinear` runs instead.
+compute bfloat16 natively the pair runs in bfloat16 instead (``dtype=auto``), whose products are flat in the rows
+but read the weights below the memory's rate: such a target's weights go to the few-row kernel too, its rows
+multiplied in bfloat16 (AVX512-BF16). Where that kernel cannot be had, on a CPU with AMX oneDNN's bfloat16 product of
+a few rows reads its weight at half the rate of the same product as matrix-vector ones, which a
+:class:`FewRowLinear` runs instead.
 
 Only a frozen model is laid out (the target: it scores and verifies, never trains). A packed model drops its dense
 weights, so it takes no more memory than the plain one, has no gradients and cannot be saved; a few-row one keeps
@@ -45,11 +47,18 @@ class PackedLinear(nn.Module):
 
     ``kernel``: ``"auto"`` (the few-row kernel where it runs), ``"few_rows"`` (an error where it does not),
     ``"onednn"``. A bfloat16 weight, or ``weights=torch.bfloat16`` (a float32 weight rounded to it: half the bytes a
-    product reads), takes the few-row kernel, which widens it to float32 in registers; the rows, the sums and the
-    output stay in the model's dtype."""
+    product reads), takes the few-row kernel, which widens it to float32 in registers, the rows and sums float32; a
+    bfloat16 model's rows go in as they are where the CPU has AVX512-BF16 (:func:`~distillspec.models.few_rows.
+    bf16_rows`), multiplied in pairs into float32 sums. The output is in the model's dtype. ``packed``: the weight in
+    the few-row kernel's layout already (:func:`few_rows_layouts`: shared by another process)."""
 
     def __init__(
-        self, linear: nn.Linear, rows: int = 8, kernel: str = "auto", weights: torch.dtype | None = None
+        self,
+        linear: nn.Linear,
+        rows: int = 8,
+        kernel: str = "auto",
+        weights: torch.dtype | None = None,
+        packed: Tensor | None = None,
     ) -> None:
         super().__init__()
         self.dtype = linear.weight.dtype  #: the model's: its activations in and out
@@ -68,7 +77,16 @@ class PackedLinear(nn.Module):
         if kernel == "few_rows" and why:
             raise DistillSpecError(f"the few-row kernel does not run here: {why}")
         self.kernel = "onednn" if kernel == "onednn" or why else "few_rows"
-        if self.kernel == "few_rows":
+        #: a bfloat16 model's rows go to the kernel as they are (AVX512-BF16), else as float32
+        self.bf16_rows = (
+            self.dtype == weight.dtype == torch.bfloat16 and self.kernel == "few_rows" and few_rows.bf16_rows()
+        )
+        if packed is not None:  # laid out already, by another process that shares it (few-row kernel only)
+            size = -(-self.out_features // 64) * 64 * self.in_features  # the rows padded to blocks of 64
+            if self.kernel != "few_rows" or packed.dtype != weight.dtype or packed.numel() != size:
+                raise ValueError(f"a {packed.dtype} layout of {packed.numel()} is not this weight's few-row layout")
+            self.packed = packed
+        elif self.kernel == "few_rows":
             self.packed = few_rows.pack(weight)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
@@ -78,8 +96,8 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if self.kernel == "few_rows":  # float32 rows and sums, whatever the weight's dtype
-            out = few_rows.matmul(rows.float(), self.packed, self.out_features)
+        if self.kernel == "few_rows":  # float32 sums; float32 rows but a bfloat16 model's where the CPU takes them
+            out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features)
             if self.bias is not None:
                 out += self.bias
             out = out.to(self.dtype)
@@ -153,14 +171,29 @@ def layout_name(dtype: str, prepack: bool | str = True) -> str:
     if prepack == "bfloat16":
         return "weights rounded to bfloat16 for the few-row kernel"
     if dtype != "float32":
-        return "few-row products as matrix-vector ones"
+        return (
+            "weights laid out for the few-row kernel"
+            if few_rows.bf16_rows()
+            else "few-row products as matrix-vector ones"
+        )
     return "weights laid out for the few-row kernel" if few_rows.available() else "weights prepacked for oneDNN"
 
 
-def prepack_linears(model: nn.Module, rows: int = 8, kernel: str = "auto", weights: torch.dtype | None = None) -> int:
+def prepack_linears(
+    model: nn.Module,
+    rows: int = 8,
+    kernel: str = "auto",
+    weights: torch.dtype | None = None,
+    packed: dict[str, Tensor] | None = None,
+) -> int:
     """Lay out every linear layer of ``model`` on a CPU (in place) for few-row products: a float32 one becomes a
     :class:`PackedLinear` (``kernel`` and ``weights`` as there: ``torch.bfloat16`` rounds its weight), a bfloat16 one
-    a :class:`FewRowLinear`; the model is frozen. Returns how many were laid out."""
+    a :class:`PackedLinear` for the few-row kernel where it takes bfloat16 rows (AVX512-BF16; inputs a multiple of 8)
+    and ``kernel`` is not ``"onednn"`` (a target that only scores batches of many rows), else a
+    :class:`FewRowLinear`, whose products of more rows are oneDNN's; the model is frozen. ``packed``: layers' weights
+    laid out already (:func:`few_rows_layouts`), by module name. Returns how many were laid out."""
+    names = {id(module): name for name, module in model.named_modules()}
+    packed = packed or {}
 
     def pack(linear: nn.Linear) -> nn.Module | None:
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
@@ -169,9 +202,29 @@ def prepack_linears(model: nn.Module, rows: int = 8, kernel: str = "auto", weigh
             if weights is not None:
                 return PackedLinear(linear, rows, "few_rows", weights)
             return PackedLinear(linear, rows, kernel)
-        return FewRowLinear(linear) if linear.weight.dtype == torch.bfloat16 else None
+        if linear.weight.dtype != torch.bfloat16:
+            return None
+        if bf16_few_rows(linear, kernel):
+            return PackedLinear(linear, rows, "few_rows", packed=packed.get(names[id(linear)]))
+        return FewRowLinear(linear)
 
     return replace_linears(model, pack)
+
+
+def bf16_few_rows(linear: nn.Linear, kernel: str = "auto") -> bool:
+    """Whether :func:`prepack_linears` lays a bfloat16 ``linear`` out for the few-row kernel (with ``kernel``)."""
+    return kernel != "onednn" and few_rows.bf16_rows() and not few_rows.refusal(linear.in_features, torch.bfloat16)
+
+
+def few_rows_layouts(model: nn.Module) -> dict[str, Tensor]:
+    """The few-row kernel's layout of each bfloat16 linear weight of ``model`` that :func:`prepack_linears` lays out
+    for it, by module name: what a process that shares the model shares with it (the layout is as large as the
+    weight), so that the processes that decode with it do not each lay out their own."""
+    return {
+        name: few_rows.pack(module.weight.detach())
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and bf16_few_rows(module)
+    }
 
 
 #: Up to this many rows a weight-only :class:`Int8Linear` multiplies by its int8 weight directly (a decoding step);
