@@ -363,6 +363,31 @@ def test_an_int8_draft_takes_a_new_versions_float_weights(tmp_path, text_pair, t
 
 
 @pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
+def test_a_version_swapped_into_a_bfloat16_int8_draft_is_that_version_loaded_afresh(
+    tmp_path, text_pair, tokenizer, draft_int8
+):
+    """The learner's float32 weights, swapped into a bfloat16 int8 draft, are rounded to bfloat16 before they are
+    quantized, as loading that version in bfloat16 rounds them: the same logits to the bit, prompt and step."""
+    from distillspec.models.loading import load_arrays
+    from distillspec.versions import state_arrays
+
+    skip_without(draft_int8)
+    newer = perturbed(text_pair[1], 0.05, seed=3)
+    folders = []
+    for name, model in zip(("target", "draft", "newer"), (*text_pair, newer)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        folders.append(str(tmp_path / name))
+    _, swapped, _ = load_pair(folders[0], folders[1], dtype="bfloat16", decode_only=True, draft_int8=draft_int8)
+    load_arrays(swapped, state_arrays(newer))
+    _, fresh, _ = load_pair(folders[0], folders[2], dtype="bfloat16", decode_only=True, draft_int8=draft_int8)
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(swapped(ids).logits, fresh(ids).logits)
+        assert torch.equal(swapped(ids[:1, :1]).logits, fresh(ids[:1, :1]).logits)  # a step: int4's own weights
+
+
+@pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
 def test_an_int8_drafts_fused_products_give_the_unfused_logits(monkeypatch, draft_int8):
     """q, k and v as one product, and the MLP's gate and up: the logits of the unfused int8 draft to the bit, in the
     model's own forward pass and the lean cache's steps, one product per input, and a new version's arrays (named

@@ -142,6 +142,9 @@ void chunk_rows(int64_t rows, const int8_t* w_chunk, const int16_t* x, int64_t K
 // it): vdpbf16ps multiplies 32 weights by 32 inputs in pairs into 16 float32 sums, the products exact, so the rows
 // stay bfloat16 as the model computes them and a chunk's tile of inputs takes half the first-level cache of float32
 // rows. A chunk's tail (kc a multiple of 8) is loaded under a mask. The sums of a row are folded to 8 lanes into part.
+// Compilers older than GCC 10 and Clang 9 do not know it: the kernel then builds without it.
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define DISTILLSPEC_BF16_ROWS 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 template <int M, int U>
@@ -188,6 +191,7 @@ BF16_TARGET void chunk_rows(int64_t rows, const uint16_t* w_chunk, const at::BFl
     default: chunk_bf16<8, 2>(w_chunk, x, K, kc, part); break;
   }
 }
+#endif
 
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32), and each row's scale.
 void round_rows(const float* x, int16_t* xq, float* scales, int64_t M, int64_t K) {
@@ -248,7 +252,13 @@ void multiply(const T* W, const X* xs, float* ys, int64_t M, int64_t K, int64_t 
 }  // namespace
 
 // Whether this CPU has AVX512-BF16, which bfloat16 rows take (by a bfloat16 weight).
-bool bf16_rows_supported() { return __builtin_cpu_supports("avx512bf16"); }
+bool bf16_rows_supported() {
+#ifdef DISTILLSPEC_BF16_ROWS
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
 
 // The weight [N, K] (float32 or bfloat16, K a multiple of 8; int8, K a multiple of 32) in the blocked layout, its rows
 // past N zero.
@@ -295,9 +305,11 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
     round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K);
     multiply(packed.data_ptr<int8_t>(), xq.data(), Y.data_ptr<float>(), M, K, N, S.data_ptr<float>(),
              x_scales.data());
+#ifdef DISTILLSPEC_BF16_ROWS
   } else if (bf16_rows) {
     multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<at::BFloat16>(),
              Y.data_ptr<float>(), M, K, N);
+#endif
   } else if (packed.scalar_type() == at::kBFloat16) {
     multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<float>(),
              Y.data_ptr<float>(), M, K, N);

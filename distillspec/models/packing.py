@@ -343,8 +343,11 @@ class Int8Linear(nn.Module):
 
     @torch.no_grad()
     def load_dense(self, weight: Tensor, bias=None) -> None:
-        """Quantize the float ``weight`` [out, in] (and take ``bias``) in place: a new draft version's weights."""
-        weight = weight.to(self.weight.device).float()
+        """Quantize the float ``weight`` [out, in] (and take ``bias``) in place: a new draft version's weights. They are
+        rounded to the model's dtype first, as loading that version in it rounds them: a version swapped in is the
+        version loaded afresh. (Quantized from a trained draft's float32 weights instead, the bfloat16 0.5B Qwen
+        draft's 4-bit steps were a mean TVD of 0.132 from its bfloat16 steps, against 0.088 loaded afresh.)"""
+        weight = weight.to(device=self.weight.device, dtype=self.dtype).float()
         scales = weight.abs().amax(1).clamp(min=1e-12) / 127
         codes = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
         if self.holds_dense:
