@@ -314,10 +314,17 @@ class Pipeline:
 
     def _startup(self, step: int, ledger: dict, bar: tqdm) -> None:
         """Note when the first batch was sampled, when the learner was ready (its models loaded: it publishes the
-        version it starts from) and when its first step landed; say the three in one line at the first step."""
+        version it starts from) and when its first step landed; say the three in one line at the first step. While
+        the learner is not ready, say every minute from its first what it waits for where the cluster lacks it."""
         now, first = time.perf_counter() - self.created, self.resumed_from or 0
         if ledger["produced"] > 0:
             self.startup.setdefault("first_batch_s", now)
+        if step < first and now >= self.startup.get("next_wait_note_s", 60.0):
+            self.startup["next_wait_note_s"] = now + 60.0
+            ask = {"CPU": self.cfg.learner.cpus, **({"GPU": 1.0} if self.cfg.learner.use_gpu else {})}
+            note = learner_wait_note(ask, ray.available_resources(), now)
+            if note:
+                bar.write(note)
         if step >= first:
             self.startup.setdefault("learner_ready_s", now)
         if "first_step_s" not in self.startup and step > first:
@@ -332,3 +339,19 @@ class Pipeline:
         extra = [a for a in (self.evaluator, self.prompt_log) if a is not None]
         for actor in [*self.rollouts, *self.scorers, self.buffer, self.store, *extra]:
             ray.kill(actor, no_restart=True)
+
+
+def learner_wait_note(ask: dict[str, float], free: dict[str, float], waited_s: float) -> str | None:
+    """What a learner worker that is not placed yet waits for: its ``ask`` (resources a worker) where the cluster's
+    ``free`` resources fall short of it (Ray Train waits for them without a word), else None."""
+    short = {k: v for k, v in ask.items() if v > free.get(k, 0.0) + 1e-9}
+    if not short:
+        return None
+    has = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in short)
+    wants = ", ".join(f"{k} {v:g}" for k, v in short.items())
+    return (
+        f"the learner has waited {waited_s:.0f}s for its resources: a worker asks for {wants} and the cluster has "
+        f"{has} free beside the rollout actors, scorers and any endpoint; add a node (the autoscaler does where "
+        f"one can be added), or lower learner.cpus, rollout.workers, rollout.cpus, scorer.cpus or an endpoint's "
+        f"serve.replica.cpus"
+    )

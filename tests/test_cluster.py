@@ -65,3 +65,13 @@ def test_serve_config_passes_serves_schema_and_builds(tiny_garden):
     assert isinstance(build_app(args), Application)
     with pytest.raises(DistillSpecError, match="unknown application args"):
         build_app({"overide": []})
+
+
+def test_a_learner_that_cannot_be_placed_is_told_with_what_it_waits_for():
+    """Ray Train waits for a worker's resources without a word: the job's console names the shortfall."""
+    from cluster.pipeline import learner_wait_note
+
+    note = learner_wait_note({"CPU": 1.0}, {"CPU": 0.75, "memory": 1e9}, 61.0)
+    assert "asks for CPU 1 and the cluster has CPU 0.75 free" in note and "learner.cpus" in note and "61s" in note
+    assert learner_wait_note({"CPU": 1.0}, {"CPU": 1.0}, 61.0) is None
+    assert "GPU 1" in learner_wait_note({"CPU": 1.0, "GPU": 1.0}, {"CPU": 2.0}, 61.0)
