@@ -183,6 +183,11 @@ class Rate:
         return rates
 
 
+def worker_resources(cfg: JobConfig) -> dict[str, float]:
+    """What each learner worker asks Ray for."""
+    return {"CPU": cfg.learner.cpus, **({"GPU": 1} if cfg.learner.use_gpu else {})}
+
+
 def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
     return TorchTrainer(
         learner_loop,
@@ -191,7 +196,7 @@ def make_trainer(cfg: JobConfig, storage: Path) -> TorchTrainer:
         scaling_config=ScalingConfig(
             num_workers=cfg.learner.workers,
             use_gpu=cfg.learner.use_gpu,
-            resources_per_worker={"CPU": cfg.learner.cpus, **({"GPU": 1} if cfg.learner.use_gpu else {})},
+            resources_per_worker=worker_resources(cfg),
         ),
         run_config=RunConfig(
             name=RUN_DIR,

@@ -29,7 +29,7 @@ from transformers import AutoConfig
 from actors.buffer import BufferActor
 from actors.common import buffer_name, prompts_name, scorer_name, weights_name
 from actors.evaluator import EvalActor, EvalSettings
-from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer
+from actors.learner import RUN_DIR, checkpoint_steps, latest_step, make_trainer, worker_resources
 from actors.prompts import PromptLog
 from actors.rollout import RolloutActor, RolloutSettings, ScorerActor, ScorerSettings
 from actors.target import share_target
@@ -321,8 +321,7 @@ class Pipeline:
             self.startup.setdefault("first_batch_s", now)
         if step < first and now >= self.startup.get("next_wait_note_s", 60.0):
             self.startup["next_wait_note_s"] = now + 60.0
-            ask = {"CPU": self.cfg.learner.cpus, **({"GPU": 1.0} if self.cfg.learner.use_gpu else {})}
-            note = learner_wait_note(ask, ray.available_resources(), now)
+            note = learner_wait_note(worker_resources(self.cfg), ray.available_resources(), now)
             if note:
                 bar.write(note)
         if step >= first:

@@ -165,21 +165,27 @@ def share_weights(model: PreTrainedModel, name: str, layouts: bool = False) -> S
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  #: what numpy holds a 16-bit float as
 
 
+def _over(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over a shared ``array`` (16-bit floats as their raw words), read-only memory of the
+    object store: nothing writes to these frozen weights, so torch's warning about it does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).view(dtype)
+
+
 def _from_shared(shared: SharedWeights, config) -> PreTrainedModel:
     """The model of ``config`` over ``shared``'s arrays: built on the meta device (no memory), then each parameter
     and buffer set to a tensor over its array, read-only memory of the object store on this node."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, shared.dtype))
-    with warnings.catch_warnings():  # frozen weights: nothing writes to them
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        for key, array in shared.arrays.items():
-            module_name, _, leaf = key.rpartition(".")
-            module = model.get_submodule(module_name)
-            tensor = torch.from_numpy(array).view(getattr(torch, shared.dtypes[key]))
-            if leaf in module._parameters:
-                module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
-            else:
-                module._buffers[leaf] = tensor
+    for key, array in shared.arrays.items():
+        module_name, _, leaf = key.rpartition(".")
+        module = model.get_submodule(module_name)
+        tensor = _over(array, getattr(torch, shared.dtypes[key]))
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[leaf] = tensor
     model.tie_weights()  # a tied head is the embeddings' parameter, shared once
     left = [k for k, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
@@ -230,11 +236,7 @@ def load_model(
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack:
         weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
-        with warnings.catch_warnings():  # frozen layouts: nothing writes to them
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            laid_out = {
-                k: torch.from_numpy(a).view(torch.bfloat16) for k, a in (shared.layouts if shared else {}).items()
-            }
+        laid_out = {k: _over(a, torch.bfloat16) for k, a in (shared.layouts if shared else {}).items()}
         prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
     return model, tokenizer
