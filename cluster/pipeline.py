@@ -79,22 +79,40 @@ def check_devices(cfg: JobConfig) -> None:
         )
 
 
-def check_resources(cfg: JobConfig, strict: bool) -> None:
-    """A request the cluster cannot meet would wait forever: refuse it on a fixed (local) cluster, warn otherwise
-    (an autoscaler may add nodes)."""
+def pipeline_asks(cfg: JobConfig) -> dict[str, float]:
+    """The CPUs and GPUs the pipeline's actors and learner workers ask Ray for, together."""
     cpus = cfg.learner.workers * cfg.learner.cpus + cfg.rollout.workers * cfg.rollout.cpus
     cpus += (cfg.evaluator.cpus if cfg.evaluator.every else 0) + (
         cfg.scorer.workers * cfg.scorer.cpus if cfg.learner.target_logits == "scorer" else 0
     )
     gpus = cfg.learner.workers * int(cfg.learner.use_gpu) + cfg.rollout.workers * cfg.rollout.gpus
     gpus += cfg.evaluator.gpus if cfg.evaluator.every else 0
+    return {"CPU": cpus, "GPU": gpus}
+
+
+def endpoint_asks(cfg: JobConfig) -> dict[str, float]:
+    """The CPUs and GPUs an endpoint of ``cfg.serve`` asks for at its fewest replicas."""
+    replicas = cfg.serve.autoscaling.min_replicas
+    return {"CPU": replicas * cfg.serve.replica.cpus, "GPU": replicas * cfg.serve.replica.gpus}
+
+
+def check_resources(cfg: JobConfig, strict: bool, endpoint: bool = False) -> None:
+    """A request the cluster cannot meet would wait forever: refuse it on a fixed (local) cluster, warn otherwise
+    (an autoscaler may add nodes). With ``endpoint``, an endpoint of ``cfg.serve`` runs beside the pipeline on the
+    cluster and counts with it."""
+    need = pipeline_asks(cfg)
+    beside = endpoint_asks(cfg) if endpoint else {"CPU": 0.0, "GPU": 0.0}
     have = ray.cluster_resources()
-    for kind, need, fix in (
-        ("CPU", cpus, "lower learner.cpus, rollout.cpus, evaluator.cpus or the worker counts"),
-        ("GPU", gpus, "set learner.use_gpu=false, rollout.gpus=0 and evaluator.gpus=0, or use a cluster with GPUs"),
+    for kind, fix in (
+        ("CPU", "lower learner.cpus, rollout.cpus, scorer.cpus, evaluator.cpus or the worker counts"),
+        ("GPU", "set learner.use_gpu=false, rollout.gpus=0 and evaluator.gpus=0, or use a cluster with GPUs"),
     ):
-        if need > have.get(kind, 0) + 1e-9:
-            message = f"the pipeline asks for {need:g} {kind}s but the cluster has {have.get(kind, 0):g}: {fix}"
+        total = need[kind] + beside[kind]
+        if total > have.get(kind, 0) + 1e-9:
+            asks, knobs = f"{need[kind]:g} {kind}s", fix
+            if beside[kind]:
+                asks, knobs = f"{asks} and its endpoint {beside[kind]:g}", f"{fix} (or serve.replica.{kind.lower()}s)"
+            message = f"the pipeline asks for {asks} but the cluster has {have.get(kind, 0):g}: {knobs}"
             if strict:
                 raise DistillSpecError(message)
             warnings.warn(message + " (waiting for the autoscaler)", stacklevel=2)

@@ -202,12 +202,13 @@ def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits(layout):
     few_rows.unavailable_reason() is not None or not few_rows.bf16_rows(),
     reason="bfloat16 rows take an x86 CPU with AVX512-BF16",
 )
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 17, 38])
 def test_the_few_row_kernel_multiplies_bfloat16_rows_exactly_into_float32_sums(rows):
-    """bfloat16 rows by a bfloat16 weight: each product exact, the sums float32 (a chunk's tail of 8 or 24 inputs
-    under a mask); bfloat16 rows by a float32 weight are refused."""
+    """bfloat16 rows by a bfloat16 weight: each product exact, the sums float32 (a chunk's tail of 8, 24 or 40
+    inputs under a mask; past a tile, spans of 2,048 inputs summed in registers and added); bfloat16 rows by a
+    float32 weight are refused."""
     torch.manual_seed(rows)
-    for inputs, outputs in ((24, 5), (1032, 130)):
+    for inputs, outputs in ((24, 5), (1032, 130), (4136, 67)):
         weight = torch.randn(outputs, inputs).bfloat16()
         x = torch.randn(rows, inputs).bfloat16()
         out = few_rows.matmul(x, few_rows.pack(weight), outputs)

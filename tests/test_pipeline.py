@@ -26,6 +26,7 @@ from actors.weights import WeightStore, publish
 from cluster.connect import metrics_url
 from cluster.pipeline import Pipeline
 from distillspec.config import JobConfig, load_config
+from distillspec.errors import DistillSpecError
 from distillspec.models.loading import load_model, load_tokenizer
 from distillspec.training.batches import BatchHeader, RolloutBatch, ServedSample
 from jobs import distill
@@ -176,6 +177,23 @@ def test_online_batches_of_served_samples_need_no_sampling_nor_scoring(ray_clust
     assert stats["version"] >= 0  # holding no draft, it still stamps its batches with the latest version
     assert held["samples_taken"] >= 3 * 4 and held["samples_received"] == 15
     assert held["samples_held"] == 15 - held["samples_taken"]
+
+
+def test_a_pipeline_and_an_endpoint_the_cluster_cannot_hold_together_are_refused(ray_cluster, tiny_garden, tmp_path):
+    """On a fixed cluster of 2 CPUs a learner (1 CPU), two rollouts and a scoring actor (0.25 each) fit, and with an
+    endpoint's replica of 0.5 beside them they do not: the learner would wait for the whole budget. Refused, naming
+    both asks and the knobs; on a cluster an autoscaler may grow, a warning."""
+    from cluster.pipeline import check_resources
+
+    cfg = job_config(
+        tiny_garden, tmp_path, "learner.target_logits=scorer", "evaluator.every=0", "serve.replica.cpus=0.5"
+    )
+    check_resources(cfg, strict=True)
+    with pytest.raises(DistillSpecError, match=r"asks for 1\.75 CPUs and its endpoint 0\.5 .* has 2: .*serve\.replica"):
+        check_resources(cfg, strict=True, endpoint=True)
+    with pytest.warns(UserWarning, match="waiting for the autoscaler"):
+        check_resources(cfg, strict=False, endpoint=True)
+    check_resources(job_config(tiny_garden, tmp_path, "serve.replica.cpus=0.25"), strict=True, endpoint=True)  # 2
 
 
 def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):

@@ -21,6 +21,7 @@ from ray import serve
 
 from benchmarks.suites.traffic import distill_job, send, wait_for_store
 from cluster.connect import connect
+from cluster.pipeline import check_resources
 from cluster.serve_job import start
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
@@ -82,7 +83,9 @@ def suite_online(
     prompts = [e.prompt for e in task.test][:distinct]
     if distinct is not None and len(prompts) < distinct:
         raise DistillSpecError(f"--distinct {distinct}: {cfg.dataset} has {len(prompts)} test prompts")
-    connect(cfg.ray)
+    # The endpoint's replica and the pipeline share the cluster: one that cannot hold both would leave the learner
+    # waiting for the whole budget.
+    check_resources(cfg, strict=connect(cfg.ray).startswith("started"), endpoint=True)
     proc = distill_job(out, run, budget)
     print(f"distill job started (log: {out / 'distill.log'}); waiting for its pipeline ...", flush=True)
     wait_for_store(proc, RUN)

@@ -15,7 +15,9 @@
 // in order. The rows' inputs are taken in tiles of up to 8 rows, and a tile's inputs for one chunk (at most
 // 8 x KC floats, 16 KB) stay in the first-level cache while the chunk's NB weight rows stream past them; each weight
 // vector is loaded once and multiplied into every row of the tile. Partial sums stay in vector registers within a
-// weight row's chunk and in a small buffer between chunks.
+// weight row's chunk and in a small buffer between chunks. Past two tiles of bfloat16 rows (a prompt), where the
+// arithmetic bounds the product rather than the weight's reads, register blocks of 4 rows by 4 weight rows sum spans
+// of 2,048 inputs instead (span_bf16).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -191,6 +193,81 @@ BF16_TARGET void chunk_rows(int64_t rows, const uint16_t* w_chunk, const at::BFl
     default: chunk_bf16<8, 2>(w_chunk, x, K, kc, part); break;
   }
 }
+
+// More bfloat16 rows than two tiles (a prompt's), where the products are bound by arithmetic, not by the weight's
+// reads: a register block of R weight rows by M input rows sums inputs [s0, s1) (whole chunks) in registers, each
+// step's M input vectors loaded once for all R weight rows (M + R loads for M x R products, against M + 1 for M of
+// a tile), and its sums are written to ys (the first span) or added there.
+template <int M, int R>
+BF16_TARGET void span_bf16(const uint16_t* block, const uint16_t* x, int64_t K, int64_t s0, int64_t s1, int64_t r0,
+                           int64_t r_end, float* ys, int64_t N, bool first) {
+  __m512 acc[R][M];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t c0 = s0; c0 < s1; c0 += KC) {
+    const int64_t kc = std::min(KC, K - c0);
+    const uint16_t* w = block + c0 * NB + r0 * kc;
+    const uint16_t* xc = x + c0;
+    int64_t k = 0;
+    for (; k + 32 <= kc; k += 32) {
+      __m512i xv[M];
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xc + m * K + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const __m512i wv = _mm512_loadu_si512(w + i * kc + k);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], (__m512bh)wv, (__m512bh)xv[m]);
+      }
+    }
+    if (k < kc) {  // the chunk's tail, under a mask
+      const __mmask32 mask = (__mmask32(1) << (kc - k)) - 1;
+      __m512i xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_maskz_loadu_epi16(mask, xc + m * K + k);
+      for (int i = 0; i < R; ++i) {
+        const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + i * kc + k);
+        for (int m = 0; m < M; ++m) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], (__m512bh)wv, (__m512bh)xv[m]);
+      }
+    }
+  }
+  for (int i = 0; i < R && r0 + i < r_end; ++i)
+    for (int m = 0; m < M; ++m) {
+      const float sum = _mm512_reduce_add_ps(acc[i][m]);
+      ys[m * N + r0 + i] = first ? sum : ys[m * N + r0 + i] + sum;
+    }
+}
+
+constexpr int64_t SPAN = 2048;  // inputs summed in registers (whole chunks): a block's span of weights stays in L2
+constexpr int64_t SPAN_ROWS = 4, SPAN_OUTPUTS = 4;  // the register block of span_bf16 (NB a multiple of SPAN_OUTPUTS)
+
+// ys [M, N] = xs [M, K] times W's transpose for many bfloat16 rows: a thread takes whole blocks; in each, span by
+// span, register blocks of SPAN_ROWS rows by SPAN_OUTPUTS weight rows.
+BF16_TARGET void multiply_bf16_rows(const uint16_t* W, const at::BFloat16* xs_in, float* ys, int64_t M, int64_t K,
+                                    int64_t N) {
+  const uint16_t* xs = reinterpret_cast<const uint16_t*>(xs_in);
+  const int64_t blocks = (N + NB - 1) / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* block = W + b * NB * K;
+      const int64_t r_end = std::min(NB, N - b * NB);
+      for (int64_t s0 = 0; s0 < K; s0 += SPAN)
+        for (int64_t t = 0; t < M; t += SPAN_ROWS)
+          for (int64_t r0 = 0; r0 < r_end; r0 += SPAN_OUTPUTS) {
+            const uint16_t* x = xs + t * K;
+            float* y = ys + t * N + b * NB;
+            const int64_t s1 = std::min(K, s0 + SPAN);
+            switch (std::min(SPAN_ROWS, M - t)) {
+              case 1: span_bf16<1, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
+              case 2: span_bf16<2, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
+              case 3: span_bf16<3, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
+              default: span_bf16<4, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
+            }
+          }
+    }
+  });
+}
 #endif
 
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32), and each row's scale.
@@ -306,6 +383,9 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
     multiply(packed.data_ptr<int8_t>(), xq.data(), Y.data_ptr<float>(), M, K, N, S.data_ptr<float>(),
              x_scales.data());
 #ifdef DISTILLSPEC_BF16_ROWS
+  } else if (bf16_rows && M > 2 * TILE) {  // a prompt's rows (at two tiles or fewer, the tiles are as fast)
+    multiply_bf16_rows(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<at::BFloat16>(),
+                       Y.data_ptr<float>(), M, K, N);
   } else if (bf16_rows) {
     multiply(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), X.data_ptr<at::BFloat16>(),
              Y.data_ptr<float>(), M, K, N);
