@@ -180,20 +180,25 @@ def test_online_batches_of_served_samples_need_no_sampling_nor_scoring(ray_clust
 
 
 def test_a_pipeline_and_an_endpoint_the_cluster_cannot_hold_together_are_refused(ray_cluster, tiny_garden, tmp_path):
-    """On a fixed cluster of 2 CPUs a learner (1 CPU), two rollouts and a scoring actor (0.25 each) fit, and with an
-    endpoint's replica of 0.5 beside them they do not: the learner would wait for the whole budget. Refused, naming
-    both asks and the knobs; on a cluster an autoscaler may grow, a warning."""
+    """The online suite's job (no evaluator) and its endpoint's replica of 0.5 CPU on a fixed cluster of 2 CPUs: a
+    learner (1 CPU) and two rollouts (0.25 each) fit beside the replica; a scoring actor (0.25) more does not, and the
+    learner would wait for the whole budget. Refused, naming both asks and the knobs; on a cluster an autoscaler may
+    grow, a warning."""
+    from benchmarks.suites.traffic import job_settings
     from cluster.pipeline import check_resources
 
-    cfg = job_config(
-        tiny_garden, tmp_path, "learner.target_logits=scorer", "evaluator.every=0", "serve.replica.cpus=0.5"
-    )
-    check_resources(cfg, strict=True)
+    def suite_job(*overrides: str) -> JobConfig:
+        garden = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", f"output_dir={tmp_path}"]
+        return load_config(None, job_settings([*garden, "serve.replica.cpus=0.5", *overrides], 60))
+
+    check_resources(suite_job(), strict=True, endpoint=True)  # 1.5 CPUs and 0.5
+    scored = suite_job("learner.target_logits=scorer")
+    check_resources(scored, strict=True)
     with pytest.raises(DistillSpecError, match=r"asks for 1\.75 CPUs and its endpoint 0\.5 .* has 2: .*serve\.replica"):
-        check_resources(cfg, strict=True, endpoint=True)
+        check_resources(scored, strict=True, endpoint=True)
     with pytest.warns(UserWarning, match="waiting for the autoscaler"):
-        check_resources(cfg, strict=False, endpoint=True)
-    check_resources(job_config(tiny_garden, tmp_path, "serve.replica.cpus=0.25"), strict=True, endpoint=True)  # 2
+        check_resources(scored, strict=False, endpoint=True)
+    check_resources(suite_job("learner.target_logits=scorer", "serve.replica.cpus=0.25"), strict=True, endpoint=True)
 
 
 def test_buffer_refuses_malformed_and_oversized_batches_with_reasons(ray_cluster):

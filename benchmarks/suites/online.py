@@ -19,7 +19,7 @@ from pathlib import Path
 import requests
 from ray import serve
 
-from benchmarks.suites.traffic import distill_job, send, wait_for_store
+from benchmarks.suites.traffic import distill_job, job_settings, send, wait_for_store
 from cluster.connect import connect
 from cluster.pipeline import check_resources
 from cluster.serve_job import start
@@ -83,9 +83,10 @@ def suite_online(
     prompts = [e.prompt for e in task.test][:distinct]
     if distinct is not None and len(prompts) < distinct:
         raise DistillSpecError(f"--distinct {distinct}: {cfg.dataset} has {len(prompts)} test prompts")
-    # The endpoint's replica and the pipeline share the cluster: one that cannot hold both would leave the learner
-    # waiting for the whole budget.
-    check_resources(cfg, strict=connect(cfg.ray).startswith("started"), endpoint=True)
+    # The endpoint's replica and the job's pipeline share the cluster: one that cannot hold both would leave the
+    # learner waiting for the whole budget.
+    job = load_config(None, job_settings(run, budget))
+    check_resources(job, strict=connect(cfg.ray).startswith("started"), endpoint=True)
     proc = distill_job(out, run, budget)
     print(f"distill job started (log: {out / 'distill.log'}); waiting for its pipeline ...", flush=True)
     wait_for_store(proc, RUN)

@@ -83,15 +83,10 @@ def load(url: str, prompts: list[str], n: int, concurrency: int, body: dict, dur
     }
 
 
-def distill_job(out: Path, overrides: list[str], budget: float) -> subprocess.Popen:
-    """``jobs/distill.py`` joining this process's Ray cluster for ``budget`` seconds of training (no evaluator, a
-    short final evaluation), its output under ``out/distill`` and its log in ``out/distill.log``."""
-    job = [
-        sys.executable,
-        str(Path(__file__).resolve().parents[2] / "jobs" / "distill.py"),
-        "--output-dir",
-        str(out / "distill"),
-        f"ray.address={ray.get_runtime_context().gcs_address}",
+def job_settings(overrides: list[str], budget: float) -> list[str]:
+    """The config overrides of :func:`distill_job`'s job: ``budget`` seconds of training, no evaluator, a short final
+    evaluation, then ``overrides``."""
+    return [
         "evaluator.every=0",
         "learner.resume=false",
         f"distill.time_budget_s={budget}",
@@ -100,6 +95,19 @@ def distill_job(out: Path, overrides: list[str], budget: float) -> subprocess.Po
         "eval.temperatures=[1]",
         "eval.speedup_prompts=0",
         *overrides,
+    ]
+
+
+def distill_job(out: Path, overrides: list[str], budget: float) -> subprocess.Popen:
+    """``jobs/distill.py`` joining this process's Ray cluster with :func:`job_settings`, its output under
+    ``out/distill`` and its log in ``out/distill.log``."""
+    job = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[2] / "jobs" / "distill.py"),
+        "--output-dir",
+        str(out / "distill"),
+        f"ray.address={ray.get_runtime_context().gcs_address}",
+        *job_settings(overrides, budget),
     ]
     shutil.rmtree(out / "distill", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
