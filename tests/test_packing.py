@@ -205,7 +205,7 @@ def test_a_bfloat16_model_laid_out_for_few_rows_gives_its_logits(layout):
 @pytest.mark.parametrize("rows", [1, 2, 3, 6, 8, 9, 17, 38])
 def test_the_few_row_kernel_multiplies_bfloat16_rows_exactly_into_float32_sums(rows):
     """bfloat16 rows by a bfloat16 weight: each product exact, the sums float32 (a chunk's tail of 8, 24 or 40
-    inputs under a mask; past a tile, spans of 2,048 inputs summed in registers and added); bfloat16 rows by a
+    inputs under a mask; past two tiles, spans of 2,048 inputs summed in registers and added); bfloat16 rows by a
     float32 weight are refused."""
     torch.manual_seed(rows)
     for inputs, outputs in ((24, 5), (1032, 130), (4136, 67)):
