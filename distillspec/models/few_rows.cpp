@@ -15,7 +15,8 @@
 // in order. The rows' inputs are taken in tiles of up to 8 rows, and a tile's inputs for one chunk (at most
 // 8 x KC floats, 16 KB) stay in the first-level cache while the chunk's NB weight rows stream past them; each weight
 // vector is loaded once and multiplied into every row of the tile. Partial sums stay in vector registers within a
-// weight row's chunk and in a small buffer between chunks. Past two tiles of bfloat16 rows (a prompt), where the
+// weight row's chunk and in a small buffer between chunks. From two rows on, a software prefetch runs 8 KB ahead of
+// the weight stream. Past two tiles of bfloat16 rows (a prompt), where the
 // arithmetic bounds the product rather than the weight's reads, register blocks of 4 rows by 4 weight rows sum spans
 // of 2,048 inputs instead (span_bf16).
 

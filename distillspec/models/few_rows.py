@@ -4,10 +4,11 @@ of an int8 draft. The rows and the sums are float32; a bfloat16 weight is widene
 float32 target whose weights are rounded to bfloat16 (``prepack=bfloat16``) reads half the bytes a step and computes
 the rest in float32. A bfloat16 target's rows stay bfloat16 where the CPU has AVX512-BF16 (:func:`bf16_rows`): each
 pair of products is exact (``vdpbf16ps``) and the sums float32. On a 2-core AMD EPYC with AVX-512 BF16 the 1.5B Qwen
-target's cached step took 0.63x oneDNN's bfloat16 step and its verification at gamma 5 0.70x; past 16 rows (a
-prompt) register blocks of 4 rows by 4 weight rows sum 2,048 inputs at a time, and 128 rows took 1.20x oneDNN's
-(docs/MEASUREMENTS.md). An int8 weight with a scale per output row (a weight-only int8 draft's,
-:class:`~distillspec.models.packing.Int8Linear`) is multiplied in integers, each input row rounded to 16 bits with
+target's cached step took 0.36x oneDNN's bfloat16 step and its verification at gamma 5 0.44x (1.08 steps: from 2
+rows on the kernel prefetches the weight stream 8 KB ahead); past 16 rows (a prompt) register blocks of 4 rows by 4
+weight rows sum 2,048 inputs at a time, and 128 rows took 1.20-1.23x oneDNN's (docs/MEASUREMENTS.md). An int8
+weight with a scale per output row (a weight-only int8 draft's, :class:`~distillspec.models.packing.Int8Linear`) is
+multiplied in integers, each input row rounded to 16 bits with
 a scale of its own: far closer to the dequantized weight's product than fbgemm's 7-bit activations (the 0.5B Qwen
 draft's mean TVD from the float draft 0.0096 against 0.0346), and a drafting step of that draft took 0.82x
 fbgemm's on a Zen 3 CPU.
