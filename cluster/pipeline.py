@@ -81,11 +81,12 @@ def check_devices(cfg: JobConfig) -> None:
 
 def pipeline_asks(cfg: JobConfig) -> dict[str, float]:
     """The CPUs and GPUs the pipeline's actors and learner workers ask Ray for, together."""
-    cpus = cfg.learner.workers * cfg.learner.cpus + cfg.rollout.workers * cfg.rollout.cpus
+    learner = worker_resources(cfg)
+    cpus = cfg.learner.workers * learner["CPU"] + cfg.rollout.workers * cfg.rollout.cpus
     cpus += (cfg.evaluator.cpus if cfg.evaluator.every else 0) + (
         cfg.scorer.workers * cfg.scorer.cpus if cfg.learner.target_logits == "scorer" else 0
     )
-    gpus = cfg.learner.workers * int(cfg.learner.use_gpu) + cfg.rollout.workers * cfg.rollout.gpus
+    gpus = cfg.learner.workers * learner.get("GPU", 0) + cfg.rollout.workers * cfg.rollout.gpus
     gpus += cfg.evaluator.gpus if cfg.evaluator.every else 0
     return {"CPU": cpus, "GPU": gpus}
 

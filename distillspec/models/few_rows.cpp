@@ -16,9 +16,8 @@
 // 8 x KC floats, 16 KB) stay in the first-level cache while the chunk's NB weight rows stream past them; each weight
 // vector is loaded once and multiplied into every row of the tile. Partial sums stay in vector registers within a
 // weight row's chunk and in a small buffer between chunks. From two rows on, a software prefetch runs 8 KB ahead of
-// the weight stream. Past two tiles of bfloat16 rows (a prompt), where the
-// arithmetic bounds the product rather than the weight's reads, register blocks of 4 rows by 4 weight rows sum spans
-// of 2,048 inputs instead (span_bf16).
+// the weight stream. Past two tiles of bfloat16 rows (a prompt), where the arithmetic bounds the product rather than
+// the weight's reads, register blocks of 4 rows by 4 weight rows sum spans of 2,048 inputs instead (span_bf16).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -268,12 +267,12 @@ BF16_TARGET void multiply_bf16_rows(const uint16_t* W, const at::BFloat16* xs_in
     for (int64_t b = b0; b < b1; ++b) {
       const uint16_t* block = W + b * NB * K;
       const int64_t r_end = std::min(NB, N - b * NB);
-      for (int64_t s0 = 0; s0 < K; s0 += SPAN)
-        for (int64_t t = 0; t < M; t += SPAN_ROWS)
+      for (int64_t s0 = 0; s0 < K; s0 += SPAN) {
+        const int64_t s1 = std::min(K, s0 + SPAN);
+        for (int64_t t = 0; t < M; t += SPAN_ROWS) {
+          const uint16_t* x = xs + t * K;
+          float* y = ys + t * N + b * NB;
           for (int64_t r0 = 0; r0 < r_end; r0 += SPAN_OUTPUTS) {
-            const uint16_t* x = xs + t * K;
-            float* y = ys + t * N + b * NB;
-            const int64_t s1 = std::min(K, s0 + SPAN);
             switch (std::min(SPAN_ROWS, M - t)) {
               case 1: span_bf16<1, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
               case 2: span_bf16<2, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
@@ -281,6 +280,8 @@ BF16_TARGET void multiply_bf16_rows(const uint16_t* W, const at::BFloat16* xs_in
               default: span_bf16<4, SPAN_OUTPUTS>(block, x, K, s0, s1, r0, r_end, y, N, s0 == 0); break;
             }
           }
+        }
+      }
     }
   });
 }

@@ -8,10 +8,9 @@ target's cached step took 0.36x oneDNN's bfloat16 step and its verification at g
 rows on the kernel prefetches the weight stream 8 KB ahead); past 16 rows (a prompt) register blocks of 4 rows by 4
 weight rows sum 2,048 inputs at a time, and 128 rows took 1.20-1.23x oneDNN's (docs/MEASUREMENTS.md). An int8
 weight with a scale per output row (a weight-only int8 draft's, :class:`~distillspec.models.packing.Int8Linear`) is
-multiplied in integers, each input row rounded to 16 bits with
-a scale of its own: far closer to the dequantized weight's product than fbgemm's 7-bit activations (the 0.5B Qwen
-draft's mean TVD from the float draft 0.0096 against 0.0346), and a drafting step of that draft took 0.82x
-fbgemm's on a Zen 3 CPU.
+multiplied in integers, each input row rounded to 16 bits with a scale of its own: far closer to the dequantized
+weight's product than fbgemm's 7-bit activations (the 0.5B Qwen draft's mean TVD from the float draft 0.0096 against
+0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
