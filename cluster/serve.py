@@ -104,6 +104,7 @@ class Completions:
                 seed=seed,
                 max_gamma=s.max_gamma,
                 compile=s.compile,
+                draft_context=s.draft_context,
             )
             log.info("replica warmed up in %.1f s", completer.warm_up(s.batching.max_batch_size))
             self.completer = completer

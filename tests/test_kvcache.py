@@ -5,7 +5,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from distillspec import DistillSpecError, autoregressive_generate, speculative_generate
-from distillspec.decoding.kvcache import COMPILE_CACHE, CachedLM, compile_cache, supports_lean
+from distillspec.decoding.kvcache import COMPILE_CACHE, CachedLM, attention, compile_cache, supports_lean
 from distillspec.files import cache_root
 
 from .conftest import needs_compiler, perturbed, tiny_llama
@@ -51,6 +51,44 @@ def test_lean_cache_matches_the_models_own_forward(make):
         # Only real tokens count: the hole's own query (row 0 and 2, first column of the third call) is discarded.
         torch.testing.assert_close(a[..., -1, :] if a.ndim == 3 else a, b[..., -1, :] if b.ndim == 3 else b)
     assert torch.equal(lean.mask, hf.mask) and torch.equal(lean.next_pos, hf.next_pos)
+
+
+@pytest.mark.parametrize("make", [lambda: tiny_llama(V, d=32, layers=2, seed=1), tiny_qwen2], ids=["llama", "qwen2"])
+def test_an_unpadded_prompt_attends_causally_as_the_models_own_forward(make):
+    """A first call over an unpadded batch takes the fused kernel's causal path (no mask); its logits and the steps
+    after it are the model's own."""
+    model = make()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    lean, hf = CachedLM(model), CachedLM(model, lean=False)
+    mask = torch.ones_like(ids)
+    torch.testing.assert_close(lean.prefill(ids, mask, every=True), hf.prefill(ids, mask, every=True))
+    for step in (torch.tensor([[13, 14], [15, 16]]), torch.tensor([[17], [18]])):
+        torch.testing.assert_close(lean.step(step), hf.step(step))
+
+
+@pytest.mark.parametrize("queries", [1, 3, 8, 9])
+def test_attention_of_bfloat16_queries_is_the_exact_attention_rounded(queries):
+    """One bfloat16 query on a CPU is taken in float32 (torch's bfloat16 kernel is slow for it), more as torch's
+    kernel takes them: either way the float64 attention of the rounded inputs to bfloat16's precision, grouped query
+    heads, a hidden column and a batch of two; float32 queries as they are."""
+    torch.manual_seed(queries)
+    q, keys, values = torch.randn(2, 6, queries, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    visible = torch.ones(2, 1, queries, 11, dtype=torch.bool)
+    visible[0, ..., 3] = False
+    visible[1, ..., 7:] = False
+
+    def exact(*tensors: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            *(t.double() for t in tensors), attn_mask=visible, scale=0.3, enable_gqa=True
+        )
+
+    low = [t.bfloat16() for t in (q, keys, values)]
+    out = attention(*low, visible, 0.3)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), exact(*low), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        attention(q, keys, values, visible, 0.3).double(), exact(q, keys, values), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_lean_cache_grows_past_its_first_allocation():

@@ -4,6 +4,10 @@ same logits, exact speculative decoding, and the choice of when to lay them out
 (distillspec.models.loading.resolve_prepack); and int8 drafts."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,8 @@ from distillspec.models.packing import (
 
 from .conftest import needs_compiler, perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
 
@@ -216,6 +222,45 @@ def test_the_few_row_kernel_multiplies_bfloat16_rows_exactly_into_float32_sums(r
         assert out.dtype == torch.float32 and torch.allclose(out.double(), exact, atol=1e-4, rtol=1e-5)
     with pytest.raises(RuntimeError, match="bfloat16 rows with a bfloat16 weight"):
         few_rows.matmul(x, few_rows.pack(weight.float()), outputs)
+
+
+def int8_product_check(seed: int = 0) -> None:
+    """The few-row kernel's product of an int8 weight (a scale per output row) by rows rounded to 16 bits (a scale
+    per row, its largest magnitude at 32,767), against the float64 product. With integer rows whose largest magnitude
+    is 32,767 (a row scale of 1) and scales that are powers of two, every sum the kernel forms is an integer below
+    2**24, so float32 holds it exactly and the product must be the exact one to the bit; random rows and scales to
+    float32's precision (the sums' partial sums rounded)."""
+    torch.manual_seed(seed)
+    codes = torch.randint(-128, 128, (130, 1056), dtype=torch.int8)  # past a chunk of 512, not a multiple of it
+    codes[0], codes[1] = -128, 127
+    packed = few_rows.pack(codes)
+    for rows in (1, 2, 5, 8, 9, 17):
+        x = torch.randint(-50, 51, (rows, 1056)).float()
+        x[:, 7] = 32767.0
+        x[0] = x[0].abs()  # a row of one sign by the extreme codes: the largest sums
+        scales = 2.0 ** -torch.randint(5, 9, (130,)).float()
+        exact = x.double() @ (codes.double() * scales.double()[:, None]).t()
+        assert torch.equal(few_rows.matmul(x, packed, 130, scales).double(), exact)
+        x, scales = torch.randn(rows, 1056), torch.rand(130) / 100
+        x_scales = x.abs().amax(1, keepdim=True).double() / 32767
+        exact = (torch.round(x.double() / x_scales) @ codes.double().t()) * x_scales * scales.double()
+        out = few_rows.matmul(x, packed, 130, scales).double()
+        assert torch.allclose(out, exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+@needs_compiler
+@pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
+def test_the_few_row_kernel_multiplies_an_int8_weight_in_exact_integer_sums():
+    """Through AVX512-VNNI where the CPU has it, and through AVX2 with it switched off (in a process of its own: the
+    switch is read once)."""
+    int8_product_check()
+    env = dict(os.environ, **{few_rows.INT8_VNNI_SWITCH: "0"})
+    check = (
+        "from tests.test_packing import few_rows, int8_product_check; int8_product_check(); print(few_rows.int8_vnni())"
+    )
+    avx2 = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert avx2.returncode == 0, avx2.stderr[-2000:]
+    assert avx2.stdout.strip().splitlines()[-1] == "False"
 
 
 @pytest.mark.parametrize("gamma", [1, 4])

@@ -45,6 +45,16 @@ def test_batched_greedy_equals_the_targets_own(completer, text_pair, tokenizer):
     assert off[0].stats["drafted"] == 0 and off[0].stats["alpha"] is None
 
 
+def test_a_server_whose_draft_reads_the_prompts_last_tokens_serves_the_targets_greedy_text(text_pair, tokenizer):
+    """serve.draft_context: the draft reads each prompt's last 2 tokens alone, and a batch of prompts of unequal
+    lengths still gets the target's greedy texts."""
+    target, draft = text_pair
+    server = Completer(target, draft, tokenizer, max_prompt_tokens=16, draft_context=2)
+    args = DecodingArgs(gamma=3, temperature=0.0)
+    for c, prompt in zip(server.complete([CompletionJob(p, 10, args) for p in PROMPTS]), PROMPTS, strict=True):
+        assert c.text == greedy_text(target, tokenizer, prompt, 10)
+
+
 def test_a_recorded_completion_is_a_sample_of_the_target_with_its_own_scores(completer, text_pair, tokenizer):
     """A recorded job keeps its tokens with the target's top-k at each (its log-softmax there), whatever the client
     asked for: a client's logprobs keep their own k; a job not recorded keeps nothing."""

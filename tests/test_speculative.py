@@ -88,6 +88,24 @@ def test_greedy_equals_target_greedy(close_pair, gamma):
     assert 1.0 <= sd.stats.tau <= gamma + 1
 
 
+@pytest.mark.parametrize("context", [1, 3, 7])
+def test_a_draft_that_reads_the_prompts_last_tokens_keeps_the_targets_output(close_pair, context):
+    """draft_context: the draft reads each left-padded prompt's last tokens alone (the target all of it); greedy SD is
+    still the target's greedy text, and the draft, knowing less, agrees less often than with the whole prompt; a
+    context of no tokens is refused."""
+    target, draft = close_pair
+    ids, mask = left_padded_prompts()
+    whole = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=24, temperature=0, attention_mask=mask)
+    cut = speculative_generate(
+        target, draft, ids, gamma=3, max_new_tokens=24, temperature=0, attention_mask=mask, draft_context=context
+    )
+    assert torch.equal(cut.sequences, whole.sequences)
+    if context == 1:
+        assert cut.stats.alpha < whole.stats.alpha
+    with pytest.raises(DistillSpecError, match="draft_context must be a positive number of tokens, not 0"):
+        speculative_generate(target, draft, ids, gamma=3, max_new_tokens=4, draft_context=0)
+
+
 def test_plain_decoding_equals_hf_generate(close_pair):
     target, _ = close_pair
     ids, mask = left_padded_prompts()

@@ -684,6 +684,7 @@ def speculative_generate(
     controls: SamplingControls | None = None,
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
+    draft_context: int | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -700,8 +701,12 @@ def speculative_generate(
     or the other rows. ``controls`` (top-p, penalties, ...; see :mod:`distillspec.decoding.sampling`) process the
     draft's and the target's logits alike: exact for the processed target. ``logprobs=k`` scores the new tokens under
     the target (:class:`Logprobs`, with the ``k`` likeliest tokens at each position); ``prompt_logprobs`` scores the
-    prompt's too.
+    prompt's too. ``draft_context=N``: the draft reads only the last ``N`` tokens of each prompt (the target reads it
+    all): on a long prompt the draft's own reading of it is a cost the target alone does not pay, and its proposals
+    depend mostly on the recent tokens; the output stays the target's.
     """
+    if draft_context is not None and draft_context < 1:
+        raise DistillSpecError(f"draft_context must be a positive number of tokens, not {draft_context}")
     check_decoding_args(
         gamma=gamma, max_new_tokens=max_new_tokens, temperature=temperature, lenience=lenience, epsilon=epsilon
     )
@@ -719,6 +724,8 @@ def speculative_generate(
     target_in = input_ids[:, :0]  # the emitted tokens the target has not read: none yet
     # The draft's input: the tokens it has not read (the prompt; later the last emitted one: see _rewind). Holes: 0.
     draft_in, draft_valid, finished = input_ids, mask.long(), False
+    if draft_context is not None:  # the prompts are left-padded: each row's last tokens are its last columns
+        draft_in, draft_valid = draft_in[:, -draft_context:], draft_valid[:, -draft_context:]
 
     while not finished:
         # The first block drafts nothing: its token comes from the prompt's last logits (see _start), no target call.

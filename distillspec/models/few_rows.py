@@ -10,7 +10,9 @@ weight rows sum 2,048 inputs at a time, and 128 rows took 1.20-1.23x oneDNN's (d
 weight with a scale per output row (a weight-only int8 draft's, :class:`~distillspec.models.packing.Int8Linear`) is
 multiplied in integers, each input row rounded to 16 bits with a scale of its own: far closer to the dequantized
 weight's product than fbgemm's 7-bit activations (the 0.5B Qwen draft's mean TVD from the float draft 0.0096 against
-0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU.
+0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU. Where the CPU has AVX512-VNNI the
+same integer sums take two instructions per 32 weights (:func:`int8_vnni`): the draft's decoder layers at 1 / 2 / 6
+rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
@@ -131,6 +133,18 @@ def bf16_rows() -> bool:
     """Whether the kernel multiplies bfloat16 rows by a bfloat16 weight here (an x86 CPU with AVX512-BF16, building
     the kernel the first time): a bfloat16 target's products, its activations as the model computes them."""
     return extension() is not None and extension().bf16_rows_supported()
+
+
+#: Set to ``0`` to keep AVX2's products for an int8 weight on a CPU with AVX512-VNNI (a comparison); read once.
+INT8_VNNI_SWITCH = "DISTILLSPEC_INT8_VNNI"
+
+
+def int8_vnni() -> bool:
+    """Whether the kernel multiplies an int8 weight through AVX512-VNNI here (building the kernel the first time):
+    32 weights sign-extended in one instruction and multiplied into 16-bit rows in another (``vpdpwssd``), the same
+    integer sums as AVX2's path. A step of the 0.5B Qwen draft's decoder layers (1 row) took 6.0 ms against AVX2's
+    6.6, at 2 rows 6.2 against 7.7, at 6 rows 13.1 against 17.2 (2-core AMD EPYC, docs/MEASUREMENTS.md)."""
+    return extension() is not None and extension().int8_vnni_supported()
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -280,15 +280,15 @@ class Int8Linear(nn.Module):
     about as often as before. A step reads a quarter of float32's bytes, half of bfloat16's.
 
     The product is weight-only, as gpt-fast's int8 mode. On an x86 CPU with AVX2 its steps (up to :data:`INT8_ROWS`
-    rows) go through the few-row kernel (:mod:`distillspec.models.few_rows`; inputs a multiple of 32), which rounds
-    each row of activations to 16 bits, not 8, and reads the int8 weight at about the memory's rate: the 0.5B Qwen
-    draft's step took 0.82x fbgemm's on a Zen 3 CPU (docs/MEASUREMENTS.md). Elsewhere they go through
-    ``torch.ops.aten._weight_int8pack_mm``, its activations in bfloat16 where the model runs in float32 on a CPU: that
-    kernel has no fast float32 path (on an AVX2-only CPU it ran 1.7-3.7x slower than the float32 product it replaces,
-    and 1.8-3.6x faster with bfloat16 activations, which moved the 0.5B Qwen draft's distribution by a mean TVD of
-    0.012: ``python -m benchmarks.suites.int8``). More than :data:`INT8_ROWS` rows (a prompt) go through fbgemm where
-    it is held (``weight_only_steps``, below), else are multiplied by the int8 values as floats, then the row scales,
-    the weight-only kernels not using the CPU's matrix units.
+    rows) go through the few-row kernel (:mod:`distillspec.models.few_rows`; inputs a multiple of 32; AVX512-VNNI
+    where the CPU has it), which rounds each row of activations to 16 bits, not 8, and reads the int8 weight at about
+    the memory's rate: the 0.5B Qwen draft's step took 0.82x fbgemm's on a Zen 3 CPU (docs/MEASUREMENTS.md).
+    Elsewhere they go through ``torch.ops.aten._weight_int8pack_mm``, its activations in bfloat16 where the model runs
+    in float32 on a CPU: that kernel has no fast float32 path (on an AVX2-only CPU it ran 1.7-3.7x slower than the
+    float32 product it replaces, and 1.8-3.6x faster with bfloat16 activations, which moved the 0.5B Qwen draft's
+    distribution by a mean TVD of 0.012: ``python -m benchmarks.suites.int8``). More than :data:`INT8_ROWS` rows (a
+    prompt) go through fbgemm where it is held (``weight_only_steps``, below), else are multiplied by the int8 values
+    as floats, then the row scales, the weight-only kernels not using the CPU's matrix units.
 
     ``fbgemm=True`` runs every product through fbgemm's int8 GEMM instead (``quantized::linear_dynamic``, x86; the
     ``draft_int8=fbgemm`` setting): on such a CPU its products ran 2-3x faster again, the 0.5B draft's step 1.5x and

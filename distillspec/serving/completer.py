@@ -293,7 +293,8 @@ class Completer:
     """Completions from a target and a swappable draft (a :class:`DraftServer`). ``compile``: the decoding steps
     through ``torch.compile`` (see :func:`~distillspec.decoding.speculative.speculative_generate`; ``"draft"``: the
     draft's alone), the draft's compiled as the server warms up (:meth:`compile_draft_steps`); a new draft version is a
-    copy of the draft and reuses them."""
+    copy of the draft and reuses them. ``draft_context``: the draft reads each prompt's last tokens alone (see
+    :func:`~distillspec.decoding.speculative.speculative_generate`)."""
 
     def __init__(
         self,
@@ -306,9 +307,11 @@ class Completer:
         seed: int = 0,
         max_gamma: int = 7,
         compile: Compile = False,
+        draft_context: int | None = None,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
         self.compile = compile
+        self.draft_context = draft_context  #: the prompt's last tokens the draft reads (None: all of it)
         self.max_prompt_tokens = max_prompt_tokens
         self.auto = AutoGamma(max_gamma)  #: chooses gamma per block for jobs with ``gamma="auto"``
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -499,6 +502,7 @@ class Completer:
                 lenience=args.lenience,
                 epsilon=args.epsilon,
                 compile=self.compile,
+                draft_context=self.draft_context,
                 **common,
             )
         seconds = time.perf_counter() - start
