@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.suites.common import command
 from distillspec.config import load_config
+from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.models.loading import encode_prompts, load_decoding_pair
 from distillspec.models.pretrained import prepare_pair
@@ -62,7 +63,7 @@ def suite_long_prompts(
     lengths = [int(x.shape[1]) for x in ids]
     log(f"prompts of {lengths} tokens ({shots} worked examples before each question)")
     runs = [("target alone", None)] + [("SD", c) for c in draft_contexts]
-    totals = {(t, mode, c): {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "blocks": 0}
+    totals = {(t, mode, c): {"tokens": 0, "seconds": 0.0, "counts": AcceptanceCounts(0, 0, 0)}
               for t in temperatures for mode, c in runs}  # fmt: skip
     differ: dict[str, list[int]] = {}  # at T = 0: where a decoder's text first left the target alone's, by prompt
     with torch.inference_mode():
@@ -86,9 +87,7 @@ def suite_long_prompts(
                     row["tokens"] += int(result.num_new_tokens.sum()) - 1
                     row["seconds"] += seconds
                     if result.stats is not None:
-                        row["drafted"] += int(result.stats.drafted.sum())
-                        row["accepted"] += int(result.stats.accepted.sum())
-                        row["blocks"] += int(result.stats.blocks.sum())
+                        row["counts"] += result.stats.counts
                     if t == 0:  # greedy: the target's tokens, but for rounding where a near tie is scored otherwise
                         new = result.sequences[0, prompt.shape[1] :].tolist()
                         greedy = new if greedy is None else greedy
@@ -99,9 +98,8 @@ def suite_long_prompts(
     rows = []
     for (t, mode, c), row in totals.items():
         entry = {"temperature": t, "decoder": mode, "draft_context": c, "tokens_per_s": row["tokens"] / row["seconds"]}
-        if row["blocks"]:
-            entry["alpha"] = row["accepted"] / row["drafted"]
-            entry["tau"] = (row["accepted"] + row["blocks"]) / row["blocks"]
+        if row["counts"].blocks:
+            entry["alpha"], entry["tau"] = row["counts"].alpha, row["counts"].tau
         rows.append(entry)
     result = {
         "command": command(),

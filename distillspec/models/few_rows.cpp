@@ -323,31 +323,28 @@ VNNI_TARGET void chunk_int8_vnni(const int8_t* w_chunk, const int16_t* x, int64_
   }
 }
 
+template <int U>
+VNNI_TARGET void chunk_rows_vnni(int64_t rows, const int8_t* w_chunk, const int16_t* x, int64_t K, int64_t kc,
+                                 __m256* part) {
+  switch (rows) {
+    case 1: chunk_int8_vnni<1, U>(w_chunk, x, K, kc, part); break;
+    case 2: chunk_int8_vnni<2, U>(w_chunk, x, K, kc, part); break;
+    case 3: chunk_int8_vnni<3, U>(w_chunk, x, K, kc, part); break;
+    case 4: chunk_int8_vnni<4, U>(w_chunk, x, K, kc, part); break;
+    case 5: chunk_int8_vnni<5, U>(w_chunk, x, K, kc, part); break;
+    case 6: chunk_int8_vnni<6, U>(w_chunk, x, K, kc, part); break;
+    case 7: chunk_int8_vnni<7, U>(w_chunk, x, K, kc, part); break;
+    default: chunk_int8_vnni<8, U>(w_chunk, x, K, kc, part); break;
+  }
+}
+
 VNNI_TARGET void chunk_rows(int64_t rows, const int8_t* w_chunk, const Natural16* xs, int64_t K, int64_t kc,
                             __m256* part) {
   const int16_t* x = reinterpret_cast<const int16_t*>(xs);
-  if (kc % 64) {  // a chunk of 32 inputs a step (K's last chunk)
-    switch (rows) {
-      case 1: chunk_int8_vnni<1, 1>(w_chunk, x, K, kc, part); return;
-      case 2: chunk_int8_vnni<2, 1>(w_chunk, x, K, kc, part); return;
-      case 3: chunk_int8_vnni<3, 1>(w_chunk, x, K, kc, part); return;
-      case 4: chunk_int8_vnni<4, 1>(w_chunk, x, K, kc, part); return;
-      case 5: chunk_int8_vnni<5, 1>(w_chunk, x, K, kc, part); return;
-      case 6: chunk_int8_vnni<6, 1>(w_chunk, x, K, kc, part); return;
-      case 7: chunk_int8_vnni<7, 1>(w_chunk, x, K, kc, part); return;
-      default: chunk_int8_vnni<8, 1>(w_chunk, x, K, kc, part); return;
-    }
-  }
-  switch (rows) {
-    case 1: chunk_int8_vnni<1, 2>(w_chunk, x, K, kc, part); break;
-    case 2: chunk_int8_vnni<2, 2>(w_chunk, x, K, kc, part); break;
-    case 3: chunk_int8_vnni<3, 2>(w_chunk, x, K, kc, part); break;
-    case 4: chunk_int8_vnni<4, 2>(w_chunk, x, K, kc, part); break;
-    case 5: chunk_int8_vnni<5, 2>(w_chunk, x, K, kc, part); break;
-    case 6: chunk_int8_vnni<6, 2>(w_chunk, x, K, kc, part); break;
-    case 7: chunk_int8_vnni<7, 2>(w_chunk, x, K, kc, part); break;
-    default: chunk_int8_vnni<8, 2>(w_chunk, x, K, kc, part); break;
-  }
+  if (kc % 64)  // 32 inputs a step (K's last chunk)
+    chunk_rows_vnni<1>(rows, w_chunk, x, K, kc, part);
+  else
+    chunk_rows_vnni<2>(rows, w_chunk, x, K, kc, part);
 }
 #endif
 
