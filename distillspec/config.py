@@ -497,8 +497,8 @@ class ServeConfig:
         None,
         "backend hf: the draft reads only each prompt's last N tokens (the target reads it all; the output stays the "
         "target's): on long prompts its own reading of them can cost more than its drafts save (the 0.5B Qwen draft "
-        "over ~1,550-token prompts on a 2-core CPU: SD 0.72-0.82x the target alone after the first token reading all, "
-        "1.30-1.48x reading 512); none: the whole prompt",
+        "over ~1,550-token prompts on a 2-core CPU: SD 0.72-0.92x the target alone after the first token reading all, "
+        "1.27-1.78x reading 512); none: the whole prompt",
     )
     limits: LimitsConfig = knob(help="request and replica limits", factory=LimitsConfig)
     batching: BatchingConfig = knob(help="batching concurrent requests", factory=BatchingConfig)
