@@ -263,6 +263,74 @@ def test_the_few_row_kernel_multiplies_an_int8_weight_in_exact_integer_sums():
     assert avx2.stdout.strip().splitlines()[-1] == "False"
 
 
+@needs_compiler
+@pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
+def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized():
+    """Where the CPU has AVX512-VNNI: codes 0-15 in groups of 32 inputs, each group of an output row with its scale
+    and zero point (``(code - 8) * scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded to 16 bits
+    (a scale per row): the float64 product of those rows and the dequantized weight to float32's precision, at every
+    row count (the kernel reads a run of 64 output rows once per 4 rows), past a run's padding (80 outputs), float32
+    and bfloat16 rows; and within bfloat16's rounding of the rows of torch's own int4 kernel."""
+    from distillspec.models.packing import int4_groups
+
+    if not few_rows.int4():
+        pytest.skip("4-bit weights go through the few-row kernel on a CPU with AVX512-VNNI only")
+    torch.manual_seed(0)
+    weight = torch.randn(80, 96) * 0.02
+    codes, scales_zeros = int4_groups(weight)
+    scales_zeros = scales_zeros.bfloat16()
+    packed = few_rows.pack_int4(codes, scales_zeros)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2 * 3 * (8 * 4 * 32 + 4 * 64)  # 2 runs x 3 groups
+    scale, zero = (scales_zeros[..., i].double().T.repeat_interleave(32, 1) for i in (0, 1))
+    dequantized = (codes.double() - 8) * scale + zero
+    torch_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 12):
+        x = torch.randn(rows, 96)
+        x[:, 3] = 30.0  # an outlier, as the attention sink's activations
+        for dtype in (torch.float32, torch.bfloat16):
+            rows_f32 = x.to(dtype).float()  # rounded to 16 bits as the kernel rounds them, in float32
+            x_scales = rows_f32.abs().amax(1, keepdim=True) / 32767
+            exact = torch.round(rows_f32 * (1 / x_scales)).double() * x_scales.double() @ dequantized.T
+            out = few_rows.matmul(x.to(dtype), packed, 80)
+            assert out.dtype == torch.float32 and out.shape == (rows, 80)
+            assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+        theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), torch_packed, 32, scales_zeros).double()
+        assert (theirs - exact).abs().max() < 0.01 * exact.abs().max()
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        few_rows.pack_int4(codes[:72], scales_zeros[:, :72])
+    with pytest.raises(RuntimeError, match="other shapes"):
+        few_rows.matmul(torch.randn(1, 96), packed, 64)
+
+
+def test_int4_steps_go_through_the_few_row_kernel_where_it_takes_them(monkeypatch):
+    """An int4 layer's steps (up to INT4_FEW_ROWS rows) through the few-row kernel where the CPU has AVX512-VNNI: the
+    products of torch's int4 kernel (the same codes and scales; ``DISTILLSPEC_INT4_FEW_ROWS=0`` keeps that kernel) to
+    within the rounding of the rows (bfloat16 for torch's, 16 bits a row for the few-row kernel's), in float32 and
+    bfloat16 models; more rows take the int8 product."""
+    from distillspec.models.packing import INT4_FEW_ROWS, INT4_ROWS, Int8Linear, fbgemm_available
+
+    skip_without("int4")
+    if not few_rows.int4():
+        pytest.skip("4-bit weights go through the few-row kernel on a CPU with AVX512-VNNI only")
+    torch.manual_seed(0)
+    fbgemm = fbgemm_available()
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = torch.nn.Linear(64, 96).to(dtype)
+        ours = Int8Linear(dense, fbgemm, int4=True)
+        monkeypatch.setenv(few_rows.INT4_SWITCH, "0")
+        theirs = Int8Linear(dense, fbgemm, int4=True)
+        monkeypatch.delenv(few_rows.INT4_SWITCH)
+        assert ours.int4_few_rows and "through the few-row kernel" in repr(ours) and ours.int4_scales_zeros is None
+        assert not theirs.int4_few_rows and theirs.int4_scales_zeros is not None
+        x = torch.randn(INT4_FEW_ROWS + 1, 64).to(dtype)
+        with torch.no_grad():
+            steps = ours(x[:INT4_FEW_ROWS]).float()
+            torch_steps = torch.cat([theirs(rows) for rows in x[:INT4_FEW_ROWS].split(INT4_ROWS)]).float()
+            assert steps.dtype == torch.float32 or dtype == torch.bfloat16
+            assert (steps - torch_steps).norm() / torch_steps.norm() < 0.02
+            assert torch.equal(ours(x), Int8Linear(dense, fbgemm)(x))  # a prompt: the int8 product
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_sd_with_a_few_row_bfloat16_target_equals_the_targets_greedy(gamma):
     target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=30.0).bfloat16()
@@ -336,6 +404,20 @@ def skip_without(draft_int8) -> None:
         pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
 
 
+def dequantized_int4(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose linear layers that int4 steps take hold their weights rounded to their 4-bit groups
+    (scales and zero points in bfloat16, as the kernels take them)."""
+    from distillspec.models.packing import INT4_GROUP, int4_groups
+
+    rounded = copy.deepcopy(model)
+    for layer in rounded.modules():
+        if isinstance(layer, torch.nn.Linear) and layer.in_features % INT4_GROUP == 0 and layer.out_features % 16 == 0:
+            codes, scales_zeros = int4_groups(layer.weight.detach())
+            scale, zero = (scales_zeros.bfloat16()[..., i].float().T.repeat_interleave(INT4_GROUP, 1) for i in (0, 1))
+            layer.weight.data = ((codes - 8) * scale + zero).to(layer.weight.dtype)
+    return rounded
+
+
 @pytest.mark.parametrize("draft_int8", [True, "fbgemm", "int4"], ids=["weight-only", "fbgemm", "int4"])
 def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8):
     """Int8 weights (per-row scales), through each kernel (int4: its steps through 4-bit weights): a distribution
@@ -365,7 +447,10 @@ def test_an_int8_draft_keeps_its_draft_vocabulary_and_sd_stays_exact(draft_int8)
         assert 0 < (p - q).abs().sum(-1).mean() / 2 < 0.1
     sd = speculative_generate(target, int8, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
     plain = speculative_generate(target, draft, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
-    assert torch.equal(sd.sequences, plain.sequences) and abs(sd.stats.alpha - plain.stats.alpha) < 0.1
+    # int4: against the float draft with its weights rounded to their 4-bit groups, as its steps read them
+    rounded = dequantized_int4(draft) if draft_int8 == "int4" else draft
+    like = speculative_generate(target, rounded, ids, gamma=3, max_new_tokens=16, temperature=0, attention_mask=mask)
+    assert torch.equal(sd.sequences, plain.sequences) and abs(sd.stats.alpha - like.stats.alpha) < 0.1
     small_target = tiny_llama(V, d=16, seed=3, sharpness=30.0)
     small_draft = tiny_llama(V, d=32 if draft_int8 == "int4" else 16, seed=4, sharpness=30.0)  # int4: whole groups
     quantize_decoding_draft(small_draft, draft_int8)
@@ -643,10 +728,18 @@ def test_weight_only_int8_with_fbgemm_keeps_its_steps_and_reads_prompts_through_
 
 def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product():
     """draft_int8=int4: a weight's 4-bit codes span each group of 32 inputs from its min to its max (each weight
-    within half a level); up to INT4_ROWS rows (steps) go through them, in float32 (with bfloat16 activations, as the
-    weight-only kernel: the kernel's float32 path is 15x slower) and bfloat16; more rows (a prompt) get the int8
-    layer's product exactly; a layer whose inputs are not whole groups, or outputs not tiles of 16, stays int8."""
-    from distillspec.models.packing import INT4_GROUP, INT4_ROWS, Int8Linear, fbgemm_available, int4_groups
+    within half a level); up to INT4_ROWS rows (steps; INT4_FEW_ROWS through the few-row kernel) go through them,
+    in float32 (torch's kernel with bfloat16 activations, as the weight-only kernel: its float32 path is 15x slower)
+    and bfloat16; more rows (a prompt) get the int8 layer's product exactly; a layer whose inputs are not whole
+    groups, or outputs not tiles of 16, stays int8."""
+    from distillspec.models.packing import (
+        INT4_FEW_ROWS,
+        INT4_GROUP,
+        INT4_ROWS,
+        Int8Linear,
+        fbgemm_available,
+        int4_groups,
+    )
 
     skip_without("int4")
     torch.manual_seed(0)
@@ -658,10 +751,10 @@ def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product()
     with pytest.raises(ValueError, match="groups of 32"):
         int4_groups(torch.randn(4, 48))
     dense, fbgemm = torch.nn.Linear(64, 96), fbgemm_available()
-    x = torch.randn(INT4_ROWS + 8, 64)
+    x = torch.randn(INT4_FEW_ROWS + 1, 64)  # more rows than either kernel's 4-bit steps take
     exact = dense(x).detach()
     int4, int8 = Int8Linear(dense, fbgemm, int4=True), Int8Linear(dense, fbgemm)
-    assert "steps in int4" in repr(int4) and int4.int4_scales_zeros.dtype == torch.bfloat16
+    assert "steps in int4" in repr(int4) and (int4.int4_few_rows or int4.int4_scales_zeros.dtype == torch.bfloat16)
     with torch.no_grad():
         steps = int4(x[:INT4_ROWS])
         assert torch.allclose(steps, torch.cat([int4(row) for row in x[:INT4_ROWS].split(1)]), atol=1e-4)
@@ -707,7 +800,7 @@ def test_an_int8_layer_takes_a_new_versions_weights_through_either_kernel(dtype)
 
 def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
     from benchmarks.suites.int8 import ROWS, suite_int8
-    from distillspec.models.packing import INT4_ROWS, fbgemm_available
+    from distillspec.models.packing import INT4_FEW_ROWS, INT4_ROWS, fbgemm_available
 
     result = suite_int8([], tmp_path, shapes={"small": (64, 96)}, reps=2)
     kernels = {row["kernel"] for row in result["rows"]}
@@ -718,7 +811,8 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
         assert (f"int8 int4 ({model} model)" in kernels) is ("int4" in int8_kernels())
     assert len(result["rows"]) == len(kernels) * len(ROWS) and all(row["ms"] > 0 for row in result["rows"])
     for row in result["rows"]:
-        int4_step = "int4" in row["kernel"] and row["rows"] <= INT4_ROWS  # 4-bit weights: about 0.08 of error
+        int4_rows = INT4_FEW_ROWS if few_rows.int4() else INT4_ROWS
+        int4_step = "int4" in row["kernel"] and row["rows"] <= int4_rows  # 4-bit weights: about 0.08 of error
         assert row["relative_error"] < (1e-5 if row["kernel"].startswith("float32") else 0.15 if int4_step else 0.05)
     assert (tmp_path / "int8.json").exists() and "draft" not in result
 

@@ -7,7 +7,8 @@ frequent tokens of the task's training data (:mod:`distillspec.models.draft_voca
 made of the draft's own layers (``draft@SPEC``: ``spread:12``, ``first:16``, ``layers:...``); with ``--int8`` each of
 those again with int8 weights (:class:`distillspec.models.packing.Int8Linear`: half the bytes a drafting step reads;
 ``--int8 only``: instead of its own), once per kernel of ``--int8-kernels`` (``weight-only``, as ``draft_int8=true``
-decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do); with ``--unfused`` each int8
+decodes; ``fbgemm`` and ``int4``, as ``draft_int8=fbgemm`` and ``draft_int8=int4`` do; ``int4-torch``, ``int4`` with
+its steps through torch's kernel); with ``--unfused`` each int8
 draft also with one product per projection (``fuse=False``), against the sibling products of one input fused in one;
 with ``--compiled-drafts`` every draft kind again with its steps alone through ``torch.compile`` (``compile="draft"``:
 the same weights, the target eager), raced beside its eager self.
@@ -39,6 +40,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -46,6 +48,7 @@ from benchmarks.suites.common import cpu_kernels, limits_text
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
+from distillspec.models import few_rows
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import (
     INT8_KERNELS,
@@ -59,6 +62,17 @@ from distillspec.models.pretrained import draft_vocab_ids, prepare_pair, resolve
 from distillspec.tasks.data import load_task
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
+#: ``--int8-kernels`` names: the job's (:data:`~distillspec.models.loading.INT8_KERNELS`) and ``int4-torch``, which
+#: is ``int4`` with its 4-bit steps through torch's kernel where the few-row kernel would take them (a comparison)
+SUITE_INT8_KERNELS = [*INT8_KERNELS, "int4-torch"]
+
+
+def quantize_kind(model, kernel: str, fuse: bool = True):
+    """``model`` (a draft, in place) with int8 weights through ``kernel``, a name of :data:`SUITE_INT8_KERNELS`."""
+    if kernel != "int4-torch":
+        return quantize_decoding_draft(model, INT8_KERNELS[kernel], fuse=fuse)
+    with mock.patch.dict(os.environ, {few_rows.INT4_SWITCH: "0"}):
+        return quantize_decoding_draft(model, INT8_KERNELS["int4"], fuse=fuse)
 
 
 def suite_step_ms(
@@ -136,9 +150,9 @@ def suite_speed(
             last = i == len(int8_kernels) - 1  # with "only" the last kernel takes the float draft itself, no copy
             if unfused:  # the same draft with one product per projection, raced against the fused one
                 drafts[f"{name} unfused"] = copy.deepcopy(drafts[kind])
-                quantize_decoding_draft(drafts[f"{name} unfused"], INT8_KERNELS[kernel], fuse=False)
+                quantize_kind(drafts[f"{name} unfused"], kernel, fuse=False)
             drafts[name] = drafts.pop(kind) if int8 == "only" and last else copy.deepcopy(drafts[kind])
-            quantize_decoding_draft(drafts[name], INT8_KERNELS[kernel])
+            quantize_kind(drafts[name], kernel)
     compiled_kinds = [f"{kind} compiled" for kind in drafts] if compiled_drafts else []
     for kind in list(drafts) if compiled_drafts else []:  # the same draft again, its steps compiled
         drafts[f"{kind} compiled"] = drafts[kind]
@@ -330,9 +344,9 @@ def main() -> None:
         "--int8-kernels",
         nargs="+",
         default=["weight-only"],
-        choices=list(INT8_KERNELS),
+        choices=SUITE_INT8_KERNELS,
         help="with --int8: an int8 copy of each draft per kernel (weight-only: draft_int8=true; fbgemm; int4: "
-        "draft_int8=int4, 4-bit steps)",
+        "draft_int8=int4, 4-bit steps; int4-torch: the same with its steps through torch's kernel)",
     )
     parser.add_argument(
         "--unfused",

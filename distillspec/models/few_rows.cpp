@@ -6,7 +6,8 @@
 // (one scale per output row) is multiplied in integers: each row of the input is rounded to 16 bits (a scale per
 // row, its largest magnitude at 32767), 32 weights at a time sign-extended to 16 bits in registers and multiplied
 // in pairs (vpmaddwd) into 32-bit sums, which become float32 at the end of each chunk; the product is those sums
-// times the two scales. Where the CPU has AVX512-VNNI, the same sums take vpmovsxbw and vpdpwssd (chunk_int8_vnni).
+// times the two scales. Where the CPU has AVX512-VNNI, the same sums take vpmovsxbw and vpdpwssd (chunk_int8_vnni),
+// and a 4-bit weight in groups of 32 inputs (an int4 draft's) takes a layout of its own (int4_run).
 // Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
 // figures.
 //
@@ -348,6 +349,114 @@ VNNI_TARGET void chunk_rows(int64_t rows, const int8_t* w_chunk, const Natural16
 }
 #endif
 
+#ifdef DISTILLSPEC_INT8_VNNI
+// A 4-bit weight in groups of 32 inputs (each group of an output row with its own scale s and zero point z, a weight
+// (q - 8) s + z for its code q in 0-15: an int4 draft's) by rows in 16 bits, on a CPU with AVX512-VNNI. Output rows
+// lie in the vectors' lanes, 16 to a vector: a unit of 32 bytes holds 16 output rows' codes for 4 inputs k to k + 3,
+// byte 2l + j the codes of row l for input k + j (low nibble) and k + 2 + j (high nibble). A unit widens to 16 bits
+// in one instruction, its low and high nibbles are masked and shifted apart, and vpdpwssd multiplies each by a pair
+// of an input row's values broadcast to every lane: 16 output rows by 4 inputs in three instructions for the weight
+// and two per input row. A group's integer sums D (at most 32 x 15 x 32767, exact in float32) then take the group's
+// scales for 16 output rows at once: s D + (z - 8 s) X, X the group's sum of the input row. The weight is laid out in
+// runs of 64 output rows (4 vectors' lanes, so that the sums' chains are several deep at one input row), one stream
+// a run: for each group, its 8 units of the run's 4 blocks of 16 rows, then the blocks' 16 scales and 16 zero points
+// (bfloat16, as torch's int4 kernel takes them): [runs][groups][8 units][4 blocks][32 bytes], [4 blocks][16 s, 16 z].
+constexpr int64_t INT4_RUN = 64, INT4_BLOCKS = 4, INT4_GROUP_SIZE = 32;  // output rows of a run, its blocks of 16
+constexpr int64_t INT4_UNITS = INT4_GROUP_SIZE / 4, INT4_UNIT = 32;       // a group's units of 4 inputs, their bytes
+constexpr int64_t INT4_SCALES = INT4_BLOCKS * 64;                         // bytes of a run's scales for a group
+constexpr int64_t INT4_RUN_GROUP = INT4_UNITS * INT4_BLOCKS * INT4_UNIT + INT4_SCALES;  // bytes of a run's group
+
+// Bytes of a 4-bit weight [N, K] in this layout (its output rows padded to a multiple of 64).
+constexpr int64_t int4_bytes(int64_t N, int64_t K) {
+  return (N + INT4_RUN - 1) / INT4_RUN * (K / INT4_GROUP_SIZE) * INT4_RUN_GROUP;
+}
+
+// ys[m * N + n] for the run's 64 output rows (those below N) and up to 4 input rows m: the run's stream read once.
+// At one row the low and high nibbles' sums are chained apart (8 chains), from two rows on together.
+template <int M>
+VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, float* ys,
+                          int64_t K, int64_t N, int64_t n0) {
+  constexpr int SPLIT = M == 1 ? 2 : 1;
+  const int64_t G = K / INT4_GROUP_SIZE;
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512 sums[INT4_BLOCKS][M];
+  for (int b = 0; b < INT4_BLOCKS; ++b)
+    for (int m = 0; m < M; ++m) sums[b][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* group = run + g * INT4_RUN_GROUP;
+    __m512i acc[SPLIT][INT4_BLOCKS][M];
+    for (int h = 0; h < SPLIT; ++h)
+      for (int b = 0; b < INT4_BLOCKS; ++b)
+        for (int m = 0; m < M; ++m) acc[h][b][m] = _mm512_setzero_si512();
+    for (int64_t u = 0; u < INT4_UNITS; ++u) {
+      __m512i xa[M], xb[M];  // inputs k, k + 1 and k + 2, k + 3 of each row, in every lane
+      for (int m = 0; m < M; ++m) {
+        int32_t pair[2];
+        std::memcpy(pair, xq + m * K + g * INT4_GROUP_SIZE + 4 * u, sizeof(pair));
+        xa[m] = _mm512_set1_epi32(pair[0]);
+        xb[m] = _mm512_set1_epi32(pair[1]);
+      }
+      const uint8_t* units = group + u * INT4_BLOCKS * INT4_UNIT;
+      _mm_prefetch(reinterpret_cast<const char*>(units) + 4096, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(units) + 4096 + 64, _MM_HINT_T0);
+      for (int b = 0; b < INT4_BLOCKS; ++b) {
+        const __m512i wide =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(units + b * INT4_UNIT)));
+        const __m512i lo = _mm512_and_si512(wide, low), hi = _mm512_srli_epi16(wide, 4);
+        for (int m = 0; m < M; ++m) {
+          acc[0][b][m] = _mm512_dpwssd_epi32(acc[0][b][m], lo, xa[m]);
+          acc[SPLIT - 1][b][m] = _mm512_dpwssd_epi32(acc[SPLIT - 1][b][m], hi, xb[m]);
+        }
+      }
+    }
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES);
+    for (int b = 0; b < INT4_BLOCKS; ++b) {
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 32 * b))), 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 32 * b + 16))), 16));
+      const __m512 zero_term = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), s, z);  // z - 8 s
+      for (int m = 0; m < M; ++m) {
+        __m512i d = acc[0][b][m];
+        if constexpr (SPLIT == 2) d = _mm512_add_epi32(d, acc[1][b][m]);
+        sums[b][m] = _mm512_fmadd_ps(zero_term, _mm512_set1_ps(xsum[m * G + g]),
+                                     _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(d), sums[b][m]));
+      }
+    }
+  }
+  for (int b = 0; b < INT4_BLOCKS; ++b) {
+    const int64_t n = n0 + 16 * b;
+    if (n >= N) break;  // the padding of the last run
+    for (int m = 0; m < M; ++m)
+      _mm512_storeu_ps(ys + m * N + n, _mm512_mul_ps(sums[b][m], _mm512_set1_ps(x_scales[m])));
+  }
+}
+
+// ys [M, N] = the rows (in 16 bits, with their groups' sums and their scales) times the 4-bit weight's transpose
+// (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows (from its second-level cache
+// after the first).
+VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales,
+                               float* ys, int64_t M, int64_t K, int64_t N) {
+  const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
+  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* run = W + r * G * INT4_RUN_GROUP;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int16_t* x = xq + m0 * K;
+        const float* sum = xsum + m0 * G;
+        float* y = ys + m0 * N;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int4_run<1>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 2: int4_run<2>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 3: int4_run<3>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          default: int4_run<4>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved) or chunk_int8_vnni
 // (natural), and each row's scale.
 void round_rows(const float* x, int16_t* xq, float* scales, int64_t M, int64_t K, bool interleaved = true) {
@@ -451,6 +560,48 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return packed;
 }
 
+// Whether this CPU takes 4-bit weights (AVX512-VNNI; DISTILLSPEC_INT8_VNNI=0 turns them off with the int8 path).
+bool int4_supported() { return int8_vnni_supported(); }
+
+// A 4-bit weight's codes [N, K] (0-15, any integer type; N a multiple of 16, K of 32) and its groups' scales and zero
+// points [K / 32, N, 2] (bfloat16, torch's layout) in the layout of int4_run: one uint8 tensor, its padding zero.
+torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_zeros) {
+#ifdef DISTILLSPEC_INT8_VNNI
+  TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "few_rows.pack_int4 takes 2-d CPU codes");
+  const int64_t N = codes.size(0), K = codes.size(1), G = K / INT4_GROUP_SIZE;
+  TORCH_CHECK(N % 16 == 0 && K % INT4_GROUP_SIZE == 0, "few_rows.pack_int4 takes outputs in multiples of 16 and ",
+              "inputs in multiples of ", INT4_GROUP_SIZE, ", not ", N, " x ", K);
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.dim() == 3 && scales_zeros.size(0) == G &&
+                  scales_zeros.size(1) == N && scales_zeros.size(2) == 2,
+              "few_rows.pack_int4 takes bfloat16 scales and zero points [K / 32, N, 2]");
+  auto q = codes.to(at::kByte).contiguous();
+  auto sz = scales_zeros.contiguous();
+  auto packed = torch::zeros({int4_bytes(N, K)}, codes.options().dtype(at::kByte));
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  const uint16_t* sz_src = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {  // block b: run b / 4, its (b % 4)th block
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* group = dst + ((b / INT4_BLOCKS) * G + g) * INT4_RUN_GROUP;
+        for (int64_t u = 0; u < INT4_UNITS; ++u)
+          for (int64_t l = 0; l < 16; ++l) {
+            const uint8_t* row = src + (b * 16 + l) * K + g * INT4_GROUP_SIZE + 4 * u;
+            uint8_t* unit = group + (u * INT4_BLOCKS + b % INT4_BLOCKS) * INT4_UNIT;
+            for (int64_t j = 0; j < 2; ++j) unit[2 * l + j] = (row[j] & 0x0F) | ((row[2 + j] & 0x0F) << 4);
+          }
+        uint16_t* scales = reinterpret_cast<uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES) + 32 * (b % INT4_BLOCKS);
+        for (int64_t l = 0; l < 16; ++l)
+          for (int64_t half = 0; half < 2; ++half) scales[16 * half + l] = sz_src[(g * N + b * 16 + l) * 2 + half];
+      }
+    }
+  });
+  return packed;
+#else
+  TORCH_CHECK(false, "few_rows.pack_int4 needs a compiler with AVX512-VNNI");
+#endif
+}
+
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
 // takes its rows' scales ([N], float32).
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
@@ -458,16 +609,40 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
   const bool bf16_rows = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16_rows || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "few_rows.matmul takes 2-d float32 or bfloat16 CPU rows");
-  TORCH_CHECK(!bf16_rows || (packed.scalar_type() == at::kBFloat16 && bf16_rows_supported()),
-              "few_rows.matmul takes bfloat16 rows with a bfloat16 weight on a CPU with AVX512-BF16 only");
+  TORCH_CHECK(!bf16_rows || packed.scalar_type() == at::kByte ||
+                  (packed.scalar_type() == at::kBFloat16 && bf16_rows_supported()),
+              "few_rows.matmul takes bfloat16 rows with a bfloat16 weight on a CPU with AVX512-BF16 only, or with a "
+              "4-bit one");
   auto X = x.contiguous();
   const int64_t M = X.size(0), K = X.size(1);
-  TORCH_CHECK(packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
-  const bool int8 = packed.scalar_type() == at::kChar;
+  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+#ifdef DISTILLSPEC_INT8_VNNI
+  TORCH_CHECK(!int4 || (N % 16 == 0 && K % INT4_GROUP_SIZE == 0 && packed.numel() == int4_bytes(N, K)),
+              "few_rows.matmul: a 4-bit weight packed for other shapes");
+#endif
+  TORCH_CHECK(int4 || packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
   auto Y = torch::empty({M, N}, X.options().dtype(at::kFloat));
   if (M == 0) return Y;
-  if (int8) {
+  if (int4) {
+#ifdef DISTILLSPEC_INT8_VNNI
+    TORCH_CHECK(int4_supported(), "few_rows.matmul takes 4-bit weights on a CPU with AVX512-VNNI only");
+    const int64_t G = K / INT4_GROUP_SIZE;
+    std::vector<int16_t> xq(M * K);
+    std::vector<float> x_scales(M), xsum(M * G);
+    auto F = X.to(at::kFloat).contiguous();
+    round_rows(F.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
+        xsum[m * G + g] = static_cast<float>(sum);
+      }
+    multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+#else
+    TORCH_CHECK(false, "few_rows.matmul takes 4-bit weights on a CPU with AVX512-VNNI only");
+#endif
+  } else if (int8) {
     auto S = scales->contiguous();
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");
     std::vector<int16_t> xq(M * K);
@@ -502,7 +677,9 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_supported", &bf16_rows_supported, "whether bfloat16 rows run here (AVX512-BF16)");
   m.def("int8_vnni_supported", &int8_vnni_supported, "whether int8 weights run through AVX512-VNNI here");
+  m.def("int4_supported", &int4_supported, "whether 4-bit weights run here (AVX512-VNNI)");
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
+  m.def("pack_int4", &pack_int4, "a 4-bit weight's codes and scales in the layout of its products");
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("scales") = py::none());
 }

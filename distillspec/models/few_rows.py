@@ -12,7 +12,8 @@ multiplied in integers, each input row rounded to 16 bits with a scale of its ow
 weight's product than fbgemm's 7-bit activations (the 0.5B Qwen draft's mean TVD from the float draft 0.0096 against
 0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU. Where the CPU has AVX512-VNNI the
 same integer sums take two instructions per 32 weights (:func:`int8_vnni`): the draft's decoder layers at 1 / 2 / 6
-rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC.
+rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. There, too, a 4-bit weight in groups of 32 (an int4
+draft's, :func:`int4`) is multiplied in integers with its output rows in the vectors' lanes.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
@@ -147,6 +148,29 @@ def int8_vnni() -> bool:
     return extension() is not None and extension().int8_vnni_supported()
 
 
+#: Set to ``0`` to keep torch's kernel for a 4-bit draft's steps (a comparison); read as a draft is quantized.
+INT4_SWITCH = "DISTILLSPEC_INT4_FEW_ROWS"
+
+
+def int4() -> bool:
+    """Whether the kernel multiplies 4-bit weights in groups of 32 (an int4 draft's, :func:`pack_int4`) here: a CPU
+    with AVX512-VNNI, the kernel built (the first time), ``DISTILLSPEC_INT4_FEW_ROWS`` not ``0``. Output rows lie in
+    the vectors' lanes, 16 to a vector, so a group's 4-bit codes take their scales for 16 rows at once, and the rows
+    are rounded to 16 bits as an int8 weight's: the 0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows in 0.75-0.81 /
+    0.73-0.77 / 0.66 of torch's int4 kernel's time on an AMD EPYC (docs/MEASUREMENTS.md)."""
+    if os.environ.get(INT4_SWITCH, "1") == "0":
+        return False
+    return extension() is not None and extension().int4_supported()
+
+
+def pack_int4(codes: Tensor, scales_zeros: Tensor) -> Tensor:
+    """A 4-bit weight's ``codes`` [out, in] (0-15; ``out`` a multiple of 16, ``in`` of 32) and its groups' scales and
+    zero points [in / 32, out, 2] (bfloat16: :func:`~distillspec.models.packing.int4_groups`, each weight
+    ``(code - 8) * scale + zero``) in the kernel's layout for :func:`matmul`: one uint8 tensor, about ``out * in *
+    5 / 8`` bytes (runs of 64 output rows, each group's codes followed by its scales)."""
+    return extension().pack_int4(codes, scales_zeros)
+
+
 def pack(weight: Tensor) -> Tensor:
     """A float32 or bfloat16 CPU ``weight`` [out, in] (``in`` a multiple of 8), or an int8 one (``in`` a multiple of
     32), in the kernel's blocked layout: a flat tensor of its dtype, about the same size (the rows padded to a multiple
@@ -158,7 +182,8 @@ def matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | Non
     """``rows`` [M, in] (float32; bfloat16 by a bfloat16 weight where :func:`bf16_rows`) times the weight :func:`pack`
     laid out, transposed: [M, out_features] in float32.
     An int8 weight takes its output rows' ``scales`` [out_features] (float32); the rows are rounded to 16 bits, one
-    scale each.
+    scale each. A 4-bit weight (:func:`pack_int4`; float32 or bfloat16 rows, read in fours) holds its scales: the rows
+    are rounded as for an int8 weight.
 
     Under ``torch.compile`` (a compiled decoding step, ``CachedLM(compile=True)``) the product is the custom operator
     ``torch.ops.distillspec.few_rows_matmul``, which the compiled graph calls as it is, so that the rest of the step

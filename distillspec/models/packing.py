@@ -240,6 +240,10 @@ INT8_ROWS = 16
 #: grows with the rows (the 0.5B Qwen draft's step, AMX: 41 / 51 / 68 / 115 ms at 1 / 2 / 4 / 6 rows, fbgemm's
 #: 57 / 76 / 77 / 89; docs/MEASUREMENTS.md); more rows (a prompt) take the int8 path.
 INT4_ROWS = 4
+#: ... and up to this many through the few-row kernel's 4-bit products (:func:`~distillspec.models.few_rows.int4`),
+#: which read the weight once for every 4 rows: the 0.5B Qwen draft's step at 6 / 8 / 12 / 16 rows took 20.0 / 23.8 /
+#: 30.1 / 38.2 ms against fbgemm's 25.9 / 28.0 / 31.8 / 36.5 (AMD EPYC, AVX512-VNNI)
+INT4_FEW_ROWS = 12
 #: Weights per 4-bit group (each group has its own scale and zero point): the granularity of llama.cpp's Q4_K blocks.
 INT4_GROUP = 32
 
@@ -300,10 +304,12 @@ class Int8Linear(nn.Module):
     0.5B Qwen draft read one 2.5x faster than through the dequantized weight), and the steps stay weight-only.
 
     ``int4=True`` (``draft_int8=int4``) also holds the weight in 4 bits, each group of :data:`INT4_GROUP` inputs with
-    its own scale and zero point (:func:`int4_groups`), and runs up to :data:`INT4_ROWS` rows (drafting steps) through
-    torch's CPU kernel for them (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the
-    weight-only kernel's: in float32 the 0.5B Qwen draft's step took 1,031 ms against fbgemm's 69): a step reads half
-    the int8 bytes. More rows (a prompt) take the int8 path above. With fbgemm beside it, the 0.5B Qwen draft's step
+    its own scale and zero point (:func:`int4_groups`): a step reads half the int8 bytes. Where the CPU has
+    AVX512-VNNI up to :data:`INT4_FEW_ROWS` rows (drafting steps) go through the few-row kernel's 4-bit products
+    (:func:`~distillspec.models.few_rows.int4`; the rows rounded to 16 bits), elsewhere up to :data:`INT4_ROWS` through
+    torch's CPU kernel (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the weight-only
+    kernel's: in float32 the 0.5B Qwen draft's step took 1,031 ms against fbgemm's 69). More rows (a prompt) take the
+    int8 path above. With fbgemm beside it, the 0.5B Qwen draft's step
     took 51 ms against fbgemm's 76 (AMX), its mean TVD from the bfloat16 draft 0.061 against 0.039; where torch's
     kernels run at AVX2 it took 1.3x fbgemm's."""
 
@@ -324,6 +330,9 @@ class Int8Linear(nn.Module):
         #: divide, keeps int8 ones
         self.int4 = int4 and self.in_features % INT4_GROUP == 0 and self.out_features % 16 == 0
         self.int4_packed = self.int4_scales_zeros = None  #: the 4-bit weight and its groups' scales, with ``int4``
+        #: ... multiplied by the few-row kernel, its scales in its layout (AVX512-VNNI, a bfloat16 or float32 model)
+        self.int4_few_rows = self.int4 and self.step_dtype == torch.bfloat16 and few_rows.int4()
+        self.int4_rows = INT4_FEW_ROWS if self.int4_few_rows else INT4_ROWS  #: the most rows its 4-bit steps take
         #: steps (up to INT8_ROWS rows) weight-only, not through fbgemm: asked for, or where there is no fbgemm
         self.weight_only_steps = weight_only_steps or not fbgemm
         #: ... through the few-row kernel where it runs: its layout of the weight and the rows' scales (float32)
@@ -366,17 +375,23 @@ class Int8Linear(nn.Module):
             self.few_rows_packed, self.few_rows_scales = few_rows.pack(codes), scales.clone()
         if self.int4:
             codes, scales_zeros = int4_groups(weight)
-            self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
-            self.int4_scales_zeros = scales_zeros.to(self.step_dtype)
+            if self.int4_few_rows:  # the codes and their groups' scales in one layout
+                self.int4_packed = few_rows.pack_int4(codes, scales_zeros.to(torch.bfloat16))
+            else:
+                self.int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 8)
+                self.int4_scales_zeros = scales_zeros.to(self.step_dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
         step = rows.shape[0] <= INT8_ROWS  # a drafting step (a few rows), not a prompt
-        if self.int4_packed is not None and rows.shape[0] <= INT4_ROWS:  # a drafting step, its weight in 4 bits
-            steps = rows.to(self.step_dtype).contiguous()
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
-            )
+        if self.int4_packed is not None and rows.shape[0] <= self.int4_rows:  # a drafting step, its weight in 4 bits
+            if self.int4_few_rows:
+                out = few_rows.matmul(rows, self.int4_packed, self.out_features)
+            else:
+                steps = rows.to(self.step_dtype).contiguous()
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
+                )
             out = out.to(self.dtype)
         elif step and self.few_rows_packed is not None:  # a weight-only step, float32 in and out
             out = few_rows.matmul(rows.float(), self.few_rows_packed, self.out_features, self.few_rows_scales)
@@ -407,6 +422,7 @@ class Int8Linear(nn.Module):
         else:
             kernel = f"weight-only steps, {str(self.step_dtype).removeprefix('torch.')} activations"
         kernel += f"; steps in int4, groups of {INT4_GROUP}" if self.int4 else ""
+        kernel += " through the few-row kernel" if self.int4_few_rows else ""
         kernel += "; prompts through fbgemm" if self.fbgemm and self.weight_only_steps else ""
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         return f"{shape}, int8 ({kernel})"
