@@ -809,6 +809,7 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
     for model in ("float32", "bfloat16"):
         assert (f"int8 fbgemm ({model} model)" in kernels) is fbgemm_available()
         assert (f"int8 int4 ({model} model)" in kernels) is ("int4" in int8_kernels())
+        assert (f"int8 int4-torch ({model} model)" in kernels) is ("int4" in int8_kernels() and few_rows.int4())
     assert len(result["rows"]) == len(kernels) * len(ROWS) and all(row["ms"] > 0 for row in result["rows"])
     for row in result["rows"]:
         int4_rows = INT4_FEW_ROWS if few_rows.int4() else INT4_ROWS
@@ -819,16 +820,17 @@ def test_the_int8_suite_times_every_kernel_at_every_row_count(tmp_path):
 
 def test_the_int8_suite_compares_the_drafts_decoding_with_each_kernel(tiny_garden, tmp_path):
     """--held: the job's draft decoding a held-out prompt and reference a token a step, float against int8."""
-    from benchmarks.suites.int8 import int8_kernels, suite_int8
+    from benchmarks.suites.common import suite_int8_kernels
+    from benchmarks.suites.int8 import suite_int8
 
     from .conftest import garden_overrides
 
     result = suite_int8(garden_overrides(tiny_garden), tmp_path, held=2, shapes={"small": (16, 16)}, reps=1)
     draft = result["draft"]
-    assert set(draft["kernels"]) == set(int8_kernels()) and draft["positions"] > 4
-    assert set(draft["step_ms"]) == {"float", *int8_kernels()}
+    assert set(draft["kernels"]) == set(suite_int8_kernels()) and draft["positions"] > 4
+    assert set(draft["step_ms"]) == {"float", *suite_int8_kernels()}
     for row in draft["kernels"].values():
         assert 0 < row["tvd"] < 0.2 and 0.5 < row["argmax_agreement"] <= 1
-    assert set(draft["acceptance"]) == {"float", *int8_kernels()}
+    assert set(draft["acceptance"]) == {"float", *suite_int8_kernels()}
     for row in draft["acceptance"].values():  # the garden's draft, against its target
         assert 0 < row["alpha"] < 1 and 0 <= row["argmax_agreement"] <= 1

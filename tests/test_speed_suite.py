@@ -46,9 +46,9 @@ def greedy_race(tiny_garden, tmp_path, **kinds) -> dict:
 
 
 def test_int8_only_races_each_draft_with_int8_weights_instead_of_its_own_fused_or_not(tiny_garden, tmp_path):
-    from distillspec.models.loading import int8_kernels
+    from benchmarks.suites.common import suite_int8_kernels
 
-    kernels = tuple(int8_kernels()) + (("int4-torch",) if "int4" in int8_kernels() else ())  # int4 steps in torch's
+    kernels = tuple(suite_int8_kernels())  # with int4-torch where the few-row kernel takes the 4-bit steps
     result = greedy_race(tiny_garden, tmp_path, draft_vocab=64, int8="only", int8_kernels=kernels, unfused=True)
     suffixes = ["" if kernel == "weight-only" else f" {kernel}" for kernel in kernels]
     names = {f"{draft} int8{suffix}{fused}" for draft in ("draft", "draft V=64") for suffix in suffixes

@@ -7,13 +7,15 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from distillspec.config import JobConfig, cell_config, load_config
+from distillspec.config import DraftInt8, JobConfig, cell_config, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.study import run_cell
-from distillspec.models.loading import load_pair
+from distillspec.models import few_rows
+from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft
 from distillspec.models.pretrained import PACKAGED, RUN_CONFIG, packaged_file, prepare_pair, run_models
 from distillspec.tasks.data import Task, load_task
 
@@ -259,3 +261,26 @@ def cpu_kernels() -> dict:
 def limits_text(limits: dict[str, str]) -> str:
     """``cpu_kernels()["isa_limits"]`` as a heading's tail: ``, NAME=value`` for each (empty without limits)."""
     return "".join(f", {name}={value}" for name, value in limits.items())
+
+
+#: A kernel the suites race beside the job's own (:data:`~distillspec.models.loading.INT8_KERNELS`): ``int4`` with its
+#: 4-bit steps through torch's kernel where the few-row kernel would take them (a comparison)
+INT4_TORCH = "int4-torch"
+
+
+def suite_int8_kernels() -> dict[str, DraftInt8 | str]:
+    """The int8 kernels this build of torch has (:func:`~distillspec.models.loading.int8_kernels`, ``{name:
+    draft_int8}``), with :data:`INT4_TORCH` where the few-row kernel takes the 4-bit steps here."""
+    kernels: dict[str, DraftInt8 | str] = dict(int8_kernels())
+    if "int4" in kernels and few_rows.int4():
+        kernels[INT4_TORCH] = INT4_TORCH
+    return kernels
+
+
+def quantize_kind(model, kernel: str, fuse: bool = True):
+    """``model`` (a draft, in place) with int8 weights through ``kernel``: a name of
+    :data:`~distillspec.models.loading.INT8_KERNELS` or :data:`INT4_TORCH`."""
+    if kernel != INT4_TORCH:
+        return quantize_decoding_draft(model, INT8_KERNELS[kernel], fuse=fuse)
+    with mock.patch.dict(os.environ, {few_rows.INT4_SWITCH: "0"}):
+        return quantize_decoding_draft(model, INT8_KERNELS["int4"], fuse=fuse)

@@ -4,7 +4,7 @@ Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` dec
 model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); fbgemm's int8 GEMM
 (x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``); and int4, up to
 four rows (drafting steps; twelve through the few-row kernel, AVX512-VNNI) through 4-bit weights in groups of 32,
-more through fbgemm (``draft_int8=int4``). Over 16
+more through fbgemm (``draft_int8=int4``); there, also ``int4-torch``: the same through torch's kernel. Over 16
 rows (a prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is
 timed in a float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32
 product, the float32 weight prepacked for oneDNN and laid out for the few-row kernel where it runs (what ``prepack``
@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.suites.common import cpu_kernels, limits_text
+from benchmarks.suites.common import cpu_kernels, limits_text, quantize_kind, suite_int8_kernels
 from benchmarks.suites.speed import suite_step_ms
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.decoding.metrics import position_tvd
-from distillspec.models.loading import encode_prompts, int8_kernels, load_model, quantize_decoding_draft
+from distillspec.models.loading import encode_prompts, load_model
 from distillspec.models.packing import FewRowLinear, PackedLinear, can_prepack
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
@@ -85,10 +85,10 @@ def kernel_times(shapes: dict[str, tuple[int, int]] = SHAPES, reps: int = 15) ->
         kernels["bfloat16"] = copy.deepcopy(linear).bfloat16()
         kernels["bfloat16 few rows"] = FewRowLinear(copy.deepcopy(linear).bfloat16())
         for model_dtype in (torch.float32, torch.bfloat16):
-            for kernel, draft_int8 in int8_kernels().items():
+            for kernel in suite_int8_kernels():
                 label = f"int8 {kernel} ({str(model_dtype).removeprefix('torch.')} model)"
                 layer = nn.Sequential(copy.deepcopy(linear).to(model_dtype))
-                kernels[label] = quantize_decoding_draft(layer, draft_int8)
+                kernels[label] = quantize_kind(layer, kernel)
         for rows in ROWS:
             x = torch.randn(rows, fan_in)
             exact = linear(x)
@@ -134,8 +134,8 @@ def draft_closeness(overrides: list[str], held: int) -> dict:
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     draft, tokenizer = load_model(cfg.draft, device=cfg.device, dtype=getattr(torch, cfg.dtype))
     variants = {"float": draft}
-    for kernel, draft_int8 in int8_kernels().items():
-        variants[kernel] = quantize_decoding_draft(copy.deepcopy(draft), draft_int8)
+    for kernel in suite_int8_kernels():
+        variants[kernel] = quantize_kind(copy.deepcopy(draft), kernel)
     steps = suite_step_ms(list(variants.values()), [[1]] * len(variants))
     result = {"dtype": cfg.dtype, "held": held, "step_ms": {k: ms[1] for k, ms in zip(variants, steps)}}
     target = load_model(cfg.target, device=cfg.device, dtype=getattr(torch, cfg.dtype))[0]

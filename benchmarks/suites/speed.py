@@ -40,39 +40,27 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-from benchmarks.suites.common import cpu_kernels, limits_text
+from benchmarks.suites.common import INT4_TORCH, cpu_kernels, limits_text, quantize_kind
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
-from distillspec.models import few_rows
 from distillspec.models.draft_vocab import vocab_size
 from distillspec.models.loading import (
     INT8_KERNELS,
     encode_prompts,
     load_model,
     load_tokenizer,
-    quantize_decoding_draft,
 )
 from distillspec.models.packing import layout_name
 from distillspec.models.pretrained import draft_vocab_ids, prepare_pair, resolve_pair, vocab_draft, whole_vocab_draft
 from distillspec.tasks.data import load_task
 
 CONTEXT = 192  #: cached tokens before each timed step (a chat-templated question and part of its answer)
-#: ``--int8-kernels`` names: the job's (:data:`~distillspec.models.loading.INT8_KERNELS`) and ``int4-torch``, which
-#: is ``int4`` with its 4-bit steps through torch's kernel where the few-row kernel would take them (a comparison)
-SUITE_INT8_KERNELS = [*INT8_KERNELS, "int4-torch"]
-
-
-def quantize_kind(model, kernel: str, fuse: bool = True):
-    """``model`` (a draft, in place) with int8 weights through ``kernel``, a name of :data:`SUITE_INT8_KERNELS`."""
-    if kernel != "int4-torch":
-        return quantize_decoding_draft(model, INT8_KERNELS[kernel], fuse=fuse)
-    with mock.patch.dict(os.environ, {few_rows.INT4_SWITCH: "0"}):
-        return quantize_decoding_draft(model, INT8_KERNELS["int4"], fuse=fuse)
+#: ``--int8-kernels`` names: the job's (:data:`~distillspec.models.loading.INT8_KERNELS`) and ``int4-torch``
+SUITE_INT8_KERNELS = [*INT8_KERNELS, INT4_TORCH]
 
 
 def suite_step_ms(
