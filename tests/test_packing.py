@@ -270,7 +270,8 @@ def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(
     and zero point (``(code - 8) * scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded to 16 bits
     (a scale per row): the float64 product of those rows and the dequantized weight to float32's precision, at every
     row count (the kernel reads a run of 64 output rows once per 4 rows), past a run's padding (80 outputs), float32
-    and bfloat16 rows; and within bfloat16's rounding of the rows of torch's own int4 kernel."""
+    and bfloat16 rows (a bfloat16 product: the float32 one rounded); and within bfloat16's rounding of the rows of
+    torch's own int4 kernel."""
     from distillspec.models.packing import int4_groups
 
     if not few_rows.int4():
@@ -292,7 +293,10 @@ def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(
             x_scales = rows_f32.abs().amax(1, keepdim=True) / 32767
             exact = torch.round(rows_f32 * (1 / x_scales)).double() * x_scales.double() @ dequantized.T
             out = few_rows.matmul(x.to(dtype), packed, 80)
-            assert out.dtype == torch.float32 and out.shape == (rows, 80)
+            assert out.dtype == dtype and out.shape == (rows, 80)  # the rows' dtype: bfloat16 rounded once
+            if dtype == torch.bfloat16:
+                out = few_rows.matmul(rows_f32, packed, 80)  # the same rows as float32, the same sums
+                assert torch.equal(few_rows.matmul(x.to(dtype), packed, 80), out.bfloat16())
             assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
         theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), torch_packed, 32, scales_zeros).double()
         assert (theirs - exact).abs().max() < 0.01 * exact.abs().max()

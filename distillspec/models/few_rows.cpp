@@ -371,10 +371,19 @@ constexpr int64_t int4_bytes(int64_t N, int64_t K) {
   return (N + INT4_RUN - 1) / INT4_RUN * (K / INT4_GROUP_SIZE) * INT4_RUN_GROUP;
 }
 
+// 16 sums stored as float32, or rounded to bfloat16 (to nearest, ties to even, as torch rounds: the rows' dtype).
+VNNI_TARGET inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+VNNI_TARGET inline void store16(at::BFloat16* y, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
 // ys[m * N + n] for the run's 64 output rows (those below N) and up to 4 input rows m: the run's stream read once.
 // At one row the low and high nibbles' sums are chained apart (8 chains), from two rows on together.
-template <int M>
-VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, float* ys,
+template <int M, typename Y>
+VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
                           int64_t K, int64_t N, int64_t n0) {
   constexpr int SPLIT = M == 1 ? 2 : 1;
   const int64_t G = K / INT4_GROUP_SIZE;
@@ -428,15 +437,16 @@ VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xs
     const int64_t n = n0 + 16 * b;
     if (n >= N) break;  // the padding of the last run
     for (int m = 0; m < M; ++m)
-      _mm512_storeu_ps(ys + m * N + n, _mm512_mul_ps(sums[b][m], _mm512_set1_ps(x_scales[m])));
+      store16(ys + m * N + n, _mm512_mul_ps(sums[b][m], _mm512_set1_ps(x_scales[m])));
   }
 }
 
 // ys [M, N] = the rows (in 16 bits, with their groups' sums and their scales) times the 4-bit weight's transpose
 // (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows (from its second-level cache
 // after the first).
-VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales,
-                               float* ys, int64_t M, int64_t K, int64_t N) {
+template <typename Y>
+VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
+                               int64_t M, int64_t K, int64_t N) {
   const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -444,12 +454,12 @@ VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float*
       for (int64_t m0 = 0; m0 < M; m0 += 4) {
         const int16_t* x = xq + m0 * K;
         const float* sum = xsum + m0 * G;
-        float* y = ys + m0 * N;
+        Y* y = ys + m0 * N;
         switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int4_run<1>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 2: int4_run<2>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 3: int4_run<3>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          default: int4_run<4>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 1: int4_run<1, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 2: int4_run<2, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 3: int4_run<3, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          default: int4_run<4, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
         }
       }
     }
@@ -459,16 +469,17 @@ VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float*
 
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved) or chunk_int8_vnni
 // (natural), and each row's scale.
-void round_rows(const float* x, int16_t* xq, float* scales, int64_t M, int64_t K, bool interleaved = true) {
+template <typename T>
+void round_rows(const T* x, int16_t* xq, float* scales, int64_t M, int64_t K, bool interleaved = true) {
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
+    const T* row = x + m * K;
     float peak = 0.0f;
-    for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::abs(row[k]));
+    for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::abs(static_cast<float>(row[k])));
     const float scale = peak > 0.0f ? peak / 32767.0f : 1.0f, inverse = 1.0f / scale;
     scales[m] = scale;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t j = k & 31, at = interleaved ? (k - j) + (j & 1) * 16 + (j >> 1) : k;
-      xq[m * K + at] = static_cast<int16_t>(std::lrintf(row[k] * inverse));
+      xq[m * K + at] = static_cast<int16_t>(std::lrintf(static_cast<float>(row[k]) * inverse));
     }
   }
 }
@@ -603,7 +614,7 @@ torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_
 }
 
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
-// takes its rows' scales ([N], float32).
+// takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                      const std::optional<torch::Tensor>& scales) {
   const bool bf16_rows = x.scalar_type() == at::kBFloat16;
@@ -622,7 +633,7 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
 #endif
   TORCH_CHECK(int4 || packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
-  auto Y = torch::empty({M, N}, X.options().dtype(at::kFloat));
+  auto Y = torch::empty({M, N}, X.options().dtype(int4 ? X.scalar_type() : at::kFloat));  // 4-bit: the rows' dtype
   if (M == 0) return Y;
   if (int4) {
 #ifdef DISTILLSPEC_INT8_VNNI
@@ -630,15 +641,21 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
     const int64_t G = K / INT4_GROUP_SIZE;
     std::vector<int16_t> xq(M * K);
     std::vector<float> x_scales(M), xsum(M * G);
-    auto F = X.to(at::kFloat).contiguous();
-    round_rows(F.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
+    if (bf16_rows)
+      round_rows(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), M, K, false);
+    else
+      round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) {
         int32_t sum = 0;
         for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
         xsum[m * G + g] = static_cast<float>(sum);
       }
-    multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+    if (bf16_rows)
+      multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(),
+                    M, K, N);
+    else
+      multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
 #else
     TORCH_CHECK(false, "few_rows.matmul takes 4-bit weights on a CPU with AVX512-VNNI only");
 #endif

@@ -180,10 +180,11 @@ def pack(weight: Tensor) -> Tensor:
 
 def matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None = None) -> Tensor:
     """``rows`` [M, in] (float32; bfloat16 by a bfloat16 weight where :func:`bf16_rows`) times the weight :func:`pack`
-    laid out, transposed: [M, out_features] in float32.
+    laid out, transposed: [M, out_features] in float32 (but for a 4-bit weight, below).
     An int8 weight takes its output rows' ``scales`` [out_features] (float32); the rows are rounded to 16 bits, one
     scale each. A 4-bit weight (:func:`pack_int4`; float32 or bfloat16 rows, read in fours) holds its scales: the rows
-    are rounded as for an int8 weight.
+    are rounded as for an int8 weight, and the product comes in the rows' dtype (bfloat16 rounded from the float32
+    sums as ``.to(torch.bfloat16)`` rounds them), which is a drafting model's own.
 
     Under ``torch.compile`` (a compiled decoding step, ``CachedLM(compile=True)``) the product is the custom operator
     ``torch.ops.distillspec.few_rows_matmul``, which the compiled graph calls as it is, so that the rest of the step
@@ -202,4 +203,5 @@ def few_rows_matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Ten
 
 @few_rows_matmul.register_fake
 def _(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None) -> Tensor:
-    return rows.new_empty(rows.shape[0], out_features, dtype=torch.float32)
+    dtype = rows.dtype if packed.dtype == torch.uint8 else torch.float32  # a 4-bit weight's: the rows' dtype
+    return rows.new_empty(rows.shape[0], out_features, dtype=dtype)
