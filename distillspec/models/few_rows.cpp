@@ -34,6 +34,12 @@
 
 namespace {
 
+// AVX512-BF16 and AVX512-VNNI code is compiled for those units alone (target attributes) and called only where the
+// CPU has them; compilers older than GCC 10 and Clang 9 do not know them, and the kernel then builds without it.
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define DISTILLSPEC_AVX512_EXTENSIONS 1
+#endif
+
 constexpr int64_t NB = 64;   // output rows of a block
 constexpr int64_t KC = 512;  // inputs of a chunk
 constexpr int64_t TILE = 8;  // rows of the input multiplied together
@@ -161,8 +167,8 @@ void chunk_rows(int64_t rows, const int8_t* w_chunk, const int16_t* x, int64_t K
 // it): vdpbf16ps multiplies 32 weights by 32 inputs in pairs into 16 float32 sums, the products exact, so the rows
 // stay bfloat16 as the model computes them and a chunk's tile of inputs takes half the first-level cache of float32
 // rows. A chunk's tail (kc a multiple of 8) is loaded under a mask. The sums of a row are folded to 8 lanes into part.
-// Compilers older than GCC 10 and Clang 9 do not know it: the kernel then builds without it.
-#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+// (DISTILLSPEC_AVX512_EXTENSIONS: a compiler that knows it.)
+#ifdef DISTILLSPEC_AVX512_EXTENSIONS
 #define DISTILLSPEC_BF16_ROWS 1
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -293,8 +299,8 @@ BF16_TARGET void multiply_bf16_rows(const uint16_t* W, const at::BFloat16* xs_in
 // An int8 weight by rows in 16 bits on a CPU with AVX512-VNNI (compiled for it alone, called only where the CPU has
 // it): 32 weights sign-extended to 16 bits in one instruction (vpmovsxbw), multiplied by 32 inputs in pairs and
 // summed into 16 lanes of 32 bits in another (vpdpwssd), so the rows stay in their natural order (Natural16). The
-// integer sums are those of chunk_int8; a lane sums 32 of a chunk's 512 products. (GCC 10 and Clang 9 on, as above.)
-#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+// integer sums are those of chunk_int8; a lane sums 32 of a chunk's 512 products. (A compiler that knows it.)
+#ifdef DISTILLSPEC_AVX512_EXTENSIONS
 #define DISTILLSPEC_INT8_VNNI 1
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
