@@ -341,7 +341,9 @@ def test_greedy_sd_with_a_few_row_bfloat16_target_equals_the_targets_greedy(gamm
     draft = perturbed(target, 0.01)
     few = copy.deepcopy(target)
     prepack_linears(few)
-    assert_greedy_sd_is_target_greedy(few, draft, gamma, reference=target)
+    # Against the laid-out target's own greedy decoding: in bfloat16 the plain model's forward scores one of these
+    # positions in an exact tie (two logits of 7.34375), which the decoder's attention (float32 sums) breaks otherwise.
+    assert_greedy_sd_is_target_greedy(few, draft, gamma, through_cache=True)
 
 
 def test_prepack_is_chosen_for_weight_bound_targets_on_a_cpu(tmp_path):

@@ -66,16 +66,20 @@ def left_padded_prompts():
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def assert_greedy_sd_is_target_greedy(decoder, draft, gamma: int, reference=None):
+def assert_greedy_sd_is_target_greedy(decoder, draft, gamma: int, reference=None, through_cache: bool = False):
     """Greedy SD of ``decoder`` (the target, or a copy laid out otherwise) with ``draft`` over left-padded prompts
-    equals ``reference``'s (default: the decoder's) own greedy ``generate`` of each unpadded prompt, with partial
-    acceptance (rejected positions became cache holes); returns the SD output."""
+    equals ``reference``'s (default: the decoder's) own greedy ``generate`` of each unpadded prompt (``through_cache``:
+    its greedy decoding through the project's cache, :func:`autoregressive_generate`), with partial acceptance
+    (rejected positions became cache holes); returns the SD output."""
     reference = decoder if reference is None else reference
     ids, mask = left_padded_prompts()
     sd = speculative_generate(decoder, draft, ids, gamma=gamma, max_new_tokens=24, temperature=0, attention_mask=mask)
     for row in range(len(ids)):
         prompt = ids[row : row + 1, mask[row].bool()]
-        own = reference.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        if through_cache:
+            own = autoregressive_generate(reference, prompt, max_new_tokens=24, temperature=0).sequences
+        else:
+            own = reference.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
         assert torch.equal(sd.sequences[row, ids.shape[1] :], own[0, prompt.shape[1] :])
     assert 0.0 < sd.stats.alpha < 1.0
     return sd

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -697,6 +698,14 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
   return Y;
 }
 
+// A decoding step's work around its products (decoder_step.cpp, built into the same module).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
+                                                      const std::optional<torch::Tensor>& delta_in,
+                                                      const torch::Tensor& weight, double eps);
+torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
+                               const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
+                               torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_supported", &bf16_rows_supported, "whether bfloat16 rows run here (AVX512-BF16)");
   m.def("int8_vnni_supported", &int8_vnni_supported, "whether int8 weights run through AVX512-VNNI here");
@@ -705,4 +714,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4", &pack_int4, "a 4-bit weight's codes and scales in the layout of its products");
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("scales") = py::none());
+  m.def("cached_attention", &cached_attention, "a few new queries' attention over a cache, q and k rotated",
+        py::arg("q"), py::arg("key"), py::arg("value"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
+        py::arg("values"), py::arg("mask"), py::arg("start"), py::arg("scale"));
+  m.def("add_rms_norm", &add_rms_norm, "the residual sum h + delta and its RMSNorm", py::arg("h"), py::arg("delta"),
+        py::arg("weight"), py::arg("eps"));
 }

@@ -25,6 +25,12 @@ vector loaded once. The 1.5B Qwen target's cached step (Zen 3, 2 cores, float32)
 weights in the second-level cache: a step of 128 rows took 1.06x oneDNN's, so a target that only scores batches
 (a learner's, a scoring actor's) keeps oneDNN's layout.
 
+The same module holds a decoding step's work around its products, for Llama-like layers
+(``decoder_step.cpp``): the rotary embedding of a few new queries and keys, the cache's writes and the attention in
+one call a layer (:func:`cached_attention`), and a residual sum with the RMSNorm after it in one call
+(:func:`add_rms_norm`), each where torch takes tens of small operators (``kvcache.CachedLM`` takes them for its
+steps and verifications).
+
 The kernel is compiled on first use with the C++ compiler torch's own extensions use (``torch.utils.cpp_extension``)
 into the project cache, once per version of its source and of torch. Where it cannot be had (no AVX2, no compiler,
 inputs that are not multiples of 8, or ``DISTILLSPEC_FEW_ROWS=0``) the target keeps oneDNN's layout
@@ -52,6 +58,9 @@ from distillspec.files import cache_root
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+#: Built into the same module: a decoding step's work around its products (:func:`cached_attention`,
+#: :func:`add_rms_norm`).
+SOURCES = (SOURCE, Path(__file__).with_name("decoder_step.cpp"))
 #: Set to ``0`` to keep oneDNN's layout for a float32 target (a comparison, a compiler that misbehaves).
 SWITCH = "DISTILLSPEC_FEW_ROWS"
 
@@ -74,7 +83,8 @@ def _built() -> tuple[ModuleType | None, str | None]:
     reason = unavailable_reason()
     if reason is None:
         version = torch.__version__.replace("+", "_")
-        source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]  # checkouts of other versions build their own
+        # checkouts of other versions build their own
+        source = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
         build = (
             cache_root()
             / "kernels"
@@ -86,8 +96,8 @@ def _built() -> tuple[ModuleType | None, str | None]:
         try:
             module = cpp_extension.load(
                 "distillspec_few_rows",
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
             )
@@ -95,8 +105,8 @@ def _built() -> tuple[ModuleType | None, str | None]:
         except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
             reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
     log.warning(
-        "the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN, and an int8 "
-        "draft's steps go through fbgemm or torch's weight-only kernel",
+        "the few-row kernel is not used: %s; a float32 target's weights are prepacked for oneDNN, an int8 "
+        "draft's steps go through fbgemm or torch's weight-only kernel, and decoding steps through torch's operators",
         reason,
     )
     return None, reason
@@ -205,3 +215,32 @@ def few_rows_matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Ten
 def _(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None) -> Tensor:
     dtype = rows.dtype if packed.dtype == torch.uint8 else torch.float32  # a 4-bit weight's: the rows' dtype
     return rows.new_empty(rows.shape[0], out_features, dtype=dtype)
+
+
+def cached_attention(
+    q: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    start: int,
+    scale: float,
+) -> Tensor:
+    """A Llama-like layer's attention for a few new tokens over its cache, in one call: ``q`` [B, k, heads * head_dim],
+    ``key`` and ``value`` [B, k, kv_heads * head_dim] as the projections give them (not rotated), rotated by ``cos``
+    and ``sin`` [B, k, head_dim] as the models' ``apply_rotary_pos_emb`` rotates them (each operation rounded to the
+    dtype, as torch rounds it); the new keys and values are written to columns ``start .. start + k - 1`` of the
+    contiguous caches ``keys`` and ``values`` [B, kv_heads, capacity, head_dim]; each new query sees the columns
+    ``mask`` [B, start + k] (int64) marks, up to its own, and itself. Returns the attention output [B, k, heads *
+    head_dim] (o_proj's input), in the inputs' dtype (float32 or bfloat16, the sums float32)."""
+    return extension().cached_attention(q, key, value, cos, sin, keys, values, mask, start, scale)
+
+
+def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual sum ``h + delta`` (``delta`` None: ``h`` itself) and its RMSNorm by ``weight`` [D], as the
+    Llama-like models' own norm computes it (each row in float32, ``x / sqrt(mean(x^2) + eps)`` rounded to the rows'
+    dtype, times the weight and rounded again), in one call: float32 or bfloat16 rows [..., D] and weight."""
+    return extension().add_rms_norm(h, delta, weight, eps)

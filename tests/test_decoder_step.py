@@ -1,0 +1,136 @@
+"""A decoding step's attention and norms through the project's CPU kernel (distillspec/models/decoder_step.cpp): the
+models' own rotary embedding, norms and attention, the cache's writes, holes and all."""
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
+
+from distillspec.decoding import kvcache
+from distillspec.decoding.kvcache import CachedLM
+from distillspec.models import few_rows
+
+from .test_kvcache import run, tiny_qwen2
+
+pytestmark = pytest.mark.skipif(
+    few_rows.unavailable_reason() is not None, reason="the few-row kernel does not run here"
+)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, k, head_dim] of ``positions`` [B, k], as a rotary embedding gives them."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    angles = positions[..., None].double() * inverse
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def reference(q, key, value, cos, sin, keys, values, mask, start, scale, head_dim):
+    """The same call through the model's own rotary function and float64 attention; writes the cache as the kernel
+    does."""
+    batch, k = q.shape[:2]
+    q, key, value = (x.view(batch, k, -1, head_dim).transpose(1, 2) for x in (q, key, value))
+    q, key = apply_rotary_pos_emb(q, key, cos, sin)
+    keys[:, :, start : start + k], values[:, :, start : start + k] = key, value
+    own = start + torch.arange(k)
+    cols = torch.arange(start + k)
+    visible = ((mask.bool()[:, None, :] & (cols <= own[:, None])) | (cols == own[:, None]))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(),
+        keys[:, :, : start + k].double(),
+        values[:, :, : start + k].double(),
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).reshape(batch, k, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 3, 9])
+def test_cached_attention_is_the_models_rotary_embedding_and_attention(dtype, k):
+    """Grouped query heads (6 over 2), a batch of 3 with holes (a padded prompt's columns, a rejected one), 37 cached
+    columns (not a multiple of the kernel's 8): the cache's new columns hold exactly the rotated keys and the values,
+    the output is the float64 attention of the rounded inputs within the dtype's rounding."""
+    torch.manual_seed(k)
+    batch, heads, kv_heads, head_dim, start, capacity = 3, 6, 2, 16, 37, 64
+    qkv = torch.randn(batch, k, (heads + 2 * kv_heads) * head_dim).to(dtype)  # one product's output, split
+    q, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    cos, sin = rotary(start + torch.arange(k).expand(batch, k), head_dim, dtype)
+    keys, values = (torch.randn(batch, kv_heads, capacity, head_dim).to(dtype) for _ in range(2))
+    mask = torch.ones(batch, start + k, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[2, 20] = 0
+    if k > 1:
+        mask[1, start] = 0  # a new hole: its query still sees itself
+    expected_keys, expected_values = keys.clone(), values.clone()
+    with torch.inference_mode():
+        exact = reference(q, key, value, cos, sin, expected_keys, expected_values, mask, start, 0.3, head_dim)
+        out = few_rows.cached_attention(q, key, value, cos, sin, keys, values, mask, start, 0.3)
+    assert out.dtype == dtype and out.shape == (batch, k, heads * head_dim)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), exact, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_attends_each_position_as_a_step_does(dtype):
+    """k new queries in one call give each query's output to the bit as k calls of one query do: a verification
+    scores a position's attention as the target's own step scores it."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, start, k = 1, 4, 2, 32, 50, 4
+    q, key, value = (torch.randn(batch, k, n * head_dim).to(dtype) for n in (heads, kv_heads, kv_heads))
+    cos, sin = rotary(start + torch.arange(k)[None], head_dim, dtype)
+    keys, values = (torch.randn(batch, kv_heads, 64, head_dim).to(dtype) for _ in range(2))
+    mask = torch.ones(batch, start + k, dtype=torch.long)
+    at_once = few_rows.cached_attention(q, key, value, cos, sin, keys.clone(), values.clone(), mask, start, 0.2)
+    for i in range(k):
+        one = few_rows.cached_attention(
+            *(x[:, i : i + 1] for x in (q, key, value, cos, sin)),
+            keys,
+            values,
+            mask[:, : start + i + 1],
+            start + i,
+            0.2,
+        )
+        assert torch.equal(one[:, 0], at_once[:, i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_sum_and_the_models_norm(dtype):
+    torch.manual_seed(1)
+    norm = Qwen2RMSNorm(40, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(40).to(dtype)
+    h, delta = torch.randn(2, 3, 40).to(dtype) * 4, torch.randn(2, 3, 40).to(dtype)
+    with torch.inference_mode():
+        total, normed = few_rows.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        assert torch.equal(total, h + delta) and not torch.equal(h, total)  # h itself is not written
+        alone, normed_alone = few_rows.add_rms_norm(h, None, norm.weight, norm.variance_epsilon)
+        assert alone is h
+        for got, want in ((normed, norm(h + delta)), (normed_alone, norm(h))):
+            assert got.dtype == dtype
+            if dtype == torch.bfloat16:  # the sums of squares in another order, within float32's rounding
+                torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+            else:
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_caches_steps_through_the_kernel_are_torchs(dtype, monkeypatch):
+    """The lean cache's calls (a padded prompt, steps with holes, a batch that drops a row) through the kernel give
+    the logits of the same calls through torch's operators, on a model with grouped query heads and q/k/v biases."""
+    model = tiny_qwen2().to(dtype)
+    ids = torch.tensor([[0, 0, 1, 2, 3], [4, 5, 6, 7, 8], [0, 9, 10, 11, 12]])
+    mask = (torch.arange(5) >= torch.tensor([2, 0, 1])[:, None]).long()
+    kernel = CachedLM(model)
+    assert kernel.kernel
+    monkeypatch.setattr(kvcache, "_kernel_steps", lambda model: False)
+    plain = CachedLM(model)
+    assert not plain.kernel
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+
+    def last(logits: torch.Tensor) -> torch.Tensor:
+        # Only real tokens count: the hole's own query (row 0 and 2, first column of the third call) is discarded.
+        return logits[..., -1, :] if logits.ndim == 3 else logits
+
+    for ours, torchs in zip(run(kernel, ids, mask), run(plain, ids, mask)):
+        torch.testing.assert_close(last(ours), last(torchs), atol=tolerance, rtol=tolerance)
