@@ -265,17 +265,28 @@ def test_the_few_row_kernel_multiplies_an_int8_weight_in_exact_integer_sums():
 
 @needs_compiler
 @pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
-def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized():
-    """Where the CPU has AVX512-VNNI: codes 0-15 in groups of 32 inputs, each group of an output row with its scale
-    and zero point (``(code - 8) * scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded to 16 bits
-    (a scale per row): the float64 product of those rows and the dequantized weight to float32's precision, at every
-    row count (the kernel reads a run of 64 output rows once per 4 rows), past a run's padding (80 outputs), float32
-    and bfloat16 rows (a bfloat16 product: the float32 one rounded); and within bfloat16's rounding of the rows of
-    torch's own int4 kernel."""
+def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(tmp_path):
+    """Codes 0-15 in groups of 32 inputs, each group of an output row with its scale and zero point (``(code - 8) *
+    scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded to 16 bits (a scale per row): the float64
+    product of those rows and the dequantized weight to float32's precision, at every row count (the kernel reads a
+    run of 64 output rows once per 4 rows), past a run's padding (80 outputs), float32 and bfloat16 rows (a bfloat16
+    product: the float32 one rounded); and within bfloat16's rounding of the rows of torch's own int4 kernel. Through
+    AVX512-VNNI where the CPU has it, and through AVX2 with it switched off (in a process of its own) to the bit."""
+    torch.save(int4_products(), tmp_path / "here.pt")
+    env = dict(os.environ, **{few_rows.INT8_VNNI_SWITCH: "0"})
+    there = str(tmp_path / "avx2.pt")
+    check = f"from tests.test_packing import torch, int4_products; torch.save(int4_products(), {there!r})"
+    avx2 = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+    assert avx2.returncode == 0, avx2.stderr[-2000:]
+    for here, there in zip(torch.load(tmp_path / "here.pt"), torch.load(tmp_path / "avx2.pt"), strict=True):
+        assert torch.equal(here, there)
+
+
+def int4_products() -> list[torch.Tensor]:
+    """The checks of the test above; returns the products."""
     from distillspec.models.packing import int4_groups
 
-    if not few_rows.int4():
-        pytest.skip("4-bit weights go through the few-row kernel on a CPU with AVX512-VNNI only")
+    products = []
     torch.manual_seed(0)
     weight = torch.randn(80, 96) * 0.02
     codes, scales_zeros = int4_groups(weight)
@@ -293,6 +304,7 @@ def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(
             x_scales = rows_f32.abs().amax(1, keepdim=True) / 32767
             exact = torch.round(rows_f32 * (1 / x_scales)).double() * x_scales.double() @ dequantized.T
             out = few_rows.matmul(x.to(dtype), packed, 80)
+            products.append(out)
             assert out.dtype == dtype and out.shape == (rows, 80)  # the rows' dtype: bfloat16 rounded once
             if dtype == torch.bfloat16:
                 out = few_rows.matmul(rows_f32, packed, 80)  # the same rows as float32, the same sums
@@ -304,10 +316,11 @@ def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(
         few_rows.pack_int4(codes[:72], scales_zeros[:, :72])
     with pytest.raises(RuntimeError, match="other shapes"):
         few_rows.matmul(torch.randn(1, 96), packed, 64)
+    return products
 
 
 def test_int4_steps_go_through_the_few_row_kernel_where_it_takes_them(monkeypatch):
-    """An int4 layer's steps (up to INT4_FEW_ROWS rows) through the few-row kernel where the CPU has AVX512-VNNI: the
+    """An int4 layer's steps (up to INT4_FEW_ROWS rows) through the few-row kernel where it takes them: the
     products of torch's int4 kernel (the same codes and scales; ``DISTILLSPEC_INT4_FEW_ROWS=0`` keeps that kernel) to
     within the rounding of the rows (bfloat16 for torch's, 16 bits a row for the few-row kernel's), in float32 and
     bfloat16 models; more rows take the int8 product."""
@@ -315,7 +328,9 @@ def test_int4_steps_go_through_the_few_row_kernel_where_it_takes_them(monkeypatc
 
     skip_without("int4")
     if not few_rows.int4():
-        pytest.skip("4-bit weights go through the few-row kernel on a CPU with AVX512-VNNI only")
+        pytest.skip(
+            "4-bit weights take the few-row kernel with AVX512-VNNI, or where torch's kernels run below AVX-512"
+        )
     torch.manual_seed(0)
     fbgemm = fbgemm_available()
     for dtype in (torch.float32, torch.bfloat16):
@@ -776,7 +791,7 @@ def test_int4_steps_round_each_group_of_32_and_a_prompt_keeps_the_int8_product()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compiled_int4_draft_proposes_what_the_eager_one_does(dtype):
     """eval.compile with draft_int8=int4: the compiled steps run the 4-bit products as the eager ones do (the few-row
-    kernel's where the CPU has AVX512-VNNI, its product in the rows' dtype; else torch's kernel): in float32 the same
+    kernel's where it runs, its product in the rows' dtype; else torch's kernel): in float32 the same
     tokens and acceptance, greedy and sampled; in bfloat16 (the draft's steps compiled) the same greedy tokens, and
     the compiled draft's distributions within rounding of the eager one's (its fused norms and activations round
     their bfloat16 sums once, where eager operators round each, whichever kernel takes the products)."""

@@ -356,10 +356,10 @@ VNNI_TARGET void chunk_rows(int64_t rows, const int8_t* w_chunk, const Natural16
 }
 #endif
 
-#ifdef DISTILLSPEC_INT8_VNNI
 // A 4-bit weight in groups of 32 inputs (each group of an output row with its own scale s and zero point z, a weight
-// (q - 8) s + z for its code q in 0-15: an int4 draft's) by rows in 16 bits, on a CPU with AVX512-VNNI. Output rows
-// lie in the vectors' lanes, 16 to a vector: a unit of 32 bytes holds 16 output rows' codes for 4 inputs k to k + 3,
+// (q - 8) s + z for its code q in 0-15: an int4 draft's) by rows in 16 bits (int4_run on a CPU with AVX512-VNNI,
+// int4_run_avx2 elsewhere). Output rows lie in the vectors' lanes, 16 to a vector: a unit of 32 bytes holds 16
+// output rows' codes for 4 inputs k to k + 3,
 // byte 2l + j the codes of row l for input k + j (low nibble) and k + 2 + j (high nibble). A unit widens to 16 bits
 // in one instruction, its low and high nibbles are masked and shifted apart, and vpdpwssd multiplies each by a pair
 // of an input row's values broadcast to every lane: 16 output rows by 4 inputs in three instructions for the weight
@@ -377,6 +377,84 @@ constexpr int64_t INT4_RUN_GROUP = INT4_UNITS * INT4_BLOCKS * INT4_UNIT + INT4_S
 constexpr int64_t int4_bytes(int64_t N, int64_t K) {
   return (N + INT4_RUN - 1) / INT4_RUN * (K / INT4_GROUP_SIZE) * INT4_RUN_GROUP;
 }
+
+// The same products at AVX2 (int4_run_avx2): a unit's 16 bytes of 8 output rows widened to 16 bits, their nibbles
+// multiplied by a pair of an input row's values and summed in pairs (vpmaddwd) into 8 lanes of 32 bits: the same
+// integer sums as vpdpwssd's, and the same scaling, so both give the same product to the bit.
+template <int M, typename Y>
+void int4_run_avx2(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
+                   int64_t K, int64_t N, int64_t n0) {
+  const int64_t G = K / INT4_GROUP_SIZE;
+  const __m256i low = _mm256_set1_epi16(0x0F);
+  float sums[M][INT4_RUN] = {};
+  __m256i pairs[M][INT4_UNITS][2];  // each unit's inputs k, k + 1 and k + 2, k + 3 of each row, in every lane
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* group = run + g * INT4_RUN_GROUP;
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES);
+    _mm_prefetch(reinterpret_cast<const char*>(group) + 4096, _MM_HINT_T0);
+    for (int m = 0; m < M && M <= 2; ++m)
+      for (int64_t u = 0; u < INT4_UNITS; ++u) {
+        int32_t pair[2];
+        std::memcpy(pair, xq + m * K + g * INT4_GROUP_SIZE + 4 * u, sizeof(pair));
+        pairs[m][u][0] = _mm256_set1_epi32(pair[0]);
+        pairs[m][u][1] = _mm256_set1_epi32(pair[1]);
+      }
+    for (int b = 0; b < INT4_BLOCKS; ++b)
+      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of block b: bytes 16h .. 16h + 15 of its units
+        __m256i acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+        for (int64_t u = 0; u < INT4_UNITS; ++u) {
+          const __m256i wide = _mm256_cvtepu8_epi16(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + (u * INT4_BLOCKS + b) * INT4_UNIT + 16 * h)));
+          const __m256i lo = _mm256_and_si256(wide, low), hi = _mm256_srli_epi16(wide, 4);
+          for (int m = 0; m < M; ++m) {
+            if constexpr (M <= 2) {
+              acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, pairs[m][u][0]),
+                                                                 _mm256_madd_epi16(hi, pairs[m][u][1])));
+            } else {  // (more rows: broadcast as they are read, which ran faster at 4 rows)
+              int32_t pair[2];
+              std::memcpy(pair, xq + m * K + g * INT4_GROUP_SIZE + 4 * u, sizeof(pair));
+              acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(pair[0])),
+                                                                 _mm256_madd_epi16(hi, _mm256_set1_epi32(pair[1]))));
+            }
+          }
+        }
+        const __m256 s = load8(sz + 32 * b + 8 * h), z = load8(sz + 32 * b + 16 + 8 * h);
+        const __m256 zero_term = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);  // z - 8 s
+        for (int m = 0; m < M; ++m) {
+          float* at = sums[m] + 16 * b + 8 * h;
+          _mm256_storeu_ps(at, _mm256_fmadd_ps(zero_term, _mm256_set1_ps(xsum[m * G + g]),
+                                               _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[m]), _mm256_loadu_ps(at))));
+        }
+      }
+  }
+  for (int64_t r = 0; r < INT4_RUN && n0 + r < N; ++r)
+    for (int m = 0; m < M; ++m) ys[m * N + n0 + r] = static_cast<Y>(sums[m][r] * x_scales[m]);
+}
+
+template <typename Y>
+void multiply_int4_avx2(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
+                        int64_t M, int64_t K, int64_t N) {
+  const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
+  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* run = W + r * G * INT4_RUN_GROUP;
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int16_t* x = xq + m0 * K;
+        const float* sum = xsum + m0 * G;
+        Y* y = ys + m0 * N;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int4_run_avx2<1, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 2: int4_run_avx2<2, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 3: int4_run_avx2<3, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          default: int4_run_avx2<4, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+        }
+      }
+    }
+  });
+}
+
+#ifdef DISTILLSPEC_INT8_VNNI
 
 // 16 sums stored as float32, or rounded to bfloat16 (to nearest, ties to even, as torch rounds: the rows' dtype).
 VNNI_TARGET inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
@@ -578,13 +656,13 @@ torch::Tensor pack(const torch::Tensor& weight) {
   return packed;
 }
 
-// Whether this CPU takes 4-bit weights (AVX512-VNNI; DISTILLSPEC_INT8_VNNI=0 turns them off with the int8 path).
-bool int4_supported() { return int8_vnni_supported(); }
+// Whether this CPU takes 4-bit weights: every CPU the kernel runs on (AVX2), through AVX512-VNNI where it has it
+// (int8_vnni_supported; DISTILLSPEC_INT8_VNNI=0 keeps AVX2's products for them too).
+bool int4_supported() { return true; }
 
 // A 4-bit weight's codes [N, K] (0-15, any integer type; N a multiple of 16, K of 32) and its groups' scales and zero
 // points [K / 32, N, 2] (bfloat16, torch's layout) in the layout of int4_run: one uint8 tensor, its padding zero.
 torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_zeros) {
-#ifdef DISTILLSPEC_INT8_VNNI
   TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "few_rows.pack_int4 takes 2-d CPU codes");
   const int64_t N = codes.size(0), K = codes.size(1), G = K / INT4_GROUP_SIZE;
   TORCH_CHECK(N % 16 == 0 && K % INT4_GROUP_SIZE == 0, "few_rows.pack_int4 takes outputs in multiples of 16 and ",
@@ -615,9 +693,6 @@ torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_
     }
   });
   return packed;
-#else
-  TORCH_CHECK(false, "few_rows.pack_int4 needs a compiler with AVX512-VNNI");
-#endif
 }
 
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
@@ -634,17 +709,13 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
   auto X = x.contiguous();
   const int64_t M = X.size(0), K = X.size(1);
   const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-#ifdef DISTILLSPEC_INT8_VNNI
   TORCH_CHECK(!int4 || (N % 16 == 0 && K % INT4_GROUP_SIZE == 0 && packed.numel() == int4_bytes(N, K)),
               "few_rows.matmul: a 4-bit weight packed for other shapes");
-#endif
   TORCH_CHECK(int4 || packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
   auto Y = torch::empty({M, N}, X.options().dtype(int4 ? X.scalar_type() : at::kFloat));  // 4-bit: the rows' dtype
   if (M == 0) return Y;
   if (int4) {
-#ifdef DISTILLSPEC_INT8_VNNI
-    TORCH_CHECK(int4_supported(), "few_rows.matmul takes 4-bit weights on a CPU with AVX512-VNNI only");
     const int64_t G = K / INT4_GROUP_SIZE;
     std::vector<int16_t> xq(M * K);
     std::vector<float> x_scales(M), xsum(M * G);
@@ -658,14 +729,20 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
         for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
         xsum[m * G + g] = static_cast<float>(sum);
       }
-    if (bf16_rows)
-      multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(),
-                    M, K, N);
-    else
-      multiply_int4(packed.data_ptr<uint8_t>(), xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
-#else
-    TORCH_CHECK(false, "few_rows.matmul takes 4-bit weights on a CPU with AVX512-VNNI only");
+    const uint8_t* W = packed.data_ptr<uint8_t>();
+#ifdef DISTILLSPEC_INT8_VNNI
+    if (int8_vnni_supported()) {
+      if (bf16_rows)
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
+      else
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+      return Y;
+    }
 #endif
+    if (bf16_rows)
+      multiply_int4_avx2(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
+    else
+      multiply_int4_avx2(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
   } else if (int8) {
     auto S = scales->contiguous();
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");
@@ -709,7 +786,7 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_supported", &bf16_rows_supported, "whether bfloat16 rows run here (AVX512-BF16)");
   m.def("int8_vnni_supported", &int8_vnni_supported, "whether int8 weights run through AVX512-VNNI here");
-  m.def("int4_supported", &int4_supported, "whether 4-bit weights run here (AVX512-VNNI)");
+  m.def("int4_supported", &int4_supported, "whether 4-bit weights run here (AVX2; AVX512-VNNI where the CPU has it)");
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
   m.def("pack_int4", &pack_int4, "a 4-bit weight's codes and scales in the layout of its products");
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),

@@ -12,8 +12,9 @@ multiplied in integers, each input row rounded to 16 bits with a scale of its ow
 weight's product than fbgemm's 7-bit activations (the 0.5B Qwen draft's mean TVD from the float draft 0.0096 against
 0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU. Where the CPU has AVX512-VNNI the
 same integer sums take two instructions per 32 weights (:func:`int8_vnni`): the draft's decoder layers at 1 / 2 / 6
-rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. There, too, a 4-bit weight in groups of 32 (an int4
-draft's, :func:`int4`) is multiplied in integers with its output rows in the vectors' lanes.
+rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. A 4-bit weight in groups of 32 (an int4 draft's,
+:func:`int4`) is multiplied in integers with its output rows in the vectors' lanes, through AVX512-VNNI where the CPU
+has it and AVX2 elsewhere, the same sums either way.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
@@ -146,7 +147,8 @@ def bf16_rows() -> bool:
     return extension() is not None and extension().bf16_rows_supported()
 
 
-#: Set to ``0`` to keep AVX2's products for an int8 weight on a CPU with AVX512-VNNI (a comparison); read once.
+#: Set to ``0`` to keep AVX2's products for an int8 or 4-bit weight on a CPU with AVX512-VNNI (a comparison); read
+#: once.
 INT8_VNNI_SWITCH = "DISTILLSPEC_INT8_VNNI"
 
 
@@ -158,19 +160,24 @@ def int8_vnni() -> bool:
     return extension() is not None and extension().int8_vnni_supported()
 
 
-#: Set to ``0`` to keep torch's kernel for a 4-bit draft's steps (a comparison); read as a draft is quantized.
+#: Set to ``0`` to keep torch's kernel for a 4-bit draft's steps, to ``1`` to take the few-row kernel wherever it runs
+#: (comparisons); unset, :func:`int4` chooses. Read as a draft is quantized.
 INT4_SWITCH = "DISTILLSPEC_INT4_FEW_ROWS"
 
 
 def int4() -> bool:
-    """Whether the kernel multiplies 4-bit weights in groups of 32 (an int4 draft's, :func:`pack_int4`) here: a CPU
-    with AVX512-VNNI, the kernel built (the first time), ``DISTILLSPEC_INT4_FEW_ROWS`` not ``0``. Output rows lie in
-    the vectors' lanes, 16 to a vector, so a group's 4-bit codes take their scales for 16 rows at once, and the rows
-    are rounded to 16 bits as an int8 weight's: the 0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows in 0.75-0.81 /
-    0.73-0.77 / 0.66 of torch's int4 kernel's time on an AMD EPYC (docs/MEASUREMENTS.md)."""
-    if os.environ.get(INT4_SWITCH, "1") == "0":
+    """Whether a 4-bit weight in groups of 32 (an int4 draft's, :func:`pack_int4`) takes the kernel's products here
+    rather than torch's int4 kernel: the kernel built (the first time), and either AVX512-VNNI (:func:`int8_vnni`)
+    or torch's kernels below AVX-512 (``DISTILLSPEC_INT4_FEW_ROWS``: ``0`` never, ``1`` always). Output rows lie in the vectors' lanes,
+    16 to a vector (8 at AVX2), so a group's 4-bit codes take their scales for 16 rows at once, and the rows are
+    rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2 give the same sums. With VNNI the 0.5B Qwen draft's
+    decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 / 0.66 of torch's int4 kernel's time on an AMD
+    EPYC; with AVX2's products its float32 step took 0.39x torch's kernel's at AVX2 (one row), but 0.92-1.15x its
+    AVX-512 kernel's, which such CPUs without VNNI keep (docs/MEASUREMENTS.md)."""
+    switch = os.environ.get(INT4_SWITCH)
+    if switch == "0" or extension() is None or not extension().int4_supported():
         return False
-    return extension() is not None and extension().int4_supported()
+    return switch == "1" or int8_vnni() or torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def pack_int4(codes: Tensor, scales_zeros: Tensor) -> Tensor:

@@ -304,8 +304,9 @@ class Int8Linear(nn.Module):
     0.5B Qwen draft read one 2.5x faster than through the dequantized weight), and the steps stay weight-only.
 
     ``int4=True`` (``draft_int8=int4``) also holds the weight in 4 bits, each group of :data:`INT4_GROUP` inputs with
-    its own scale and zero point (:func:`int4_groups`): a step reads half the int8 bytes. Where the CPU has
-    AVX512-VNNI up to :data:`INT4_FEW_ROWS` rows (drafting steps) go through the few-row kernel's 4-bit products
+    its own scale and zero point (:func:`int4_groups`): a step reads half the int8 bytes. Where the few-row kernel takes
+    them (:func:`~distillspec.models.few_rows.int4`: AVX512-VNNI, or AVX2 alone) up to :data:`INT4_FEW_ROWS` rows
+    (drafting steps) go through its 4-bit products
     (:func:`~distillspec.models.few_rows.int4`; the rows rounded to 16 bits), elsewhere up to :data:`INT4_ROWS` through
     torch's CPU kernel (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the weight-only
     kernel's: in float32 the 0.5B Qwen draft's step took 1,031 ms against fbgemm's 69). More rows (a prompt) take the
@@ -330,7 +331,7 @@ class Int8Linear(nn.Module):
         #: divide, keeps int8 ones
         self.int4 = int4 and self.in_features % INT4_GROUP == 0 and self.out_features % 16 == 0
         self.int4_packed = self.int4_scales_zeros = None  #: the 4-bit weight and its groups' scales, with ``int4``
-        #: ... multiplied by the few-row kernel, its scales in its layout (AVX512-VNNI, a bfloat16 or float32 model)
+        #: ... multiplied by the few-row kernel, its scales in its layout (where it takes them; bfloat16 or float32)
         self.int4_few_rows = self.int4 and self.step_dtype == torch.bfloat16 and few_rows.int4()
         self.int4_rows = INT4_FEW_ROWS if self.int4_few_rows else INT4_ROWS  #: the most rows its 4-bit steps take
         #: steps (up to INT8_ROWS rows) weight-only, not through fbgemm: asked for, or where there is no fbgemm
