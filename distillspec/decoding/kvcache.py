@@ -149,7 +149,9 @@ def _kernel_steps(model: PreTrainedModel) -> bool:
 def attention(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None, scale: float) -> Tensor:
     """Attention of queries ``q`` [B, heads, k, head_dim] over ``keys`` and ``values`` [B, kv_heads, cols, head_dim]
     where ``visible`` [B, 1, k, cols] holds, or causally (None: ``k == cols``, the queries the keys' own); through
-    ``scaled_dot_product_attention``, each key/value head serving its group of query heads.
+    ``scaled_dot_product_attention``, each key/value head serving its group of query heads (an eager step on an x86
+    CPU takes the project's kernel instead, :func:`~distillspec.models.few_rows.cached_attention`; compiled steps,
+    prompts and other devices take this one).
 
     One bfloat16 query on a CPU (a decoding step) is taken in float32: torch's bfloat16 kernel is slow for a single
     query, and slower the longer the cache. On 2 cores of an AMD EPYC, a layer of the 1.5B Qwen target (12 heads of
