@@ -168,12 +168,12 @@ INT4_SWITCH = "DISTILLSPEC_INT4_FEW_ROWS"
 def int4() -> bool:
     """Whether a 4-bit weight in groups of 32 (an int4 draft's, :func:`pack_int4`) takes the kernel's products here
     rather than torch's int4 kernel: the kernel built (the first time), and either AVX512-VNNI (:func:`int8_vnni`)
-    or torch's kernels below AVX-512 (``DISTILLSPEC_INT4_FEW_ROWS``: ``0`` never, ``1`` always). Output rows lie in the vectors' lanes,
-    16 to a vector (8 at AVX2), so a group's 4-bit codes take their scales for 16 rows at once, and the rows are
-    rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2 give the same sums. With VNNI the 0.5B Qwen draft's
-    decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 / 0.66 of torch's int4 kernel's time on an AMD
-    EPYC; with AVX2's products its float32 step took 0.39x torch's kernel's at AVX2 (one row), but 0.92-1.15x its
-    AVX-512 kernel's, which such CPUs without VNNI keep (docs/MEASUREMENTS.md)."""
+    or torch's kernels below AVX-512 (``DISTILLSPEC_INT4_FEW_ROWS``: ``0`` never, ``1`` always). Output rows lie in
+    the vectors' lanes, 16 to a vector (8 at AVX2), so a group's 4-bit codes take their scales for 16 rows at once,
+    and the rows are rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2 give the same sums. With VNNI the
+    0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 / 0.66 of torch's int4 kernel's
+    time on an AMD EPYC; with AVX2's products its float32 step took 0.39x torch's kernel's at AVX2 (one row), but
+    0.92-1.15x its AVX-512 kernel's, which such CPUs without VNNI keep (docs/MEASUREMENTS.md)."""
     switch = os.environ.get(INT4_SWITCH)
     if switch == "0" or extension() is None or not extension().int4_supported():
         return False
