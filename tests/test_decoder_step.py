@@ -47,12 +47,14 @@ def reference(q, key, value, cos, sin, keys, values, mask, start, scale, head_di
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 3, 9])
-def test_cached_attention_is_the_models_rotary_embedding_and_attention(dtype, k):
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_cached_attention_is_the_models_rotary_embedding_and_attention(dtype, k, head_dim):
     """Grouped query heads (6 over 2), a batch of 3 with holes (a padded prompt's columns, a rejected one), 37 cached
-    columns (not a multiple of the kernel's 8): the cache's new columns hold exactly the rotated keys and the values,
-    the output is the float64 attention of the rounded inputs within the dtype's rounding."""
+    columns (not a multiple of the kernel's 8), heads of 16 and of 64 (bfloat16 scores through vdpbf16ps where the
+    CPU has AVX512-BF16): the cache's new columns hold exactly the rotated keys and the values, the output is the
+    float64 attention of the rounded inputs within the dtype's rounding."""
     torch.manual_seed(k)
-    batch, heads, kv_heads, head_dim, start, capacity = 3, 6, 2, 16, 37, 64
+    batch, heads, kv_heads, start, capacity = 3, 6, 2, 37, 64
     qkv = torch.randn(batch, k, (heads + 2 * kv_heads) * head_dim).to(dtype)  # one product's output, split
     q, key, value = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
     cos, sin = rotary(start + torch.arange(k).expand(batch, k), head_dim, dtype)

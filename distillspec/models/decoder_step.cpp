@@ -11,9 +11,12 @@
 // returns the attention output in the layout o_proj takes ([B, k, heads x head_dim]). A thread takes whole key/value
 // heads (or a slice of a head's group of query heads, where there are more threads than heads): it widens 8 cached
 // keys at a time to float32 once for all its queries, sums their products in float32 (8 accumulators, one a key,
-// reduced together), takes the softmax over the visible columns (exp by Cephes' polynomial, 8 at a time), and sums
-// the values the same way. Built with the few-row kernel (distillspec/models/few_rows.py, which documents the
+// reduced together; bfloat16 keys and queries on a CPU with AVX512-BF16 go through vdpbf16ps as they are, each pair
+// of products exact: DISTILLSPEC_DOT_BF16=0 widens them), takes the softmax over the visible columns (exp by Cephes'
+// polynomial, 8 at a time), and sums the values the same way, in float32. Built with the few-row kernel (distillspec/models/few_rows.py, which documents the
 // figures).
+
+#include "few_rows.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,12 +25,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// Whether bfloat16 scores take vdpbf16ps here; DISTILLSPEC_DOT_BF16=0 keeps the float32 sums of widened keys.
+bool dot_bf16_supported() {
+  static const bool supported = [] {
+    const char* off = std::getenv("DISTILLSPEC_DOT_BF16");
+    return !(off && std::string(off) == "0") && bf16_rows_supported();
+  }();
+  return supported;
+}
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
@@ -96,6 +111,33 @@ inline void widen_rows(const T* head, int64_t c0, int64_t end, int64_t d, float*
   }
 }
 
+#ifdef DISTILLSPEC_AVX512_EXTENSIONS
+#define DISTILLSPEC_DOT_BF16 1
+// Scores of bfloat16 queries qb [nq][d] (d a multiple of 32) against the cached keys, 8 at a time, on a CPU with
+// AVX512-BF16: each pair of products exact (vdpbf16ps) and summed in float32, the keys read as they are.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void scores_bf16(
+    const at::BFloat16* qb, const at::BFloat16* key_head, int64_t nq, int64_t end, int64_t d, int64_t width,
+    float scale, float* scores) {
+  for (int64_t c0 = 0; c0 < end; c0 += 8)
+    for (int64_t j = 0; j < nq; ++j) {
+      __m512 acc[8];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      const at::BFloat16* qj = qb + j * d;
+      for (int64_t e = 0; e < d; e += 32) {
+        const __m512i qv = _mm512_loadu_si512(qj + e);
+        for (int c = 0; c < 8; ++c)
+          if (c0 + c < end)
+            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)qv, (__m512bh)_mm512_loadu_si512(key_head + (c0 + c) * d + e));
+      }
+      __m256 halves[8];
+      for (int c = 0; c < 8; ++c)
+        halves[c] = _mm256_add_ps(_mm512_castps512_ps256(acc[c]),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1)));
+      _mm256_storeu_ps(scores + j * width + c0, _mm256_mul_ps(sums8(halves), _mm256_set1_ps(scale)));
+    }
+}
+#endif
+
 struct Strided {  // a [B, k, n x d] tensor's data and its batch and row strides (its last dimension contiguous)
   int64_t batch, row;
 };
@@ -103,7 +145,7 @@ struct Strided {  // a [B, k, n x d] tensor's data and its batch and row strides
 template <typename T>
 void attend(const T* q, Strided qs, const T* key, Strided ks, const T* value, Strided vs, const T* cos,
             const T* sin, Strided rs, T* keys, T* values, int64_t cap, const int64_t* mask, int64_t mask_batch, T* out,
-            int64_t B, int64_t k, int64_t H, int64_t Hkv, int64_t d, int64_t start, float scale) {
+            int64_t B, int64_t k, int64_t H, int64_t Hkv, int64_t d, int64_t start, float scale, bool dot_bf16) {
   const int64_t end = start + k, width = (end + 7) / 8 * 8, group = H / Hkv;
   // The new keys, rotated, and values into the cache.
   for (int64_t b = 0; b < B; ++b)
@@ -125,13 +167,14 @@ void attend(const T* q, Strided qs, const T* key, Strided ks, const T* value, St
   const int64_t per_slice = (group + slices - 1) / slices, units = B * Hkv * slices;
   const int64_t grain = B * H * k * end * d < (int64_t{1} << 16) ? units : 1;  // tiny: not worth waking threads
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<T> rotated(d);
+    std::vector<T> rotated(d), qt;
     std::vector<float> qf, scores, rows(8 * d), of, inverse;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (Hkv * slices), g = u / slices % Hkv, h0 = u % slices * per_slice;
       const int64_t heads = std::min(per_slice, group - h0), nq = heads * k;
       if (heads <= 0) continue;
       qf.assign(nq * d, 0.0f);
+      qt.resize(nq * d);
       scores.assign(nq * width, 0.0f);
       of.assign(nq * d, 0.0f);
       inverse.assign(nq, 0.0f);
@@ -140,11 +183,16 @@ void attend(const T* q, Strided qs, const T* key, Strided ks, const T* value, St
           rotate(q + b * qs.batch + i * qs.row + (g * group + h0 + h) * d, cos + b * rs.batch + i * rs.row,
                  sin + b * rs.batch + i * rs.row, rotated.data(), d);
           for (int64_t e = 0; e < d; ++e) qf[(h * k + i) * d + e] = widen(rotated[e]);
+          std::copy(rotated.begin(), rotated.end(), qt.begin() + (h * k + i) * d);
         }
       const T* key_head = keys + (b * Hkv + g) * cap * d;
       const T* value_head = values + (b * Hkv + g) * cap * d;
       const __m256 scaled = _mm256_set1_ps(scale);
-      for (int64_t c0 = 0; c0 < end; c0 += 8) {  // scores: 8 keys at a time, widened once for every query
+#ifdef DISTILLSPEC_DOT_BF16
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        if (dot_bf16) scores_bf16(qt.data(), key_head, nq, end, d, width, scale, scores.data());
+#endif
+      for (int64_t c0 = 0; c0 < end && !(std::is_same_v<T, at::BFloat16> && dot_bf16); c0 += 8) {  // 8 keys at a time
         widen_rows(key_head, c0, end, d, rows.data());
         for (int64_t j = 0; j < nq; ++j) {
           __m256 acc[8];
@@ -295,11 +343,12 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
   if (dtype == at::kFloat)
     attend(q.data_ptr<float>(), qs, key.data_ptr<float>(), ks, value.data_ptr<float>(), vs, cos.data_ptr<float>(),
            sin.data_ptr<float>(), rs, keys.data_ptr<float>(), values.data_ptr<float>(), cap, mask.data_ptr<int64_t>(),
-           mask.stride(0), out.data_ptr<float>(), B, k, H, Hkv, d, start, static_cast<float>(scale));
+           mask.stride(0), out.data_ptr<float>(), B, k, H, Hkv, d, start, static_cast<float>(scale), false);
   else
     attend(q.data_ptr<at::BFloat16>(), qs, key.data_ptr<at::BFloat16>(), ks, value.data_ptr<at::BFloat16>(), vs,
            cos.data_ptr<at::BFloat16>(), sin.data_ptr<at::BFloat16>(), rs, keys.data_ptr<at::BFloat16>(),
            values.data_ptr<at::BFloat16>(), cap, mask.data_ptr<int64_t>(), mask.stride(0),
-           out.data_ptr<at::BFloat16>(), B, k, H, Hkv, d, start, static_cast<float>(scale));
+           out.data_ptr<at::BFloat16>(), B, k, H, Hkv, d, start, static_cast<float>(scale),
+           d % 32 == 0 && dot_bf16_supported());
   return out;
 }

@@ -20,6 +20,8 @@
 // the weight stream. Past two tiles of bfloat16 rows (a prompt), where the arithmetic bounds the product rather than
 // the weight's reads, register blocks of 4 rows by 4 weight rows sum spans of 2,048 inputs instead (span_bf16).
 
+#include "few_rows.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -34,12 +36,6 @@
 #include <vector>
 
 namespace {
-
-// AVX512-BF16 and AVX512-VNNI code is compiled for those units alone (target attributes) and called only where the
-// CPU has them; compilers older than GCC 10 and Clang 9 do not know them, and the kernel then builds without it.
-#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
-#define DISTILLSPEC_AVX512_EXTENSIONS 1
-#endif
 
 constexpr int64_t NB = 64;   // output rows of a block
 constexpr int64_t KC = 512;  // inputs of a chunk
@@ -774,14 +770,6 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
   }
   return Y;
 }
-
-// A decoding step's work around its products (decoder_step.cpp, built into the same module).
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
-                                                      const std::optional<torch::Tensor>& delta_in,
-                                                      const torch::Tensor& weight, double eps);
-torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
-                               const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
-                               torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_supported", &bf16_rows_supported, "whether bfloat16 rows run here (AVX512-BF16)");

@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 #: Built into the same module: a decoding step's work around its products (:func:`cached_attention`,
-#: :func:`add_rms_norm`).
-SOURCES = (SOURCE, Path(__file__).with_name("decoder_step.cpp"))
+#: :func:`add_rms_norm`), and the header the two share.
+SOURCES = (SOURCE, Path(__file__).with_name("decoder_step.cpp"), Path(__file__).with_name("few_rows.h"))
 #: Set to ``0`` to keep oneDNN's layout for a float32 target (a comparison, a compiler that misbehaves).
 SWITCH = "DISTILLSPEC_FEW_ROWS"
 
@@ -97,7 +97,7 @@ def _built() -> tuple[ModuleType | None, str | None]:
         try:
             module = cpp_extension.load(
                 "distillspec_few_rows",
-                sources=[str(path) for path in SOURCES],
+                sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),

@@ -1,0 +1,24 @@
+// What the few-row kernel's sources (few_rows.cpp, decoder_step.cpp: one module, built by few_rows.py) share.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+// AVX512-BF16 and AVX512-VNNI code is compiled for those units alone (target attributes) and called only where the
+// CPU has them; compilers older than GCC 10 and Clang 9 do not know them, and the kernel then builds without it.
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define DISTILLSPEC_AVX512_EXTENSIONS 1
+#endif
+
+// few_rows.cpp: whether this CPU has AVX512-BF16 (and the kernel was compiled for it).
+bool bf16_rows_supported();
+
+// decoder_step.cpp: a decoding step's work around its products.
+torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
+                               const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
+                               torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
+                                                      const std::optional<torch::Tensor>& delta_in,
+                                                      const torch::Tensor& weight, double eps);
