@@ -4,17 +4,17 @@
 // add_rms_norm: the residual sum h + delta and its RMSNorm, as the models' own norm computes it (the row in float32,
 // x / sqrt(mean(x^2) + eps) rounded to the model's dtype, times the weight, rounded again).
 //
-// cached_attention: attention of the new queries over the model's cached keys and values, for a Llama-like layer (rotary q and k, each key and
-// value head serving a group of query heads). One call takes a layer's q, k and v projections as the products give
-// them ([B, k, heads x head_dim], not yet rotated), rotates q and k as the models' own apply_rotary_pos_emb does (each
-// operation rounded to the model's dtype, as torch rounds it), writes the new keys and values into the cache, and
-// returns the attention output in the layout o_proj takes ([B, k, heads x head_dim]). A thread takes whole key/value
-// heads (or a slice of a head's group of query heads, where there are more threads than heads): it widens 8 cached
-// keys at a time to float32 once for all its queries, sums their products in float32 (8 accumulators, one a key,
-// reduced together; bfloat16 keys and queries on a CPU with AVX512-BF16 go through vdpbf16ps as they are, each pair
-// of products exact: DISTILLSPEC_DOT_BF16=0 widens them), takes the softmax over the visible columns (exp by Cephes'
-// polynomial, 8 at a time), and sums the values the same way, in float32. Built with the few-row kernel (distillspec/models/few_rows.py, which documents the
-// figures).
+// cached_attention: attention of the new queries over the model's cached keys and values, for a Llama-like layer
+// (rotary q and k, each key and value head serving a group of query heads). One call takes a layer's q, k and v
+// projections as the products give them ([B, k, heads x head_dim], not yet rotated), rotates q and k as the models'
+// own apply_rotary_pos_emb does (each operation rounded to the model's dtype, as torch rounds it), writes the new
+// keys and values into the cache, and returns the attention output in the layout o_proj takes ([B, k, heads x
+// head_dim]). A thread takes whole key/value heads (or a slice of a head's group of query heads, where there are more
+// threads than heads): it widens 8 cached keys at a time to float32 once for all its queries, sums their products in
+// float32 (8 accumulators, one a key, reduced together; bfloat16 keys and queries on a CPU with AVX512-BF16 go
+// through vdpbf16ps as they are, each pair of products exact: DISTILLSPEC_DOT_BF16=0 widens them), takes the softmax
+// over the visible columns (exp by Cephes' polynomial, 8 at a time), and sums the values the same way, in float32.
+// Built with the few-row kernel (distillspec/models/few_rows.py, which documents the figures).
 
 #include "few_rows.h"
 
@@ -51,12 +51,6 @@ inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline T narrow(float x) {
   return static_cast<T>(x);
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // a bfloat16's 16 bits are the high half of a float32
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 // e^x, 8 at a time (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a polynomial), within about an ulp; inputs
@@ -272,7 +266,8 @@ void add_rms_norm_rows(const T* h, const T* delta, T* total, const T* weight, T*
     for (float v : sum8) sum += v;
     for (; e < D; ++e) sum += widen(x[e]) * widen(x[e]);
     const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-    for (int64_t j = 0; j < D; ++j) y[r * D + j] = narrow<T>(widen(weight[j]) * widen(narrow<T>(widen(x[j]) * inverse)));
+    for (int64_t j = 0; j < D; ++j)
+      y[r * D + j] = narrow<T>(widen(weight[j]) * widen(narrow<T>(widen(x[j]) * inverse)));
   }
 }
 
@@ -316,7 +311,8 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
                                torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale) {
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cached_attention takes float32 or bfloat16");
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&key_in, &value_in, &cos_in, &sin_in, &keys, &values})
+  const std::initializer_list<const torch::Tensor*> same_dtype{&key_in, &value_in, &cos_in, &sin_in, &keys, &values};
+  for (const torch::Tensor* t : same_dtype)
     TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(), "cached_attention: one dtype, on the CPU");
   for (const torch::Tensor* t : {&q_in, &key_in, &value_in, &cos_in, &sin_in})
     TORCH_CHECK(t->dim() == 3, "cached_attention: [B, k, n] inputs");

@@ -41,13 +41,6 @@ constexpr int64_t NB = 64;   // output rows of a block
 constexpr int64_t KC = 512;  // inputs of a chunk
 constexpr int64_t TILE = 8;  // rows of the input multiplied together
 
-// 8 weights as floats: float32 as they are, bfloat16 (its 16 bits the high half of a float32) shifted into place.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 inline float hsum(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 sh = _mm_movehdup_ps(lo);

@@ -1,8 +1,10 @@
 // What the few-row kernel's sources (few_rows.cpp, decoder_step.cpp: one module, built by few_rows.py) share.
 #pragma once
 
+#include <immintrin.h>
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <tuple>
 
@@ -11,6 +13,14 @@
 #if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
 #define DISTILLSPEC_AVX512_EXTENSIONS 1
 #endif
+
+// 8 values as floats: float32 as they are, bfloat16 (its 16 bits the high half of a float32) shifted into place.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const uint16_t*>(p)); }
 
 // few_rows.cpp: whether this CPU has AVX512-BF16 (and the kernel was compiled for it).
 bool bf16_rows_supported();
