@@ -161,13 +161,13 @@ void attend(const T* q, Strided qs, const T* key, Strided ks, const T* value, St
   const int64_t per_slice = (group + slices - 1) / slices, units = B * Hkv * slices;
   const int64_t grain = B * H * k * end * d < (int64_t{1} << 16) ? units : 1;  // tiny: not worth waking threads
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    std::vector<T> rotated(d), qt;
-    std::vector<float> qf, scores, rows(8 * d), of, inverse;
+    std::vector<T> qt;  // the queries rotated, in the model's dtype (the scores' inputs through vdpbf16ps)
+    std::vector<float> qf, scores, rows(8 * d), of, inverse;  // qf: the same widened (the other scores' inputs)
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (Hkv * slices), g = u / slices % Hkv, h0 = u % slices * per_slice;
       const int64_t heads = std::min(per_slice, group - h0), nq = heads * k;
       if (heads <= 0) continue;
-      qf.assign(nq * d, 0.0f);
+      const bool dot = std::is_same_v<T, at::BFloat16> && dot_bf16;
       qt.resize(nq * d);
       scores.assign(nq * width, 0.0f);
       of.assign(nq * d, 0.0f);
@@ -175,18 +175,20 @@ void attend(const T* q, Strided qs, const T* key, Strided ks, const T* value, St
       for (int64_t h = 0; h < heads; ++h)
         for (int64_t i = 0; i < k; ++i) {
           rotate(q + b * qs.batch + i * qs.row + (g * group + h0 + h) * d, cos + b * rs.batch + i * rs.row,
-                 sin + b * rs.batch + i * rs.row, rotated.data(), d);
-          for (int64_t e = 0; e < d; ++e) qf[(h * k + i) * d + e] = widen(rotated[e]);
-          std::copy(rotated.begin(), rotated.end(), qt.begin() + (h * k + i) * d);
+                 sin + b * rs.batch + i * rs.row, qt.data() + (h * k + i) * d, d);
         }
+      if (!dot) {
+        qf.resize(nq * d);
+        for (int64_t e = 0; e < nq * d; ++e) qf[e] = widen(qt[e]);
+      }
       const T* key_head = keys + (b * Hkv + g) * cap * d;
       const T* value_head = values + (b * Hkv + g) * cap * d;
       const __m256 scaled = _mm256_set1_ps(scale);
 #ifdef DISTILLSPEC_DOT_BF16
       if constexpr (std::is_same_v<T, at::BFloat16>)
-        if (dot_bf16) scores_bf16(qt.data(), key_head, nq, end, d, width, scale, scores.data());
+        if (dot) scores_bf16(qt.data(), key_head, nq, end, d, width, scale, scores.data());
 #endif
-      for (int64_t c0 = 0; c0 < end && !(std::is_same_v<T, at::BFloat16> && dot_bf16); c0 += 8) {  // 8 keys at a time
+      for (int64_t c0 = 0; c0 < end && !dot; c0 += 8) {  // 8 keys at a time
         widen_rows(key_head, c0, end, d, rows.data());
         for (int64_t j = 0; j < nq; ++j) {
           __m256 acc[8];

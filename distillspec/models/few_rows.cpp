@@ -421,28 +421,6 @@ void int4_run_avx2(const uint8_t* run, const int16_t* xq, const float* xsum, con
     for (int m = 0; m < M; ++m) ys[m * N + n0 + r] = static_cast<Y>(sums[m][r] * x_scales[m]);
 }
 
-template <typename Y>
-void multiply_int4_avx2(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
-                        int64_t M, int64_t K, int64_t N) {
-  const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
-  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* run = W + r * G * INT4_RUN_GROUP;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int16_t* x = xq + m0 * K;
-        const float* sum = xsum + m0 * G;
-        Y* y = ys + m0 * N;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int4_run_avx2<1, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 2: int4_run_avx2<2, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 3: int4_run_avx2<3, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          default: int4_run_avx2<4, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-        }
-      }
-    }
-  });
-}
-
 #ifdef DISTILLSPEC_INT8_VNNI
 
 // 16 sums stored as float32, or rounded to bfloat16 (to nearest, ties to even, as torch rounds: the rows' dtype).
@@ -515,12 +493,24 @@ VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xs
   }
 }
 
+#endif
+
+// A run's products for up to 4 rows, through AVX512-VNNI or AVX2 (the same sums).
+template <int M, typename Y>
+void int4_run_rows(bool vnni, const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
+                   int64_t K, int64_t N, int64_t n0) {
+#ifdef DISTILLSPEC_INT8_VNNI
+  if (vnni) return int4_run<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+#endif
+  int4_run_avx2<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+}
+
 // ys [M, N] = the rows (in 16 bits, with their groups' sums and their scales) times the 4-bit weight's transpose
 // (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows (from its second-level cache
 // after the first).
 template <typename Y>
-VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
-                               int64_t M, int64_t K, int64_t N) {
+void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys, int64_t M,
+                   int64_t K, int64_t N, bool vnni) {
   const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -530,16 +520,15 @@ VNNI_TARGET void multiply_int4(const uint8_t* W, const int16_t* xq, const float*
         const float* sum = xsum + m0 * G;
         Y* y = ys + m0 * N;
         switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int4_run<1, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 2: int4_run<2, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 3: int4_run<3, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          default: int4_run<4, Y>(run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 1: int4_run_rows<1, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 2: int4_run_rows<2, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 3: int4_run_rows<3, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          default: int4_run_rows<4, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
         }
       }
     }
   });
 }
-#endif
 
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved) or chunk_int8_vnni
 // (natural), and each row's scale.
@@ -719,19 +708,11 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
         xsum[m * G + g] = static_cast<float>(sum);
       }
     const uint8_t* W = packed.data_ptr<uint8_t>();
-#ifdef DISTILLSPEC_INT8_VNNI
-    if (int8_vnni_supported()) {
-      if (bf16_rows)
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
-      else
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
-      return Y;
-    }
-#endif
+    const bool vnni = int8_vnni_supported();
     if (bf16_rows)
-      multiply_int4_avx2(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
+      multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N, vnni);
     else
-      multiply_int4_avx2(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+      multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N, vnni);
   } else if (int8) {
     auto S = scales->contiguous();
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");
