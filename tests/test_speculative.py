@@ -516,6 +516,31 @@ def test_seeded_sd_follows_the_target_distribution(small_vocab_pair):
     assert fit_to_target(out, target, prompt) > 1e-3
 
 
+def test_a_seeded_rows_draws_are_made_once_per_position(monkeypatch):
+    """A block's drafts that were not accepted are drafted again at the same positions with the same draws, kept
+    from the block before, not drawn anew: one draw per row and position over a call (the draws that speculative
+    decoding at T > 0 costs with seeds), and each is Exp(1)."""
+    from distillspec.decoding.speculative import SeededNoise
+
+    target = tiny_llama(64, d=64, layers=2, seed=1, sharpness=3.0)
+    draft = perturbed(target, 0.3)
+    ids, mask = left_padded_prompts()
+    made = []
+    draw = SeededNoise.draw
+    monkeypatch.setattr(SeededNoise, "draw", lambda self, seed, t: made.append((seed, t)) or draw(self, seed, t))
+    out = speculative_generate(
+        target, draft, ids, gamma=5, max_new_tokens=20, temperature=1.0, attention_mask=mask, seeds=range(len(ids))
+    )
+    assert out.stats.rejected.sum() > 0  # blocks drafted positions again
+    assert len(made) == len(set(made))  # (the last block's may reach past the budget)
+    assert {t for _, t in made} >= set(range(20)) and max(t for _, t in made) < 20 + 5 + 1
+    noise = SeededNoise([7], 50_000)
+    again = noise.draws(torch.tensor([0]), torch.tensor([[3, 4, 5]]))
+    assert torch.equal(noise.draws(torch.tensor([0]), torch.tensor([[4, 5]])), again[:, 1:])
+    assert torch.equal(again[0, 0], SeededNoise([7], 50_000).draw(7, 3))
+    assert abs(float(again.double().mean()) - 1) < 0.02 and float(again.min()) >= 0
+
+
 def test_seeds_are_lossless_only(small_vocab_pair):
     target, draft = small_vocab_pair
     with pytest.raises(DistillSpecError, match="lossless only"):
