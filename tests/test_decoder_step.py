@@ -136,3 +136,43 @@ def test_a_caches_steps_through_the_kernel_are_torchs(dtype, monkeypatch):
 
     for ours, torchs in zip(run(kernel, ids, mask), run(plain, ids, mask)):
         torch.testing.assert_close(last(ours), last(torchs), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("draft_int8", [None, True, "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype):
+    """The products of the lean cache's kernel steps (each linear layer's ``step_forward``: the kernel's product
+    without the module call) give the logits of the layers' own modules to the bit: a packed target, an int8 draft with
+    weight-only steps, a 4-bit one (where each runs here), steps of one and of several tokens, and a batch whose rows
+    exceed what the 4-bit kernel takes (the layer's forward)."""
+    from distillspec.models.loading import int8_kernels, quantize_decoding_draft
+    from distillspec.models.packing import INT4_FEW_ROWS, prepack_linears
+
+    if draft_int8 is not None and draft_int8 not in int8_kernels().values():
+        pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
+    if draft_int8 is None and dtype == torch.bfloat16 and not few_rows.bf16_rows():
+        pytest.skip("a bfloat16 target's products take the few-row kernel with AVX512-BF16")
+    model = tiny_qwen2().to(dtype)
+    with torch.no_grad():
+        for name, bias in model.named_parameters():
+            if name.endswith(".bias"):  # (the model's own start at zero)
+                bias.normal_(0, 0.5)
+    if draft_int8 is None:
+        prepack_linears(model, kernel="few_rows")
+    else:
+        quantize_decoding_draft(model, draft_int8)
+    batch = INT4_FEW_ROWS // 2 + 1  # two tokens a row: more rows than 4-bit products take
+
+    def calls(lm: CachedLM) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(20, (batch, 5), generator=generator)
+        out = [lm.prefill(ids, torch.ones_like(ids)), lm.step(ids[:, :1]), lm.step(ids[:, 1:3])]
+        lm.select_rows(torch.tensor([0, 1]))
+        return [*out, lm.step(ids[:2, 3:5], torch.tensor([[0, 1], [1, 1]]))]
+
+    steps, modules = CachedLM(model), CachedLM(model)
+    modules.products = [kvcache._module_products(layer) for layer in model.model.layers]
+    assert steps.kernel and modules.kernel
+    for a, b in zip(calls(steps), calls(modules), strict=True):
+        assert torch.equal(a, b)
+    assert steps.products[0][1] == model.model.layers[0].self_attn.o_proj.step_forward

@@ -96,14 +96,27 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        if self.kernel == "few_rows":  # float32 sums; float32 rows but a bfloat16 model's where the CPU takes them
-            out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features)
-            if self.bias is not None:
-                out += self.bias
-            out = out.to(self.dtype)
+        if self.kernel == "few_rows":
+            out = self._few_rows(rows)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def step_forward(self, x: Tensor) -> Tensor:
+        """``forward`` of a decoding step's rows ``x`` [B, k, in] (contiguous) as the lean decoder's eager steps call
+        it (:mod:`distillspec.decoding.kvcache`): the kernel's product without the module call and ``forward``'s other
+        cases."""
+        if self.kernel != "few_rows":
+            return self.forward(x)
+        return self._few_rows(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def _few_rows(self, rows: Tensor) -> Tensor:
+        """``rows`` [M, in] (contiguous) times the weight through the few-row kernel, in the model's dtype: float32
+        sums; float32 rows but a bfloat16 model's where the CPU takes them."""
+        out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(self.dtype)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -384,20 +397,45 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, self.in_features).to(self.dtype)
-        step = rows.shape[0] <= INT8_ROWS  # a drafting step (a few rows), not a prompt
-        if self.int4_packed is not None and rows.shape[0] <= self.int4_rows:  # a drafting step, its weight in 4 bits
-            if self.int4_few_rows:
-                out = few_rows.matmul(rows, self.int4_packed, self.out_features)
-            else:
-                steps = rows.to(self.step_dtype).contiguous()
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
-                )
-            out = out.to(self.dtype)
-        elif step and self.few_rows_packed is not None:  # a weight-only step, float32 in and out
+        if (out := self._few_rows(rows)) is None:
+            out = self._product(rows)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def step_forward(self, x: Tensor) -> Tensor:
+        """``forward`` of a decoding step's rows ``x`` [B, k, in] (in the model's dtype) as the lean decoder's eager
+        steps call it (:mod:`distillspec.decoding.kvcache`): the few-row kernel's product without the module call and
+        ``forward``'s other cases (which it takes where the kernel does not)."""
+        out = self._few_rows(x.reshape(-1, self.in_features))
+        if out is None:
+            return self.forward(x)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _few_rows(self, rows: Tensor) -> Tensor | None:
+        """``rows`` [M, in] (the model's dtype) times the weight through the few-row kernel, where a step of M rows
+        takes it (4-bit products up to :attr:`int4_rows` rows, else weight-only int8 ones up to :data:`INT8_ROWS`), in
+        the model's dtype; None where it does not."""
+        if self.int4_packed is not None and rows.shape[0] <= self.int4_rows:  # its weight in 4 bits
+            # the product in the rows' dtype (the model's); None: torch's 4-bit kernel (_product)
+            return few_rows.matmul(rows, self.int4_packed, self.out_features) if self.int4_few_rows else None
+        if self.few_rows_packed is not None and rows.shape[0] <= INT8_ROWS:  # a weight-only step, float32 in and out
             out = few_rows.matmul(rows.float(), self.few_rows_packed, self.out_features, self.few_rows_scales)
-            out = out.to(self.dtype)
-        elif self.packed is not None and not (step and self.weight_only_steps):
+            return out.to(self.dtype)
+        return None
+
+    def _product(self, rows: Tensor) -> Tensor:
+        """``rows`` [M, in] (the model's dtype) times the weight where the few-row kernel does not take them."""
+        step = rows.shape[0] <= INT8_ROWS  # a drafting step (a few rows), not a prompt
+        if self.int4_packed is not None and rows.shape[0] <= self.int4_rows:  # 4-bit steps through torch's kernel
+            steps = rows.to(self.step_dtype).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                steps, self.int4_packed, INT4_GROUP, self.int4_scales_zeros
+            )
+            return out.to(self.dtype)
+        if self.packed is not None and not (step and self.weight_only_steps):
             # fbgemm, float32 in and out; one scale per row (token), as above
             rows = rows.float()
             if rows.shape[0] == 1:  # a drafting step: the call's scale is the row's
@@ -405,15 +443,11 @@ class Int8Linear(nn.Module):
             else:
                 peaks = rows.abs().amax(1, keepdim=True).clamp(min=1e-30)
                 out = torch.ops.quantized.linear_dynamic((rows / peaks).contiguous(), self.packed, True) * peaks
-            out = out.to(self.dtype)
-        elif not step:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
-            out = torch.nn.functional.linear(rows, self.weight.to(self.dtype)) * self.scales
-        else:
-            steps = rows.to(self.step_dtype).contiguous()
-            out = torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            return out.to(self.dtype)
+        if not step:  # a prompt: the int8 values as floats, on the matrix kernels, then the scales
+            return torch.nn.functional.linear(rows, self.weight.to(self.dtype)) * self.scales
+        steps = rows.to(self.step_dtype).contiguous()
+        return torch.ops.aten._weight_int8pack_mm(steps, self.weight, self.step_scales).to(self.dtype)
 
     def extra_repr(self) -> str:
         if not self.weight_only_steps:
