@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from distillspec.errors import DistillSpecError
@@ -34,6 +34,12 @@ DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftInt8 = bool | Literal["fbgemm", "int4", "auto"]
 #: decoding steps through torch.compile: false, true (both models') or draft (the draft's alone)
 Compile = bool | Literal["draft"]
+#: What a speculative call's draft reads of each prompt: its last N tokens, ``auto`` (on a CPU, the last
+#: :func:`~distillspec.decoding.speculative.auto_draft_context` of them) or None (all of it; ``none`` in a config).
+DraftContext = Annotated[
+    Annotated[int, Field(ge=1)] | Literal["auto"] | None,
+    BeforeValidator(lambda value: None if isinstance(value, str) and value.lower() == "none" else value),
+]
 
 PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
@@ -493,12 +499,13 @@ class ServeConfig:
         "alone (the 0.5B Qwen draft on a 2-core CPU: SD 2-7% faster), true = the target's too; a replica compiles the "
         "draft's steps as it warms up (minutes on 2 cores), new draft versions reuse them",
     )
-    draft_context: PosInt | None = knob(
-        None,
+    draft_context: DraftContext = knob(
+        "auto",
         "backend hf: the draft reads only each prompt's last N tokens (the target reads it all; the output stays the "
         "target's): on long prompts its own reading of them can cost more than its drafts save (the 0.5B Qwen draft "
         "over ~1,550-token prompts on a 2-core CPU: SD 0.72-0.92x the target alone after the first token reading all, "
-        "1.27-1.78x reading 512); none: the whole prompt",
+        "1.27-1.78x reading 512); auto: on a CPU the last max(512, 5 x the request's max_tokens), elsewhere all; "
+        "none: the whole prompt",
     )
     limits: LimitsConfig = knob(help="request and replica limits", factory=LimitsConfig)
     batching: BatchingConfig = knob(help="batching concurrent requests", factory=BatchingConfig)
@@ -519,7 +526,7 @@ class ServeConfig:
                 f"serve.compile={str(self.compile).lower()} compiles this project's decoder; vLLM compiles its own "
                 "(vllm.enforce_eager): set serve.compile=false or serve.backend=hf"
             )
-        if self.draft_context is not None and self.backend == "vllm":
+        if isinstance(self.draft_context, int) and self.backend == "vllm":
             raise DistillSpecError(
                 f"serve.draft_context={self.draft_context} is this project's decoder's; vLLM's drafts read the whole "
                 "prompt: set serve.draft_context=none or serve.backend=hf"

@@ -108,6 +108,7 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["serve.record_samples=8", "serve.backend=vllm"], "serve.record_samples=8 keeps the scores"),
         (["serve.draft_context=512", "serve.backend=vllm"], "serve.draft_context=512 is this project's decoder's"),
         (["serve.draft_context=0"], "serve.draft_context"),
+        (["serve.draft_context=some"], "serve.draft_context"),
     ],
 )
 def test_bad_config(overrides, match):
@@ -121,6 +122,9 @@ def test_served_samples_stand_in_for_the_targets_where_a_recipe_draws_them():
         assert load_config(None, overrides).rollout.online_samples
     assert load_config(None, ["serve.record_samples=64"]).serve.record_samples == 64
     assert load_config(None, ["serve.draft_context=512"]).serve.draft_context == 512
+    assert load_config(None, []).serve.draft_context == "auto"  # vLLM's drafts read whole prompts: auto allows it
+    assert load_config(None, ["serve.backend=vllm"]).serve.draft_context == "auto"
+    assert load_config(None, ["serve.draft_context=none"]).serve.draft_context is None
 
 
 def test_the_garden_trains_in_float32_unless_told_otherwise(monkeypatch):

@@ -106,8 +106,43 @@ def test_a_draft_that_reads_the_prompts_last_tokens_keeps_the_targets_output(clo
     assert torch.equal(cut.sequences, whole.sequences)
     if context == 1:
         assert cut.stats.alpha < whole.stats.alpha
-    with pytest.raises(DistillSpecError, match="draft_context must be a positive number of tokens, not 0"):
+    with pytest.raises(
+        DistillSpecError, match="draft_context must be a positive number of tokens, auto or None, not 0"
+    ):
         speculative_generate(target, draft, ids, gamma=3, max_new_tokens=4, draft_context=0)
+
+
+def test_draft_context_auto_reads_a_cpus_long_prompts_last_tokens(close_pair, monkeypatch):
+    """draft_context="auto": on a CPU the draft reads a prompt's last max(512, 5 x max_new_tokens) tokens (shorter
+    prompts whole), elsewhere all of it; the output stays the target's."""
+    from distillspec.decoding import speculative
+    from distillspec.decoding.speculative import AUTO_CONTEXT_MIN, AUTO_CONTEXT_PER_TOKEN, auto_draft_context
+
+    target, draft = close_pair
+    assert auto_draft_context(draft, 24) == AUTO_CONTEXT_MIN
+    assert auto_draft_context(draft, [24, 200]) == AUTO_CONTEXT_PER_TOKEN * 200
+    monkeypatch.setattr(type(draft), "device", property(lambda self: torch.device("cuda")), raising=False)
+    assert auto_draft_context(draft, 24) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(speculative, "AUTO_CONTEXT_MIN", 3)
+    monkeypatch.setattr(speculative, "AUTO_CONTEXT_PER_TOKEN", 0)
+    ids, mask = left_padded_prompts()
+    read = []  # the widest call of the draft, per speculative call: its reading of the prompt and a first token
+    step = speculative.CachedLM.step
+
+    def counted(lm, tokens, *args, **kwargs):
+        if lm.model is draft:
+            read[-1] = max(read[-1], tokens.shape[1])
+        return step(lm, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(speculative.CachedLM, "step", counted)
+    kw = dict(gamma=3, max_new_tokens=24, temperature=0, attention_mask=mask)
+    outs = []
+    for context in ("auto", 3, None):
+        read.append(0)
+        outs.append(speculative_generate(target, draft, ids, draft_context=context, **kw))
+    assert read == [3 + 1, 3 + 1, ids.shape[1] + 1]
+    assert torch.equal(outs[0].sequences, outs[2].sequences) and outs[0].stats.alpha == outs[1].stats.alpha
 
 
 def test_plain_decoding_equals_hf_generate(close_pair):

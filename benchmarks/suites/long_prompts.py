@@ -4,7 +4,8 @@ A speculative call's target reads the prompt before its first token, as the targ
 too, with its first drafts, a cost the target alone does not pay. On a prompt of a few hundred tokens that is small;
 on one of thousands it can outweigh what the drafts save. ``draft_context=N`` (``speculative_generate``, the
 endpoint's ``serve.draft_context``) has the draft read only the prompt's last N tokens: its proposals depend mostly on
-the recent ones, and the output stays the target's whatever the draft reads.
+the recent ones, and the output stays the target's whatever the draft reads; ``auto`` (the endpoint's default) is
+:func:`~distillspec.decoding.speculative.auto_draft_context`.
 
 Each prompt is a held-out question after ``--shots`` worked examples of the training split (GSM8K's few-shot form),
 through the pair's prompt format. Per prompt and temperature, the target alone and speculative decoding with each
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.common import command
-from distillspec.config import load_config
+from distillspec.config import DraftContext, load_config
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.models.loading import encode_prompts, load_decoding_pair
@@ -37,7 +38,9 @@ from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
 
-def context_name(context: int | None) -> str:
+def context_name(context: DraftContext) -> str:
+    if context == "auto":
+        return "auto"
     return "the whole prompt" if context is None else f"its last {context} tokens"
 
 
@@ -46,7 +49,7 @@ def suite_long_prompts(
     *,
     shots: int,
     prompts: int,
-    draft_contexts: list[int | None],
+    draft_contexts: list[DraftContext],
     gamma: int,
     temperatures: list[float],
     max_new_tokens: int,
@@ -154,7 +157,7 @@ def main() -> None:
         "--draft-contexts",
         nargs="+",
         default=["all", "512", "128"],
-        help="what the draft reads of each prompt: all, or its last N tokens",
+        help="what the draft reads of each prompt: all, auto, or its last N tokens",
     )
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
@@ -163,9 +166,9 @@ def main() -> None:
     args = parser.parse_args()
     contexts = []
     for c in args.draft_contexts:
-        if c != "all" and not (c.isdigit() and int(c) > 0):
-            parser.error(f"--draft-contexts takes all or a positive number of tokens, not {c!r}")
-        contexts.append(None if c == "all" else int(c))
+        if c not in ("all", "auto") and not (c.isdigit() and int(c) > 0):
+            parser.error(f"--draft-contexts takes all, auto or a positive number of tokens, not {c!r}")
+        contexts.append(None if c == "all" else c if c == "auto" else int(c))
     suite_long_prompts(
         args.overrides,
         shots=args.shots,

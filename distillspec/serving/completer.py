@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from distillspec.config import Compile, Lenience
+from distillspec.config import Compile, DraftContext, Lenience
 from distillspec.decoding.auto_gamma import AutoGamma
 from distillspec.decoding.kvcache import CachedLM
 from distillspec.decoding.metrics import AcceptanceCounts
@@ -307,11 +307,11 @@ class Completer:
         seed: int = 0,
         max_gamma: int = 7,
         compile: Compile = False,
-        draft_context: int | None = None,
+        draft_context: DraftContext = None,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
         self.compile = compile
-        self.draft_context = draft_context  #: the prompt's last tokens the draft reads (None: all of it)
+        self.draft_context = draft_context  #: the prompt's last tokens the draft reads (auto; None: all of it)
         self.max_prompt_tokens = max_prompt_tokens
         self.auto = AutoGamma(max_gamma)  #: chooses gamma per block for jobs with ``gamma="auto"``
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
