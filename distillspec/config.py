@@ -34,14 +34,14 @@ DecodeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 DraftInt8 = bool | Literal["fbgemm", "int4", "auto"]
 #: decoding steps through torch.compile: false, true (both models') or draft (the draft's alone)
 Compile = bool | Literal["draft"]
+
+PosInt = Annotated[int, Field(ge=1)]
 #: What a speculative call's draft reads of each prompt: its last N tokens, ``auto`` (on a CPU, the last
 #: :func:`~distillspec.decoding.speculative.auto_draft_context` of them) or None (all of it; ``none`` in a config).
 DraftContext = Annotated[
-    Annotated[int, Field(ge=1)] | Literal["auto"] | None,
+    PosInt | Literal["auto"] | None,
     BeforeValidator(lambda value: None if isinstance(value, str) and value.lower() == "none" else value),
 ]
-
-PosInt = Annotated[int, Field(ge=1)]
 START_GAMMA = 5  #: gamma=auto drafts this many tokens per block until it has measured the costs
 NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # finite: .inf would mean "never" by accident
