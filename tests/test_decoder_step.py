@@ -1,6 +1,8 @@
 """A decoding step's attention and norms through the project's CPU kernel (distillspec/models/decoder_step.cpp): the
 models' own rotary embedding, norms and attention, the cache's writes, holes and all."""
 
+import sys
+
 import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
@@ -140,13 +142,14 @@ def test_a_caches_steps_through_the_kernel_are_torchs(dtype, monkeypatch):
 
 @pytest.mark.parametrize("draft_int8", [None, True, "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype):
+def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkeypatch):
     """The products of the lean cache's kernel steps (each linear layer's ``step_forward``: the kernel's product
-    without the module call) give the logits of the layers' own modules to the bit: a packed target, an int8 draft with
-    weight-only steps, a 4-bit one (where each runs here), steps of one and of several tokens, and a batch whose rows
-    exceed what the 4-bit kernel takes (the layer's forward)."""
+    without the module call), and the layers in one call of the kernel (``few_rows.step_layers``), give the logits of
+    the layers' own modules to the bit: a packed target, an int8 draft with weight-only steps, a 4-bit one (where each
+    runs here), steps of one and of several tokens, and a batch whose rows exceed what the 4-bit kernel takes (the
+    layer's forward, layer by layer)."""
     from distillspec.models.loading import int8_kernels, quantize_decoding_draft
-    from distillspec.models.packing import INT4_FEW_ROWS, prepack_linears
+    from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, prepack_linears
 
     if draft_int8 is not None and draft_int8 not in int8_kernels().values():
         pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
@@ -170,9 +173,22 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype):
         lm.select_rows(torch.tensor([0, 1]))
         return [*out, lm.step(ids[:2, 3:5], torch.tensor([[0, 1], [1, 1]]))]
 
-    steps, modules = CachedLM(model), CachedLM(model)
+    layers, steps, modules = CachedLM(model), CachedLM(model), CachedLM(model)
+    steps.products = kvcache._step_products(model)  # (given: the layers in one call are not looked up)
     modules.products = [kvcache._module_products(layer) for layer in model.model.layers]
-    assert steps.kernel and modules.kernel
-    for a, b in zip(calls(steps), calls(modules), strict=True):
-        assert torch.equal(a, b)
+    assert layers.kernel and steps.kernel and modules.kernel
+    by_layer = []  # the calls of each cache that went layer by layer, by how many rows
+    lean_layers = kvcache._lean_layers
+    monkeypatch.setattr(
+        kvcache, "_lean_layers", lambda model, h, *a: by_layer.append(h.shape[:2]) or lean_layers(model, h, *a)
+    )
+    ours = calls(layers)
+    layered, by_layer[:] = list(by_layer), []
+    for a, b, c in zip(ours, calls(steps), calls(modules), strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
     assert steps.products[0][1] == model.model.layers[0].self_attn.o_proj.step_forward
+    assert layers.layers is not None
+    rows = layers.layers[1]
+    # the calls of more rows than the layers' products take went layer by layer, the others in one call
+    assert layered == [(b, k) for b, k in ((batch, 5), (batch, 1), (batch, 2), (2, 2)) if b * k > rows]
+    assert rows == (INT4_FEW_ROWS if draft_int8 == "int4" else INT8_ROWS if draft_int8 else sys.maxsize)

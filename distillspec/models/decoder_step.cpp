@@ -350,3 +350,104 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
            d % 32 == 0 && dot_bf16_supported());
   return out;
 }
+
+// A step's linear product as its module computes it (PackedLinear, Int8Linear in distillspec/models/packing.py; their
+// kernel_step() gives these fields): the rows [..., in] (widened to float32 first where float_rows) times the weight
+// through matmul, the bias added to its float32 sums before they are rounded to the model's dtype (bias_in_float) or
+// after.
+struct StepProduct {
+  torch::Tensor packed;
+  int64_t out_features;
+  std::optional<torch::Tensor> scales, bias;
+  bool float_rows, bias_in_float;
+  at::ScalarType dtype;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto rows = x.reshape({-1, x.size(-1)});
+    auto out = matmul(float_rows ? rows.to(at::kFloat) : rows, packed, out_features, scales);
+    if (bias && bias_in_float) out.add_(*bias);
+    out = out.to(dtype);
+    if (bias && !bias_in_float) out = out + *bias;
+    auto shape = x.sizes().vec();
+    shape.back() = out_features;
+    return out.view(shape);
+  }
+};
+
+// Sibling products that read one input: one product split (sizes) or one product each (sizes empty).
+struct StepSiblings {
+  std::vector<StepProduct> products;
+  std::vector<int64_t> sizes;
+
+  std::vector<torch::Tensor> operator()(const torch::Tensor& x) const {
+    if (!sizes.empty()) return products[0](x).split_with_sizes(sizes, -1);
+    std::vector<torch::Tensor> outputs;
+    for (const auto& product : products) outputs.push_back(product(x));
+    return outputs;
+  }
+};
+
+// A Llama-like decoder layer's step: its norms' weights and epsilons, its q/k/v, o, gate/up and down products, its
+// attention's scale (a SiLU MLP).
+struct StepLayer {
+  torch::Tensor input_norm;
+  double input_eps;
+  StepSiblings qkv;
+  StepProduct o;
+  torch::Tensor post_norm;
+  double post_eps;
+  StepSiblings gate_up;
+  StepProduct down;
+  double scale;
+};
+
+// The decoder layers of a step as distillspec/decoding/kvcache.py's _lean_layers computes them through the kernel (the
+// same calls in the same order, so the same bits), in one call: hidden states h [B, k, D], the rotary cos and sin, each
+// layer's cache (keys[i], values[i]), the mask and the new tokens' first column. Returns h after the last layer's MLP
+// (not yet normed). Built once a speculative call (its products hold the weights' current tensors).
+struct StepLayers {
+  std::vector<StepLayer> layers;
+
+  torch::Tensor operator()(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
+                           std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                           const torch::Tensor& mask, int64_t start) const {
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "step_layers: one cache a layer");
+    std::optional<torch::Tensor> pending;  // the last layer's MLP output, not yet added to h
+    torch::Tensor x;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& layer = layers[i];
+      std::tie(h, x) = add_rms_norm(h, pending, layer.input_norm, layer.input_eps);
+      const auto qkv = layer.qkv(x);
+      TORCH_CHECK(qkv.size() == 3, "step_layers: q, k and v");
+      const auto a = cached_attention(qkv[0], qkv[1], qkv[2], cos, sin, keys[i], values[i], mask, start, layer.scale);
+      std::tie(h, x) = add_rms_norm(h, layer.o(a), layer.post_norm, layer.post_eps);
+      const auto gate_up = layer.gate_up(x);
+      TORCH_CHECK(gate_up.size() == 2, "step_layers: gate and up");
+      pending = layer.down(at::silu(gate_up[0]) * gate_up[1]);
+    }
+    return pending ? h + *pending : h;
+  }
+};
+
+void bind_step_layers(py::module_& m) {
+  py::class_<StepProduct>(m, "StepProduct")
+      .def(py::init([](torch::Tensor packed, int64_t out_features, std::optional<torch::Tensor> scales,
+                       std::optional<torch::Tensor> bias, bool float_rows, bool bias_in_float, py::object dtype) {
+             return StepProduct{std::move(packed), out_features, std::move(scales), std::move(bias),
+                                float_rows,        bias_in_float, torch::python::detail::py_object_to_dtype(dtype)};
+           }),
+           py::arg("packed"), py::arg("out_features"), py::arg("scales"), py::arg("bias"), py::arg("float_rows"),
+           py::arg("bias_in_float"), py::arg("dtype"))
+      .def("__call__", &StepProduct::operator());
+  py::class_<StepSiblings>(m, "StepSiblings")
+      .def(py::init<std::vector<StepProduct>, std::vector<int64_t>>(), py::arg("products"), py::arg("sizes"));
+  py::class_<StepLayer>(m, "StepLayer")
+      .def(py::init<torch::Tensor, double, StepSiblings, StepProduct, torch::Tensor, double, StepSiblings, StepProduct,
+                    double>(),
+           py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
+           py::arg("post_eps"), py::arg("gate_up"), py::arg("down"), py::arg("scale"));
+  py::class_<StepLayers>(m, "StepLayers")
+      .def(py::init<std::vector<StepLayer>>(), py::arg("layers"))
+      .def("__call__", &StepLayers::operator(), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
+           py::arg("values"), py::arg("mask"), py::arg("start"));
+}

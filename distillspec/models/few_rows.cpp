@@ -758,4 +758,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("values"), py::arg("mask"), py::arg("start"), py::arg("scale"));
   m.def("add_rms_norm", &add_rms_norm, "the residual sum h + delta and its RMSNorm", py::arg("h"), py::arg("delta"),
         py::arg("weight"), py::arg("eps"));
+  bind_step_layers(m);
 }

@@ -25,6 +25,10 @@ inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const
 // few_rows.cpp: whether this CPU has AVX512-BF16 (and the kernel was compiled for it).
 bool bf16_rows_supported();
 
+// few_rows.cpp: x [M, K] times a packed weight's transpose (see matmul there).
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                     const std::optional<torch::Tensor>& scales);
+
 // decoder_step.cpp: a decoding step's work around its products.
 torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
                                const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
@@ -32,3 +36,5 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
                                                       const std::optional<torch::Tensor>& delta_in,
                                                       const torch::Tensor& weight, double eps);
+// ... and a step's decoder layers in one call (StepLayers), bound into the module.
+void bind_step_layers(pybind11::module_& m);

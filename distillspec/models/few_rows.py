@@ -251,3 +251,48 @@ def add_rms_norm(h: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     Llama-like models' own norm computes it (each row in float32, ``x / sqrt(mean(x^2) + eps)`` rounded to the rows'
     dtype, times the weight and rounded again), in one call: float32 or bfloat16 rows [..., D] and weight."""
     return extension().add_rms_norm(h, delta, weight, eps)
+
+
+def step_product(
+    packed: Tensor,
+    out_features: int,
+    scales: Tensor | None,
+    bias: Tensor | None,
+    float_rows: bool,
+    bias_in_float: bool,
+    dtype: torch.dtype,
+) -> object:
+    """A linear layer's product in a step of :func:`step_layers`: rows [..., in] (widened to float32 first where
+    ``float_rows``) times the weight through :func:`matmul`, ``bias`` added to its float32 sums before they are
+    rounded to ``dtype`` (``bias_in_float``) or after it: as the layer's own ``step_forward`` computes it
+    (``PackedLinear.step_product``, ``Int8Linear.step_product``). Callable on rows, for a test."""
+    return extension().StepProduct(packed, out_features, scales, bias, float_rows, bias_in_float, dtype)
+
+
+def step_layers(layers: list[dict]) -> object:
+    """A step's decoder layers in one call of the kernel, where :mod:`distillspec.decoding.kvcache` calls them from
+    Python layer by layer: each layer a dict of ``input_norm``, ``input_eps``, ``qkv`` and ``gate_up`` (each a
+    ``(products, sizes)`` pair: one product split into ``sizes``, or one product a part with ``sizes`` empty), ``o``,
+    ``post_norm``, ``post_eps``, ``down`` (products of :func:`step_product`) and ``scale`` (its attention's); a
+    SiLU MLP. The result is called as ``layers(h, cos, sin, keys, values, mask, start)`` on hidden states [B, k, D],
+    the rotary ``cos`` and ``sin``, each layer's cache (as :func:`cached_attention` takes one), and returns the hidden
+    states after the last layer's MLP, not yet normed: the same calls in the same order as the layer-by-layer path,
+    so the same bits, without a Python call between them (the 0.5B Qwen draft's 4-bit step spent about a sixth of
+    its time between its kernel calls; docs/MEASUREMENTS.md)."""
+    ext = extension()
+    return ext.StepLayers(
+        [
+            ext.StepLayer(
+                layer["input_norm"],
+                layer["input_eps"],
+                ext.StepSiblings(*layer["qkv"]),
+                layer["o"],
+                layer["post_norm"],
+                layer["post_eps"],
+                ext.StepSiblings(*layer["gate_up"]),
+                layer["down"],
+                layer["scale"],
+            )
+            for layer in layers
+        ]
+    )

@@ -22,6 +22,7 @@ them.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -110,9 +111,20 @@ class PackedLinear(nn.Module):
             return self.forward(x)
         return self._few_rows(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
+    def step_product(self) -> tuple[object, int] | None:
+        """:meth:`step_forward`'s product as the kernel's own step of a model's layers takes it
+        (:func:`~distillspec.models.few_rows.step_product`), and the most rows it takes; None where the kernel does
+        not take it."""
+        if self.kernel != "few_rows":
+            return None
+        product = few_rows.step_product(
+            self.packed, self.out_features, None, self.bias, not self.bf16_rows, True, self.dtype
+        )
+        return product, sys.maxsize
+
     def _few_rows(self, rows: Tensor) -> Tensor:
         """``rows`` [M, in] (contiguous) times the weight through the few-row kernel, in the model's dtype: float32
-        sums; float32 rows but a bfloat16 model's where the CPU takes them."""
+        sums; float32 rows but a bfloat16 model's where the CPU takes them (as :meth:`step_product` does)."""
         out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features)
         if self.bias is not None:
             out += self.bias
@@ -414,10 +426,28 @@ class Int8Linear(nn.Module):
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
+    def step_product(self) -> tuple[object, int] | None:
+        """:meth:`step_forward`'s product as the kernel's own step of a model's layers takes it
+        (:func:`~distillspec.models.few_rows.step_product`), and the most rows it takes (its 4-bit product where it
+        has one); None where the kernel does not take its steps."""
+        if self.int4_packed is not None:
+            if not self.int4_few_rows:
+                return None
+            product = few_rows.step_product(
+                self.int4_packed, self.out_features, None, self.bias, False, False, self.dtype
+            )
+            return product, self.int4_rows
+        if self.few_rows_packed is None:
+            return None
+        product = few_rows.step_product(
+            self.few_rows_packed, self.out_features, self.few_rows_scales, self.bias, True, False, self.dtype
+        )
+        return product, INT8_ROWS
+
     def _few_rows(self, rows: Tensor) -> Tensor | None:
         """``rows`` [M, in] (the model's dtype) times the weight through the few-row kernel, where a step of M rows
         takes it (4-bit products up to :attr:`int4_rows` rows, else weight-only int8 ones up to :data:`INT8_ROWS`), in
-        the model's dtype; None where it does not."""
+        the model's dtype; None where it does not (as :meth:`step_product` does, with the bias)."""
         if self.int4_packed is not None and rows.shape[0] <= self.int4_rows:  # its weight in 4 bits
             # the product in the rows' dtype (the model's); None: torch's 4-bit kernel (_product)
             return few_rows.matmul(rows, self.int4_packed, self.out_features) if self.int4_few_rows else None
