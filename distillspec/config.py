@@ -496,8 +496,9 @@ class ServeConfig:
     compile: Compile = knob(
         False,
         "backend hf: decode with torch.compile'd steps (Llama, Mistral, Qwen2; a C++ compiler): draft = the draft's "
-        "alone (the 0.5B Qwen draft on a 2-core CPU: SD 2-7% faster), true = the target's too; a replica compiles the "
-        "draft's steps as it warms up (minutes on 2 cores), new draft versions reuse them",
+        "alone, true = the target's too; a replica compiles the draft's steps as it warms up (minutes on 2 cores), new "
+        "draft versions reuse them. For GPUs and CPUs without the project's kernel: on an x86 CPU eager steps run "
+        "each step's layers in one call of it, faster (the 0.5B Qwen draft's step 7.0 ms, 12.8 compiled)",
     )
     draft_context: DraftContext = knob(
         "auto",

@@ -198,6 +198,24 @@ def test_the_compile_knobs_take_false_true_or_draft():
         load_config(None, ["serve.compile=draft", "serve.backend=vllm"])
 
 
+def test_compiling_on_a_cpu_where_the_kernel_runs_a_steps_layers_is_warned_of(tiny_garden, monkeypatch):
+    """Compiled steps keep torch's operators around their products, and eager ones on an x86 CPU run a step's layers
+    in one call of the project's kernel: a job that compiles there is told, once, to leave it off."""
+    from distillspec.config import load_config
+    from distillspec.models import few_rows, pretrained
+    from distillspec.tasks.data import arith_task
+
+    pair, task = [f"target={tiny_garden.target}", f"draft={tiny_garden.draft}"], arith_task(n_train=8, n_test=4)
+    for knobs, kernel in ([], True), (["serve.compile=draft"], True), (["eval.compile=true"], False):
+        reason = None if kernel else "DISTILLSPEC_FEW_ROWS=0"
+        monkeypatch.setattr(few_rows, "unavailable_reason", lambda reason=reason: reason)
+        lines = []
+        pretrained.prepare_models(load_config(None, [*pair, *knobs]), task, log=lines.append)
+        warned = [line for line in lines if "compiled steps keep torch's operators" in line]
+        assert len(warned) == (1 if knobs and kernel else 0)
+        assert all(line.startswith("warning: serve.compile=draft: ") for line in warned)
+
+
 def test_compile_is_refused_before_anything_starts_for_other_architectures(tmp_path, tiny_garden, monkeypatch):
     from transformers import AutoTokenizer
 
