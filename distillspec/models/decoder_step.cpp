@@ -448,6 +448,7 @@ void bind_step_layers(py::module_& m) {
            py::arg("post_eps"), py::arg("gate_up"), py::arg("down"), py::arg("scale"));
   py::class_<StepLayers>(m, "StepLayers")
       .def(py::init<std::vector<StepLayer>>(), py::arg("layers"))
+      // (torch's operators let other Python threads run while they compute, a server's among them: so does this)
       .def("__call__", &StepLayers::operator(), py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("keys"),
-           py::arg("values"), py::arg("mask"), py::arg("start"));
+           py::arg("values"), py::arg("mask"), py::arg("start"), py::call_guard<py::gil_scoped_release>());
 }
