@@ -187,7 +187,9 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkey
     for a, b, c in zip(ours, calls(steps), calls(modules), strict=True):
         assert torch.equal(a, b) and torch.equal(b, c)
     assert steps.products[0][1] == model.model.layers[0].self_attn.o_proj.step_forward
-    assert layers.layers is not None
+    if draft_int8 == "int4" and not few_rows.int4():  # torch's 4-bit kernel: every call goes layer by layer
+        assert layers.layers is None and len(layered) == 4
+        return
     rows = layers.layers[1]
     # the calls of more rows than the layers' products take went layer by layer, the others in one call
     assert layered == [(b, k) for b, k in ((batch, 5), (batch, 1), (batch, 2), (2, 2)) if b * k > rows]

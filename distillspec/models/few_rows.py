@@ -265,7 +265,7 @@ def step_product(
     """A linear layer's product in a step of :func:`step_layers`: rows [..., in] (widened to float32 first where
     ``float_rows``) times the weight through :func:`matmul`, ``bias`` added to its float32 sums before they are
     rounded to ``dtype`` (``bias_in_float``) or after it: as the layer's own ``step_forward`` computes it
-    (``PackedLinear.step_product``, ``Int8Linear.step_product``). Callable on rows, for a test."""
+    (``PackedLinear.step_product``, ``Int8Linear.step_product``). It can be called on rows itself."""
     return extension().StepProduct(packed, out_features, scales, bias, float_rows, bias_in_float, dtype)
 
 
