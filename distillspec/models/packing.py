@@ -118,7 +118,13 @@ class PackedLinear(nn.Module):
         if self.kernel != "few_rows":
             return None
         product = few_rows.step_product(
-            self.packed, self.out_features, None, self.bias, not self.bf16_rows, True, self.dtype
+            self.packed,
+            self.out_features,
+            None,
+            self.bias,
+            float_rows=not self.bf16_rows,
+            bias_in_float=True,
+            dtype=self.dtype,
         )
         return product, sys.maxsize
 
@@ -434,13 +440,25 @@ class Int8Linear(nn.Module):
             if not self.int4_few_rows:
                 return None
             product = few_rows.step_product(
-                self.int4_packed, self.out_features, None, self.bias, False, False, self.dtype
+                self.int4_packed,
+                self.out_features,
+                None,
+                self.bias,
+                float_rows=False,
+                bias_in_float=False,
+                dtype=self.dtype,
             )
             return product, self.int4_rows
         if self.few_rows_packed is None:
             return None
         product = few_rows.step_product(
-            self.few_rows_packed, self.out_features, self.few_rows_scales, self.bias, True, False, self.dtype
+            self.few_rows_packed,
+            self.out_features,
+            self.few_rows_scales,
+            self.bias,
+            float_rows=True,
+            bias_in_float=False,
+            dtype=self.dtype,
         )
         return product, INT8_ROWS
 
