@@ -352,7 +352,7 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
 }
 
 // A step's linear product as its module computes it (PackedLinear, Int8Linear in distillspec/models/packing.py; their
-// kernel_step() gives these fields): the rows [..., in] (widened to float32 first where float_rows) times the weight
+// step_product() gives these fields): the rows [..., in] (widened to float32 first where float_rows) times the weight
 // through matmul, the bias added to its float32 sums before they are rounded to the model's dtype (bias_in_float) or
 // after.
 struct StepProduct {
