@@ -614,7 +614,7 @@ class JobConfig:
         "through fbgemm's int8 GEMM where torch has it; fbgemm: steps and prompts through fbgemm (x86 CPUs), its "
         "activations in 7 bits too (a scale per token), at some cost in acceptance; int4: prompts as fbgemm, "
         "drafting steps through 4-bit weights (groups of 32; the project's few-row kernel on x86 CPUs with "
-        "AVX512-VNNI or AVX2 alone, torch's CPU kernel elsewhere), a step reading half of int8's "
+        "AVX2, torch's CPU kernel elsewhere), a step reading half of int8's "
         "bytes again, at some further cost in acceptance; auto = int4 where torch's CPU kernels run AVX-512, else "
         "true where the few-row kernel runs, else fbgemm (true where torch has no fbgemm), for a draft on a CPU that "
         "is large enough to be bound by reading its weights (250M parameters, 1 GB in float32, on), else false; "

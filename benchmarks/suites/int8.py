@@ -3,7 +3,7 @@
 Kernels (:class:`distillspec.models.packing.Int8Linear`, what ``draft_int8`` decodes with): weight-only int8 in the
 model's dtype, its activations in bfloat16 for a float32 model on a CPU (``draft_int8=true``); fbgemm's int8 GEMM
 (x86), which rounds the activations to 7 bits as well, one scale per row (``draft_int8=fbgemm``); and int4, up to
-four rows (drafting steps; twelve through the few-row kernel: AVX512-VNNI, or AVX2 alone) through 4-bit weights in
+four rows (drafting steps; twelve through the few-row kernel, wherever it runs) through 4-bit weights in
 groups of 32, more through fbgemm (``draft_int8=int4``); there, also ``int4-torch``: the same through torch's kernel.
 Over 16 rows (a prompt) the weight-only kernel takes the int8 values as floats, then the row scales. Each int8 kernel is
 timed in a float32 and in a bfloat16 model (taking that model's activations). Beside them, the eager float32

@@ -160,24 +160,24 @@ def int8_vnni() -> bool:
     return extension() is not None and extension().int8_vnni_supported()
 
 
-#: Set to ``0`` to keep torch's kernel for a 4-bit draft's steps, to ``1`` to take the few-row kernel wherever it runs
-#: (comparisons); unset, :func:`int4` chooses. Read as a draft is quantized.
+#: Set to ``0`` to keep torch's kernel for a 4-bit draft's steps (comparisons); unset (or ``1``), the few-row kernel
+#: takes them wherever it runs (:func:`int4`). Read as a draft is quantized.
 INT4_SWITCH = "DISTILLSPEC_INT4_FEW_ROWS"
 
 
 def int4() -> bool:
     """Whether a 4-bit weight in groups of 32 (an int4 draft's, :func:`pack_int4`) takes the kernel's products here
-    rather than torch's int4 kernel: the kernel built (the first time), and either AVX512-VNNI (:func:`int8_vnni`)
-    or torch's kernels below AVX-512 (``DISTILLSPEC_INT4_FEW_ROWS``: ``0`` never, ``1`` always). Output rows lie in
-    the vectors' lanes, 16 to a vector (8 at AVX2), so a group's 4-bit codes take their scales for 16 rows at once,
-    and the rows are rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2 give the same sums. With VNNI the
-    0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 / 0.66 of torch's int4 kernel's
-    time on an AMD EPYC; with AVX2's products its float32 step took 0.39x torch's kernel's at AVX2 (one row), but
-    0.92-1.15x its AVX-512 kernel's, which such CPUs without VNNI keep (docs/MEASUREMENTS.md)."""
-    switch = os.environ.get(INT4_SWITCH)
-    if switch == "0" or extension() is None or not extension().int4_supported():
+    rather than torch's int4 kernel: wherever the kernel runs (built the first time) and ``DISTILLSPEC_INT4_FEW_ROWS``
+    is not ``0``. Output rows lie in the vectors' lanes, 16 to a vector (8 at AVX2), so a group's 4-bit codes take
+    their scales for 16 rows at once, and the rows are rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2
+    give the same sums. With VNNI the 0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 /
+    0.66 of torch's int4 kernel's time on an AMD EPYC; with AVX2's products its float32 step took 0.39x torch's
+    kernel's at AVX2 (one row), and, a step's layers in one call (only the kernel's products take it), 0.78x torch's
+    AVX-512 kernel's at one row and 1.01-1.07x at two and four, as a CPU with AVX-512 and no VNNI runs them
+    (docs/MEASUREMENTS.md)."""
+    if os.environ.get(INT4_SWITCH) == "0" or extension() is None:
         return False
-    return switch == "1" or int8_vnni() or torch.backends.cpu.get_cpu_capability() != "AVX512"
+    return extension().int4_supported()
 
 
 def pack_int4(codes: Tensor, scales_zeros: Tensor) -> Tensor:

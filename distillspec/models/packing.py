@@ -336,7 +336,7 @@ class Int8Linear(nn.Module):
 
     ``int4=True`` (``draft_int8=int4``) also holds the weight in 4 bits, each group of :data:`INT4_GROUP` inputs with
     its own scale and zero point (:func:`int4_groups`): a step reads half the int8 bytes. Where the few-row kernel takes
-    them (:func:`~distillspec.models.few_rows.int4`: AVX512-VNNI, or AVX2 alone) up to :data:`INT4_FEW_ROWS` rows
+    them (:func:`~distillspec.models.few_rows.int4`: wherever it runs) up to :data:`INT4_FEW_ROWS` rows
     (drafting steps) go through its 4-bit products
     (:func:`~distillspec.models.few_rows.int4`; the rows rounded to 16 bits), elsewhere up to :data:`INT4_ROWS` through
     torch's CPU kernel (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the weight-only
