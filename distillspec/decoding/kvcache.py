@@ -124,22 +124,32 @@ def _step_products(model: PreTrainedModel) -> list[LayerProducts]:
     def product(linear: torch.nn.Module) -> Callable:
         return getattr(linear, "step_forward", linear)
 
-    def siblings(module: torch.nn.Module, fused: str, parts: tuple[str, ...]) -> Callable:
-        if isinstance(whole := getattr(module, fused, None), FusedLinear):
-            linear, sizes = product(whole.linear), whole.sizes
+    def siblings(module: torch.nn.Module, fused: str) -> Callable:
+        linears, sizes = _siblings(module, fused)
+        if sizes:
+            linear = product(linears[0])
             return lambda x: linear(x).split(sizes, -1)
-        each = [product(getattr(module, name)) for name in parts]
+        each = [product(linear) for linear in linears]
         return lambda x: tuple(p(x) for p in each)
 
     return [
         (
-            siblings(layer.self_attn, "qkv_proj", FUSED_PARTS["qkv_proj"]),
+            siblings(layer.self_attn, "qkv_proj"),
             product(layer.self_attn.o_proj),
-            siblings(layer.mlp, "gate_up_proj", FUSED_PARTS["gate_up_proj"]),
+            siblings(layer.mlp, "gate_up_proj"),
             product(layer.mlp.down_proj),
         )
         for layer in model.model.layers
     ]
+
+
+def _siblings(module: torch.nn.Module, fused: str) -> tuple[list[torch.nn.Module], list[int]]:
+    """The linear layers of ``module``'s sibling products ``fused`` (``qkv_proj``, ``gate_up_proj``) and how one product
+    splits: the fused product and its parts' sizes where the model fused them (:class:`FusedLinear`), else each part
+    and no sizes."""
+    if isinstance(whole := getattr(module, fused, None), FusedLinear):
+        return [whole.linear], whole.sizes
+    return [getattr(module, name) for name in FUSED_PARTS[fused]], []
 
 
 def _step_layers(model: PreTrainedModel) -> tuple[object, int] | None:
@@ -156,20 +166,19 @@ def _step_layers(model: PreTrainedModel) -> tuple[object, int] | None:
         limits.append(step[1] if step is not None else 0)
         return None if step is None else step[0]
 
-    def siblings(module: torch.nn.Module, fused: str, parts: tuple[str, ...]) -> tuple[list, list[int]]:
-        if isinstance(whole := getattr(module, fused, None), FusedLinear):
-            return [product(whole.linear)], whole.sizes
-        return [product(getattr(module, name)) for name in parts], []
+    def siblings(module: torch.nn.Module, fused: str) -> tuple[list, list[int]]:
+        linears, sizes = _siblings(module, fused)
+        return [product(linear) for linear in linears], sizes
 
     layers = [
         {
             "input_norm": layer.input_layernorm.weight,
             "input_eps": layer.input_layernorm.variance_epsilon,
-            "qkv": siblings(layer.self_attn, "qkv_proj", FUSED_PARTS["qkv_proj"]),
+            "qkv": siblings(layer.self_attn, "qkv_proj"),
             "o": product(layer.self_attn.o_proj),
             "post_norm": layer.post_attention_layernorm.weight,
             "post_eps": layer.post_attention_layernorm.variance_epsilon,
-            "gate_up": siblings(layer.mlp, "gate_up_proj", FUSED_PARTS["gate_up_proj"]),
+            "gate_up": siblings(layer.mlp, "gate_up_proj"),
             "down": product(layer.mlp.down_proj),
             "scale": layer.self_attn.scaling,
         }
