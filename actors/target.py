@@ -5,28 +5,36 @@ scores, the evaluator, the Serve replicas that follow the run) builds it over th
 
 An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy. A
 bfloat16 target that decodes through the few-row kernel (``prepack``, a CPU with AVX512-BF16) is shared in that
-layout too, so that the actors that decode with it read one more copy a node, not one each.
+layout too, so that the actors that decode with it read one more copy a node, not one each; with ``prepack=int4`` its
+layers on 4-bit grids are shared in 4 bits, found once on the float32 weights.
 """
 
 from __future__ import annotations
 
 import ray
+import torch
 from transformers import PreTrainedModel
 
 from actors.common import NAMESPACE, log, weights_name
 from actors.worker import setup_worker
 from distillspec.config import Models
 from distillspec.models.loading import SharedWeights, load_model, resolve_dtype, resolve_prepack, share_weights
+from distillspec.models.packing import int4_layouts
 
 
 @ray.remote(num_cpus=0, max_calls=1)  # its process goes when it returns, and the memory it loaded with
 def _load_shared(models: Models) -> SharedWeights:
     setup_worker()
-    model, _ = load_model(models.target, device=models.device, dtype=models.dtype)
     dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
+    prepack = resolve_prepack(models.prepack, dtype, models.target, models.device)[0]
+    # with prepack=int4 its layers on 4-bit grids are found on the float32 weights (the file's values) and shared in
+    # 4 bits; every weight in the dtype beside them, for the actors that only score
+    model, _ = load_model(models.target, device=models.device, dtype="float32" if prepack == "int4" else dtype)
+    int4 = int4_layouts(model) if prepack == "int4" else {}
+    model.to(getattr(torch, dtype))
     # a bfloat16 target that decodes through the few-row kernel: its layout is shared too, once a node
-    layouts = dtype == "bfloat16" and resolve_prepack(models.prepack, dtype, models.target, models.device)[0] is True
-    return share_weights(model, models.target, layouts=layouts)
+    layouts = dtype == "bfloat16" and prepack in (True, "int4")
+    return share_weights(model, models.target, layouts=layouts, int4=int4)
 
 
 def share_target(models: Models) -> list[ray.ObjectRef] | None:

@@ -620,7 +620,7 @@ class JobConfig:
         "is large enough to be bound by reading its weights (250M parameters, 1 GB in float32, on), else false; "
         "false where a vLLM backend decodes. Speculative decoding stays exact",
     )
-    prepack: bool | Literal["auto", "bfloat16"] = knob(
+    prepack: bool | Literal["auto", "bfloat16", "int4"] = knob(
         "auto",
         "lay the frozen target's linear weights out for products of a few rows on a CPU, so that a step and a "
         "verification of gamma + 1 positions read the weights at the memory's rate: float32 weights laid out once "
@@ -632,7 +632,13 @@ class JobConfig:
         "float32, or bfloat16 on a CPU with AVX512-BF16 or AMX; true; false; bfloat16: a float32 target's linear "
         "weights rounded to bfloat16 for the few-row kernel, which widens them in registers (a step reads half the "
         "bytes; the target decodes a little differently, and speculative decoding stays exact for it; a learner or "
-        "scoring actor keeps float32 weights)",
+        "scoring actor keeps float32 weights); int4: the target's linear layers whose weights lie on 4-bit grids in "
+        "groups of 32 (a 4-bit GGUF's, Q4_0, Q4_1 or Q4_K, as the pretrained models' import dequantizes them) held "
+        "as those codes for the same kernel's 4-bit products, the rest laid out as above: a step reads a fraction "
+        "of the bytes, its rows rounded to 16 bits, so the target decodes a little differently (in float32 closer "
+        "to the file's model than bfloat16 weights are; speculative decoding stays exact for the target as it "
+        "runs). auto = int4 for such a target where the kernel runs (float32; bfloat16 with AVX512-BF16), else as "
+        "above; a target that only scores (a learner's, a scoring actor's) keeps the layout above",
     )
     chat_template: bool = knob(
         True,

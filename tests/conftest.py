@@ -41,6 +41,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile on CPU needs a C++ compiler")
 
 
+def on_4_bit_grids(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (float32; in place) with its decoder layers' linear weights rounded to 4-bit groups of 32 (min-max,
+    in float32), as a 4-bit GGUF's layers dequantize: weights on 4-bit grids; its head as it was."""
+    from distillspec.models.packing import int4_groups
+
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if isinstance(layer, torch.nn.Linear) and name != "lm_head":
+                codes, scales_zeros = int4_groups(layer.weight)
+                scale, zero = (scales_zeros[..., i].T.repeat_interleave(32, 1) for i in (0, 1))
+                layer.weight.copy_((codes - 8) * scale + zero)
+    return model
+
+
 def tiny_llama(vocab: int, d: int = 32, layers: int = 1, seed: int = 0, sharpness: float = 1.0) -> LlamaForCausalLM:
     """A random-init Llama; ``sharpness`` scales the output layer (peakier distributions, no near-ties)."""
     torch.manual_seed(seed)

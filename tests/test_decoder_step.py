@@ -11,6 +11,7 @@ from distillspec.decoding import kvcache
 from distillspec.decoding.kvcache import CachedLM
 from distillspec.models import few_rows
 
+from .conftest import on_4_bit_grids
 from .test_kvcache import run, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(
@@ -140,27 +141,34 @@ def test_a_caches_steps_through_the_kernel_are_torchs(dtype, monkeypatch):
         torch.testing.assert_close(last(ours), last(torchs), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("draft_int8", [None, True, "int4"])
+@pytest.mark.parametrize("draft_int8", [None, True, "int4", "target-int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkeypatch):
     """The products of the lean cache's kernel steps (each linear layer's ``step_forward``: the kernel's product
     without the module call), and the layers in one call of the kernel (``few_rows.step_layers``), give the logits of
-    the layers' own modules to the bit: a packed target, an int8 draft with weight-only steps, a 4-bit one (where each
-    runs here), steps of one and of several tokens, and a batch whose rows exceed what the 4-bit kernel takes (the
-    layer's forward, layer by layer)."""
+    the layers' own modules to the bit: a packed target, an int8 draft with weight-only steps, a 4-bit one, a target
+    whose layers on 4-bit grids are held in 4 bits (``prepack=int4``; where each runs here), steps of one and of
+    several tokens, and a batch whose rows exceed what the 4-bit kernel takes (the layer's forward, layer by
+    layer)."""
     from distillspec.models.loading import int8_kernels, quantize_decoding_draft
-    from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, prepack_linears
+    from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, int4_linears, prepack_linears
 
-    if draft_int8 is not None and draft_int8 not in int8_kernels().values():
+    target = draft_int8 in (None, "target-int4")
+    if draft_int8 in (True, "int4") and draft_int8 not in int8_kernels().values():
         pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
-    if draft_int8 is None and dtype == torch.bfloat16 and not few_rows.bf16_rows():
+    if draft_int8 == "target-int4" and not few_rows.int4():
+        pytest.skip("a target's 4-bit layers take the few-row kernel's 4-bit products (x86 AVX2)")
+    if target and dtype == torch.bfloat16 and not few_rows.bf16_rows():
         pytest.skip("a bfloat16 target's products take the few-row kernel with AVX512-BF16")
-    model = tiny_qwen2().to(dtype)
+    model = tiny_qwen2()
     with torch.no_grad():
         for name, bias in model.named_parameters():
             if name.endswith(".bias"):  # (the model's own start at zero)
                 bias.normal_(0, 0.5)
-    if draft_int8 is None:
+    if draft_int8 == "target-int4":  # its decoder layers on 4-bit grids, held in 4 bits
+        assert int4_linears(on_4_bit_grids(model), dtype) == 2 * 7
+    model.to(dtype)
+    if target:
         prepack_linears(model, kernel="few_rows")
     else:
         quantize_decoding_draft(model, draft_int8)
@@ -193,4 +201,4 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkey
     rows = layers.layers[1]
     # the calls of more rows than the layers' products take went layer by layer, the others in one call
     assert layered == [(b, k) for b, k in ((batch, 5), (batch, 1), (batch, 2), (2, 2)) if b * k > rows]
-    assert rows == (INT4_FEW_ROWS if draft_int8 == "int4" else INT8_ROWS if draft_int8 else sys.maxsize)
+    assert rows == (INT4_FEW_ROWS if draft_int8 == "int4" else sys.maxsize if target else INT8_ROWS)

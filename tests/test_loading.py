@@ -9,9 +9,9 @@ import torch
 
 from distillspec.models import few_rows
 from distillspec.models.loading import SharedWeights, load_model, share_weights
-from distillspec.models.packing import FewRowLinear, PackedLinear
+from distillspec.models.packing import FewRowLinear, Int4Linear, PackedLinear, int4_layouts
 
-from .conftest import needs_compiler, tiny_llama
+from .conftest import needs_compiler, on_4_bit_grids, tiny_llama
 
 
 def _saved(tmp_path, tokenizer, *, tied: bool) -> str:
@@ -89,3 +89,32 @@ def test_a_bfloat16_target_shares_its_few_row_layout_with_the_processes_that_dec
     assert isinstance(scorer.lm_head, FewRowLinear)
     dense = {a.__array_interface__["data"][0] for a in shared.arrays.values()}
     assert scorer.lm_head.weight.data_ptr() in dense
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    few_rows.unavailable_reason() is not None or not few_rows.bf16_rows() or not few_rows.int4(),
+    reason="bfloat16 rows take an x86 CPU with AVX512-BF16",
+)
+def test_a_target_on_4_bit_grids_shares_its_4_bit_layers_with_the_processes_that_decode(tmp_path, tokenizer):
+    """prepack=int4 over shared weights: the sharer finds the layers on 4-bit grids on the float32 weights and shares
+    them in 4 bits, the rest in the few-row layout; a decoding target is built over those layouts (no copy of its
+    own) and gives the logits of one that loaded itself; a target that only scores keeps the shared dense weights."""
+    on_4_bit_grids(tiny_llama(len(tokenizer), d=32, layers=2, seed=3)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    name = str(tmp_path)
+    own, _ = load_model(name, dtype="bfloat16", prepack="int4")
+    float32, _ = load_model(name, dtype="float32")
+    int4 = int4_layouts(float32)
+    shared = _through_pickle(share_weights(float32.to(torch.bfloat16), name, layouts=True, int4=int4))
+    assert len(int4) == 2 * 7 and len(shared.layouts) == 2 * 7 + 1  # the decoder layers in 4 bits; the head not
+    built, _ = load_model(name, dtype="bfloat16", prepack="int4", shared=shared)
+    layers = [m for m in built.modules() if isinstance(m, (Int4Linear, PackedLinear))]
+    addresses = {a.__array_interface__["data"][0] for a in shared.layouts.values()}
+    assert len(layers) == 2 * 7 + 1 and all(m.packed.data_ptr() in addresses for m in layers)
+    assert sum(isinstance(m, Int4Linear) for m in layers) == 2 * 7
+    ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    assert torch.equal(_logits(built, ids), _logits(own, ids))
+    scorer, _ = load_model(name, dtype="bfloat16", prepack="int4", shared=shared, kernel="onednn")
+    assert not any(isinstance(m, Int4Linear) for m in scorer.modules())
+    assert scorer.lm_head.weight.data_ptr() in {a.__array_interface__["data"][0] for a in shared.arrays.values()}

@@ -26,7 +26,7 @@ from distillspec.models.packing import (
     replace_linears,
 )
 
-from .conftest import needs_compiler, perturbed, tiny_llama
+from .conftest import needs_compiler, on_4_bit_grids, perturbed, tiny_llama
 from .test_speculative import assert_greedy_sd_is_target_greedy, fit_to_target, left_padded_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,10 +365,12 @@ def test_prepack_is_chosen_for_weight_bound_targets_on_a_cpu(tmp_path):
     small.mkdir()
     (small / "model.safetensors").write_bytes(b"0" * 1000)
     assert resolve_prepack("auto", "float32", str(small))[0] is False  # bound by per-call costs
-    assert resolve_prepack("auto", "float32", "some/hub-id")[0] is True  # size unknown: a real model
+    int4 = few_rows.int4()  # a target's 4-bit layers in 4 bits where the kernel runs
+    assert resolve_prepack("auto", "float32", "some/hub-id")[0] == ("int4" if int4 else True)  # size unknown: real
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     # the few-row kernel with bfloat16 rows (AVX512-BF16) pays; matrix-vector products pay with AMX
-    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] is (few_rows.bf16_rows() or amx)
+    bf16 = few_rows.bf16_rows()
+    assert resolve_prepack("auto", "bfloat16", "some/hub-id")[0] == ("int4" if int4 and bf16 else bf16 or amx)
     assert resolve_prepack("auto", "bfloat16", str(small))[0] is False
     assert resolve_prepack(True, "float32", str(small)) == (True, "set by prepack")
     assert resolve_prepack(True, "bfloat16", str(small)) == (True, "set by prepack")
@@ -416,6 +418,129 @@ def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
     layout = PackedLinear if few_rows.bf16_rows() else FewRowLinear  # the few-row kernel takes bfloat16 rows
     assert isinstance(target.lm_head, layout) and next(target.parameters()).dtype == torch.bfloat16
     assert not any(isinstance(m, (PackedLinear, FewRowLinear)) for m in draft.modules())
+
+
+def gguf_4_bit(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A weight [rows, cols] as a 4-bit GGUF's layer dequantizes to float32: codes 0-15 in groups of 32 inputs, each
+    group ``d * code - m`` with a scale and offset of its own; some groups span fewer levels, one is a single value."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows * cols // 32, 32), generator=generator)
+    codes[::3] %= 7  # groups whose codes span 7 levels or fewer
+    codes[1] = 5
+    d = torch.rand(len(codes), 1, generator=generator) * 0.01 + 1e-4
+    m = torch.rand(len(codes), 1, generator=generator) * 0.05
+    return (d * codes - m).reshape(rows, cols)
+
+
+def on_grids(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (float32) as :func:`~distillspec.models.packing.int4_grid` holds it: its codes and its groups'
+    scales and zero points rounded to bfloat16, as the kernel takes them."""
+    from distillspec.models.packing import int4_grid
+
+    codes, scales_zeros = int4_grid(weight)
+    scale, zero = (scales_zeros.bfloat16()[..., i].float().T.repeat_interleave(32, 1) for i in (0, 1))
+    return (codes - 8) * scale + zero
+
+
+def test_a_weight_on_4_bit_grids_is_held_as_its_codes():
+    """A 4-bit GGUF's layer (each group of 32 on a grid of at most 16 levels) comes back from its codes, scales and
+    zero points to float32's rounding; a float weight, a 6-bit one and a 4-bit one with one weight off its grid (past
+    the rows checked first) lie on no such grid."""
+    from distillspec.models.packing import int4_grid
+
+    weight = gguf_4_bit(128, 96)
+    codes, scales_zeros = int4_grid(weight)
+    assert codes.shape == (128, 96) and codes.min() >= 0 and codes.max() <= 15
+    assert scales_zeros.shape == (3, 128, 2)
+    scale, zero = (scales_zeros[..., i].T.repeat_interleave(32, 1) for i in (0, 1))
+    torch.testing.assert_close((codes - 8) * scale + zero, weight, rtol=1e-6, atol=1e-8)
+    assert int4_grid(torch.randn(128, 96)) is None
+    six = torch.randint(-32, 32, (128, 96)) * 1e-3  # 64 levels
+    assert int4_grid(six) is None
+    off = weight.clone()
+    off[100, 40] += 1e-5  # a tenth of the least step, in a row past the first 64
+    assert int4_grid(off) is None
+    assert int4_grid(weight[:, :90]) is None  # inputs not in whole groups
+
+
+@needs_compiler
+@pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 4-bit products need x86 AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_target_layer_on_4_bit_grids_multiplies_as_its_weight(dtype):
+    """An :class:`Int4Linear` (a target's layer on 4-bit grids) gives the product of the weight it holds (its codes,
+    the scales in bfloat16) and its bias at any row count (a step, a verification, a prompt), the rows rounded to 16
+    bits; through the one call's product (``step_product``) the same bits; a layer off the grids is not taken."""
+    from distillspec.models.packing import Int4Linear
+
+    linear = torch.nn.Linear(96, 48)
+    with torch.no_grad():
+        linear.weight.copy_(gguf_4_bit(48, 96))
+        linear.bias.normal_()
+    layer = Int4Linear(linear, Int4Linear.layout(linear), dtype)
+    assert layer.bias.dtype == dtype
+    held = on_grids(linear.weight.detach()).double()
+    product, rows_taken = layer.step_product()
+    assert rows_taken == sys.maxsize
+    for rows in (1, 6, 40):
+        x = torch.randn(2, rows, 96).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (2, rows, 48)
+        want = x.double() @ held.T + linear.bias.double()
+        tol = 1e-4 if dtype == torch.float32 else 2**-7  # the rows in 16 bits; a bfloat16 output rounded once
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+        assert torch.equal(product(x), out)
+    assert Int4Linear.layout(torch.nn.Linear(96, 48)) is None
+    assert Int4Linear.layout(torch.nn.Linear(96, 40)) is None  # outputs not in sixteens
+
+
+@needs_compiler
+@pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 4-bit products need x86 AVX2")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(tmp_path, tokenizer, dtype):
+    """prepack=int4: a target saved with its decoder layers on 4-bit grids (a 4-bit GGUF's, dequantized) loads with
+    those layers in 4 bits and the rest (its head) laid out as prepack=true lays them; its logits are the float
+    model's within the rounding of its rows and scales, and greedy speculative decoding over it is its own greedy
+    decoding. A target that only scores (``kernel="onednn"``) keeps the dtype's layout."""
+    from distillspec.models.loading import load_model
+    from distillspec.models.packing import Int4Linear
+
+    if dtype == "bfloat16" and not few_rows.bf16_rows():
+        pytest.skip("a bfloat16 target's other layers take the few-row kernel with AVX512-BF16")
+    snapped = on_4_bit_grids(tiny_llama(len(tokenizer), d=64, layers=2, seed=1, sharpness=30.0))
+    snapped.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    loaded = load_model(str(tmp_path / "target"), dtype=dtype, prepack="int4")[0]
+    layers = [name for name, m in loaded.named_modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down of both decoder layers; not the head
+    assert isinstance(loaded.lm_head, PackedLinear) and next(loaded.parameters()).dtype == getattr(torch, dtype)
+    held = copy.deepcopy(snapped)  # the weights as the kernel holds them: the scales in bfloat16
+    with torch.no_grad():
+        for name, layer in held.named_modules():
+            if isinstance(layer, torch.nn.Linear) and name != "lm_head":
+                layer.weight.copy_(on_grids(layer.weight))
+    ids, mask = left_padded_prompts()
+    with torch.no_grad():
+        theirs = held.to(getattr(torch, dtype))(ids, attention_mask=mask).logits.float()
+        ours = loaded(ids, attention_mask=mask).logits.float()
+    # the rows rounded to 16 bits; in bfloat16, each operation rounded as well
+    assert (ours - theirs).abs().max() < (1e-3 if dtype == "float32" else 0.05) * theirs.abs().max()
+    assert_greedy_sd_is_target_greedy(loaded, perturbed(snapped, 0.01), 4, through_cache=True)
+    scoring = load_model(str(tmp_path / "target"), dtype=dtype, prepack="int4", kernel="onednn")[0]
+    assert not any(isinstance(m, Int4Linear) for m in scoring.modules())
+
+
+def test_prepack_int4_is_refused_where_the_kernel_does_not_take_it(monkeypatch):
+    """prepack=int4 where the few-row kernel's 4-bit products do not run, or for a dtype they do not take: an error
+    that says why and what to set; auto takes it for a weight-bound float32 target where they run."""
+    with pytest.raises(DistillSpecError, match="prepack=int4 .* dtype=float16"):
+        resolve_prepack("int4", "float16", "some/hub-id")
+    with pytest.raises(DistillSpecError, match="prepack=int4 .* on meta"):
+        resolve_prepack("int4", "float32", "some/hub-id", device="meta")
+    assert (resolve_prepack("auto", "float32", "some/hub-id")[0] == "int4") is few_rows.int4()
+    monkeypatch.setenv(few_rows.INT4_SWITCH, "0")
+    with pytest.raises(DistillSpecError, match=f"prepack=int4 .*{few_rows.INT4_SWITCH}=0|prepack=int4 .*kernel"):
+        resolve_prepack("int4", "float32", "some/hub-id")
+    assert resolve_prepack("auto", "float32", "some/hub-id")[0] is True
 
 
 def skip_without(draft_int8) -> None:

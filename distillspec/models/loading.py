@@ -32,6 +32,7 @@ from distillspec.models.packing import (
     fbgemm_available,
     few_rows_layouts,
     int4_available,
+    int4_linears,
     prepack_linears,
     quantize_int8,
 )
@@ -141,8 +142,10 @@ class SharedWeights:
     dtype: str  #: its weights' dtype ("bfloat16")
     arrays: dict[str, np.ndarray]  #: every parameter and buffer, by name (16-bit floats as their raw 16-bit words)
     dtypes: dict[str, str]  #: each tensor's torch dtype, by name
-    #: a bfloat16 target's linear weights in the few-row kernel's layout (raw 16-bit words), by module name, for the
-    #: processes that decode with it (:func:`~distillspec.models.packing.few_rows_layouts`); empty where none is
+    #: a bfloat16 target's linear weights in the few-row kernel's layout (raw 16-bit words; uint8, its 4-bit layout,
+    #: for a layer on 4-bit grids with ``prepack=int4``), by module name, for the processes that decode with it
+    #: (:func:`~distillspec.models.packing.few_rows_layouts`, :func:`~distillspec.models.packing.int4_layouts`);
+    #: empty where none is
     layouts: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
@@ -150,15 +153,21 @@ class SharedWeights:
         return sum(a.nbytes for a in [*self.arrays.values(), *self.layouts.values()])
 
 
-def share_weights(model: PreTrainedModel, name: str, layouts: bool = False) -> SharedWeights:
+def share_weights(
+    model: PreTrainedModel, name: str, layouts: bool = False, int4: dict[str, torch.Tensor] | None = None
+) -> SharedWeights:
     """``model``'s parameters and buffers (rotary tables included) as numpy arrays over its own memory (no copy), each
     tied tensor once; with ``layouts``, also its bfloat16 linear weights laid out for the few-row kernel where
-    :func:`~distillspec.models.packing.prepack_linears` would lay them out (as much memory again)."""
+    :func:`~distillspec.models.packing.prepack_linears` would lay them out (as much memory again), but for those
+    ``int4`` lays out in 4 bits (:func:`~distillspec.models.packing.int4_layouts`, by module name: ``prepack=int4``;
+    about a quarter of it)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
     dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
+    int4 = int4 or {}
     laid_out = few_rows_layouts(model) if layouts else {}
-    words = {k: t.view(torch.int16).numpy() for k, t in laid_out.items()}
+    words = {k: t.view(torch.int16).numpy() for k, t in laid_out.items() if k not in int4}
+    words |= {k: t.numpy() for k, t in int4.items()}
     return SharedWeights(name, str(model.dtype).removeprefix("torch."), arrays, dtypes, words)
 
 
@@ -207,13 +216,23 @@ def load_model(
     freezes it with its linear weights laid out for few-row products
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
-    :class:`~distillspec.models.packing.PackedLinear` takes it). ``shared``: the weights of this model in this dtype,
+    :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on its
+    float32 weights and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, but for a target that only
+    scores, ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this model in this dtype,
     shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of
-    read from files, and over the layouts they hold where it is laid out for the few-row kernel."""
+    read from files, and over the layouts they hold where it is laid out for the few-row kernel (4-bit ones too)."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
+    if prepack == "auto":
+        prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
+    if prepack == "int4" and kernel == "onednn":
+        prepack = True  # a target that only scores: the dtype's layout
+    # the 4-bit layers are found on the float32 weights (the file's values), then the rest take the dtype (a shared
+    # target brings them laid out)
+    int4, run_dtype = prepack == "int4" and shared is None, dtype
+    dtype = torch.float32 if int4 else dtype
     try:
         config = AutoConfig.from_pretrained(name)
         if shared is not None and torch.device(device).type != "cpu":
@@ -232,11 +251,17 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise _unloadable(name, exc) from None
     model = model.to(device).eval()
-    if prepack == "auto":
-        prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
+    layouts = shared.layouts if shared is not None else {}
+    if int4:
+        dtype = run_dtype
+        layers = int4_linears(model, dtype)
+        log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
+        model.to(dtype)
+    elif prepack == "int4" and shared is not None:
+        int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
     if prepack:
         weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
-        laid_out = {k: _over(a, torch.bfloat16) for k, a in (shared.layouts if shared else {}).items()}
+        laid_out = {k: _over(a, torch.bfloat16) for k, a in layouts.items() if a.dtype != np.uint8}
         prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
     return model, tokenizer
@@ -378,16 +403,28 @@ def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, st
 
 def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool | str, str]:
     """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
-    ``prepack`` (``auto``, true, false, ``bfloat16``) with the resolved ``dtype``, and why. ``auto`` lays out a target
-    on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): a float32 one for the
-    few-row kernel or oneDNN (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one for the few-row
-    kernel where it takes bfloat16 rows (AVX512-BF16), else as matrix-vector products where the CPU has AMX (where
-    they were measured to pay; without AMX they took 1.4-2.2x the plain product's). ``bfloat16`` (a float32 target
-    on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to bfloat16 for
-    that kernel."""
+    ``prepack`` (``auto``, true, false, ``bfloat16``, ``int4``) with the resolved ``dtype``, and why. ``auto`` lays
+    out a target on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): ``int4``
+    where the few-row kernel's 4-bit products run and it takes the dtype's other layers (float32; bfloat16 with
+    AVX512-BF16), else a float32 one for the few-row kernel or oneDNN
+    (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one as matrix-vector products where the CPU has
+    AMX (where they were measured to pay; without AMX they took 1.4-2.2x the plain product's). ``bfloat16`` (a
+    float32 target on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to
+    bfloat16 for that kernel; so does ``int4`` (a float32 or bfloat16 target where the 4-bit products run, else an
+    error): :func:`load_model` holds its layers on 4-bit grids in 4 bits
+    (:class:`~distillspec.models.packing.Int4Linear`), the rest as ``true`` lays them out."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type
+    if prepack == "int4":
+        if kind != "cpu" or dtype not in ("float32", "bfloat16") or not few_rows.int4():
+            why = f"dtype={dtype} on {kind}" if kind != "cpu" or dtype not in ("float32", "bfloat16") else None
+            why = why or few_rows.missing() or f"{few_rows.INT4_SWITCH}=0"
+            raise DistillSpecError(
+                f"prepack=int4 holds a float32 or bfloat16 target's 4-bit layers for the few-row kernel on a CPU; "
+                f"here {why}: set prepack=auto"
+            )
+        return "int4", "set by prepack"
     if prepack == "bfloat16":
         if kind != "cpu" or dtype != "float32" or few_rows.missing():
             why = f"dtype={dtype} on {kind}" if kind != "cpu" or dtype != "float32" else few_rows.missing()
@@ -408,6 +445,9 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     size = _weight_bytes(target)
     if size is not None and size < AUTO_BF16_BYTES:
         return False, f"auto: {size / 1e9:.2f} GB of weights, bound by per-call costs"
+    if few_rows.int4() and (dtype == "float32" or few_rows.bf16_rows()):
+        rows = "bfloat16 rows (AVX512-BF16)" if dtype == "bfloat16" else "AVX2"
+        return "int4", f"auto: a weight-bound {dtype} target on a CPU where the few-row kernel runs, with {rows}"
     if dtype == "bfloat16":
         if few_rows.bf16_rows():
             return True, "auto: a weight-bound bfloat16 target on a CPU with AVX512-BF16, for the few-row kernel"

@@ -201,6 +201,8 @@ def layout_name(dtype: str, prepack: bool | str = True) -> str:
     (resolved) says, for a console."""
     if prepack == "bfloat16":
         return "weights rounded to bfloat16 for the few-row kernel"
+    if prepack == "int4":
+        return f"layers on 4-bit grids in 4 bits for the few-row kernel, the rest's {layout_name(dtype)}"
     if dtype != "float32":
         return (
             "weights laid out for the few-row kernel"
@@ -302,6 +304,129 @@ def int4_groups(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor
     codes = ((w - low) / scale).round().clamp(0, 15)
     scales_zeros = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
     return codes.reshape(rows, cols).to(torch.int32), scales_zeros
+
+
+#: How far a weight may lie from its group's grid (in the grid's steps) and count as on it: a 4-bit GGUF's layers,
+#: dequantized to float32, lie on theirs to float32's rounding (about 1e-6 of a step).
+GRID_TOLERANCE = 1e-3
+
+
+@torch.no_grad()
+def int4_grid(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor] | None:
+    """``weight`` [out, in] as 4-bit codes and ``scales_zeros`` (as :func:`int4_groups` gives them) that hold it as it
+    is, where each group of ``group`` inputs of a row lies on a grid of at most 16 evenly spaced levels: the layers
+    of a 4-bit GGUF (Q4_0, Q4_1, Q4_K: codes 0-15 in groups of 32, each group with its own scale and offset),
+    dequantized to float. Each group's grid is the one its values give (from its least value, in steps of its span
+    over 15, 14, ... levels), so the codes are the file's up to a shift; only the scales and zero points are rounded
+    where a kernel takes them in bfloat16. None where a group lies on no such grid (any other layer: a float one,
+    a 6- or 8-bit one); a layer's first rows are checked first, so most such layers cost little."""
+    rows, cols = weight.shape
+    if cols % group or rows == 0:
+        return None
+    head = min(rows, 64)
+    if rows > head and _grid(weight[:head], group) is None:
+        return None
+    parts = [_grid(chunk, group) for chunk in weight.split(4096)]  # bounds the float copies (a head's rows)
+    if any(part is None for part in parts):
+        return None
+    return torch.cat([codes for codes, _ in parts]), torch.cat([sz for _, sz in parts], 1)
+
+
+def _grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
+    """:func:`int4_grid` of a chunk of rows."""
+    rows, cols = weight.shape
+    w = weight.float().reshape(-1, group)  # [groups, group]
+    low = w.amin(-1, keepdim=True)
+    span = w.amax(-1, keepdim=True) - low
+    step = torch.zeros_like(span)
+    left = torch.arange(len(w), device=w.device)[span[:, 0] > 0]  # groups of one value take any step
+    for levels in range(15, 0, -1):  # most groups of a 4-bit layer span all 16 levels; the rest, fewer
+        trial = span[left] / levels
+        rel = (w[left] - low[left]) / trial
+        on = (rel - rel.round()).abs().amax(-1) < GRID_TOLERANCE
+        step[left[on]] = trial[on]
+        left = left[~on]
+        if len(left) == 0:
+            break
+    if len(left):
+        return None
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((w - low) / step).round().clamp(0, 15).to(torch.int32).reshape(rows, cols)
+    scales_zeros = torch.cat([step, low + 8 * step], -1).reshape(rows, cols // group, 2).transpose(0, 1)
+    return codes, scales_zeros.contiguous()
+
+
+class Int4Linear(nn.Module):
+    """A frozen target's linear layer whose weight lies on 4-bit grids (:func:`int4_grid`: a 4-bit GGUF's layers),
+    held as those codes in the few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int4`; ``packed``,
+    :meth:`layout`): a step reads about 0.28 of the bfloat16 weight's bytes, and every product (steps,
+    verifications, prompts) goes through the kernel's 4-bit products, the rows rounded to 16 bits with a scale each
+    and the sums float32. ``dtype`` (float32 or bfloat16, the model's) is its activations' in and out; the bias goes
+    into the float32 sums before they are rounded to it, as :class:`PackedLinear`'s does. Built with
+    ``prepack=int4`` (``auto`` where the kernel runs: :func:`~distillspec.models.loading.resolve_prepack`). The 1.5B
+    Qwen target of a Q4_K_M GGUF holds 1,345M of its 1,777M weights so (the file's 6-bit layers stay in the dtype):
+    its next-token distributions were a mean TVD of 0.0012 from the file's model in float32 (0.0091 in bfloat16,
+    where bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32 few-row target's and 0.55x the
+    bfloat16 one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
+
+    def __init__(self, linear: nn.Linear, packed: Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype  #: the model's
+        self.register_buffer("packed", packed)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype).clone()
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def layout(linear: nn.Linear) -> Tensor | None:
+        """``linear``'s weight (float32: the file's values) in the kernel's 4-bit layout where it lies on 4-bit grids
+        and the kernel takes its shape (outputs a multiple of 16), else None."""
+        if linear.out_features % 16 or linear.weight.device.type != "cpu":
+            return None
+        grid = int4_grid(linear.weight)
+        return None if grid is None else few_rows.pack_int4(grid[0], grid[1].to(torch.bfloat16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = few_rows.matmul(rows, self.packed, self.out_features)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(self.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    step_forward = forward  #: a decoding step's rows, as the lean decoder's eager steps call them
+
+    def step_product(self) -> tuple[object, int]:
+        """:meth:`forward`'s product as the kernel's own step of a model's layers takes it
+        (:func:`~distillspec.models.few_rows.step_product`), and the most rows it takes (any number)."""
+        product = few_rows.step_product(
+            self.packed, self.out_features, None, self.bias, float_rows=True, bias_in_float=True, dtype=self.dtype
+        )
+        return product, sys.maxsize
+
+    def extra_repr(self) -> str:
+        shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"{shape}, 4-bit codes in groups of {INT4_GROUP} for the few-row kernel"
+
+
+def int4_layouts(model: nn.Module) -> dict[str, Tensor]:
+    """:meth:`Int4Linear.layout` of each linear layer of ``model`` (float32 weights) that lies on 4-bit grids, by
+    module name: what a process that shares the target shares with the processes that decode with it."""
+    layouts = {name: Int4Linear.layout(m) for name, m in model.named_modules() if type(m) is nn.Linear}
+    return {name: layout for name, layout in layouts.items() if layout is not None}
+
+
+def int4_linears(model: nn.Module, dtype: torch.dtype, layouts: dict[str, Tensor] | None = None) -> int:
+    """Replace each linear layer of ``model`` (in place) whose weight lies on 4-bit grids by an :class:`Int4Linear`
+    in ``dtype``: found on its float32 weights, or those of ``layouts`` (:func:`int4_layouts`, by module name: shared
+    by another process). The others stay as they are, for :func:`prepack_linears`. Returns how many were replaced
+    (the model is frozen)."""
+    names = {id(module): name for name, module in model.named_modules()}
+
+    def make(linear: nn.Linear) -> Int4Linear | None:
+        layout = Int4Linear.layout(linear) if layouts is None else layouts.get(names[id(linear)])
+        return None if layout is None else Int4Linear(linear, layout, dtype)
+
+    return replace_linears(model, make)
 
 
 def fbgemm_available() -> bool:
