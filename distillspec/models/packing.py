@@ -364,10 +364,10 @@ class Int4Linear(nn.Module):
     and the sums float32. ``dtype`` (float32 or bfloat16, the model's) is its activations' in and out; the bias goes
     into the float32 sums before they are rounded to it, as :class:`PackedLinear`'s does. Built with
     ``prepack=int4`` (``auto`` where the kernel runs: :func:`~distillspec.models.loading.resolve_prepack`). The 1.5B
-    Qwen target of a Q4_K_M GGUF holds 1,345M of its 1,777M weights so (the file's 6-bit layers stay in the dtype):
-    its next-token distributions were a mean TVD of 0.0012 from the file's model in float32 (0.0091 in bfloat16,
-    where bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32 few-row target's and 0.55x the
-    bfloat16 one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
+    Qwen target of a Q4_K_M GGUF holds 168 of its 197 linear layers so, 1,111M weights (the file's 6-bit layers, the
+    head among them, stay in the dtype): its next-token distributions were a mean TVD of 0.0012 from the file's model
+    in float32 (0.0091 in bfloat16, where bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32
+    few-row target's and 0.55x the bfloat16 one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
 
     def __init__(self, linear: nn.Linear, packed: Tensor, dtype: torch.dtype) -> None:
         super().__init__()
