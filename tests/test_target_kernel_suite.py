@@ -3,24 +3,32 @@
 layout."""
 
 import json
+import shutil
 
 import pytest
 
 from benchmarks.suites.target_kernel import LAYOUTS, suite_target_kernel
 from distillspec import DistillSpecError
 from distillspec.models import few_rows
+from distillspec.models.loading import load_model
 
-from .conftest import garden_overrides, needs_compiler
+from .conftest import garden_overrides, needs_compiler, on_4_bit_grids
 
 
 @needs_compiler
 def test_the_suite_steps_compares_and_races_the_target_in_each_layout(tiny_garden, tmp_path):
+    """The garden's target with its decoder layers on 4-bit grids (as a 4-bit GGUF's), so that the 4-bit layouts
+    hold them in 4 bits."""
     if few_rows.unavailable_reason() is not None:
         pytest.skip(few_rows.unavailable_reason())
-    layouts = ["few_rows", "bfloat16", "bf16-few-rows", "bf16-matrix-vector", "bf16-plain", "onednn"]
+    layouts = ["few_rows", "bfloat16", "int4", "bf16-few-rows", "bf16-matrix-vector", "bf16-plain", "bf16-int4"]
+    layouts.append("onednn")
     assert set(layouts) == set(LAYOUTS)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_garden.target, target)
+    on_4_bit_grids(load_model(str(target))[0]).save_pretrained(target)
     result = suite_target_kernel(
-        garden_overrides(tiny_garden),
+        [*garden_overrides(tiny_garden), f"target={target}"],
         layouts=layouts,
         ks=[1, 6],
         gammas=[3],
@@ -36,7 +44,8 @@ def test_the_suite_steps_compares_and_races_the_target_in_each_layout(tiny_garde
     near = result["closeness"]
     assert set(near) == set(layouts[:-1]) and all(row["positions"] > 0 for row in near.values())
     assert near["few_rows"]["tvd"] < 1e-4 < near["bfloat16"]["tvd"] < 0.05  # float32 sums; weights rounded
-    assert all(1e-4 < near[name]["tvd"] < 0.05 for name in layouts[2:-1])  # bfloat16 targets
+    assert 1e-6 < near["int4"]["tvd"] < 0.01  # the rows in 16 bits, the scales in bfloat16
+    assert all(1e-4 < near[name]["tvd"] < 0.05 for name in layouts[3:-1])  # bfloat16 targets
     assert len(result["races"]) == 2 * 2 * len(layouts)  # temperatures x passes x layouts
     greedy = [r for r in result["races"] if r["temperature"] == 0.0 and r["layout"] in ("few_rows", "onednn")]
     assert len({r["sd"][0]["tau"] for r in greedy}) == 1  # the same tokens whichever float32 layout verifies

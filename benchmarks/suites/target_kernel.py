@@ -2,9 +2,12 @@
 (:mod:`distillspec.models.few_rows`, ``few_rows``), oneDNN's prepacked layout, which it replaces where it runs
 (``onednn``), and the few-row kernel over weights rounded to bfloat16 (``bfloat16``: ``prepack=bfloat16``). A
 bfloat16 target: the few-row kernel (``bf16-few-rows``: bfloat16 rows where the CPU has AVX512-BF16, else float32
-ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``). The
-target is loaded once with each of ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the
-bfloat16 ones, with its float32 embedding 4.5 GB). The last layout named is the baseline, whose dtype the draft takes.
+ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``).
+Either dtype with its layers on 4-bit grids held in 4 bits, the rest through the few-row kernel (``int4``,
+``bf16-int4``: ``prepack=int4``, the default where the kernel runs). The target is loaded once with each of
+``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the bfloat16 ones, with its float32 embedding 4.5
+GB; 3.4 and 2.0 GB with its 4-bit layers in 4 bits). The last layout named is the baseline, whose dtype the draft
+takes.
 
 1. Milliseconds of one cached step of k new tokens for each k of ``--ks`` (a decoding step, a verification of
    ``gamma + 1`` positions, a prompt's products), the targets in turn (:func:`benchmarks.suites.speed.suite_step_ms`).
@@ -19,6 +22,9 @@ bfloat16 ones, with its float32 embedding 4.5 GB). The last layout named is the 
     python -m benchmarks.suites.target_kernel target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
         dataset=../shared/data/gsm8k --gammas 5 --temperatures 0 1 --prompts 4 --max-new-tokens 96 --repeats 2 \\
         --out outputs/target-kernel-qwen
+    python -m benchmarks.suites.target_kernel target=qwen2.5-coder-1.5b-instruct draft=qwen2.5-coder-0.5b-instruct \\
+        dataset=../shared/data/gsm8k --layouts bf16-int4 bf16-few-rows --ks 1 2 6 128 --gammas 5 \\
+        --out outputs/target-kernel-qwen-int4
 
 Writes ``target_kernel.json`` and ``target_kernel.md``.
 """
@@ -53,14 +59,17 @@ from distillspec.models.packing import FewRowLinear, PackedLinear, prepack_linea
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
 
-#: A layout's name -> the target's dtype and what lays its linear layers out (None: as they come).
-LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None]] = {
-    "few_rows": (torch.float32, partial(prepack_linears, kernel="few_rows")),
-    "onednn": (torch.float32, partial(prepack_linears, kernel="onednn")),
-    "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16)),
-    "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows"))),
-    "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear)),
-    "bf16-plain": (torch.bfloat16, None),
+#: A layout's name -> the target's dtype, what lays its linear layers out after loading (None: as they come), and
+#: the ``prepack`` it is loaded with (False: none).
+LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None, bool | str]] = {
+    "few_rows": (torch.float32, partial(prepack_linears, kernel="few_rows"), False),
+    "onednn": (torch.float32, partial(prepack_linears, kernel="onednn"), False),
+    "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16), False),
+    "int4": (torch.float32, None, "int4"),
+    "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows")), False),
+    "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear), False),
+    "bf16-plain": (torch.bfloat16, None, False),
+    "bf16-int4": (torch.bfloat16, None, "int4"),
 }
 
 
@@ -88,8 +97,8 @@ def suite_target_kernel(
     cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
     targets, tokenizer = {}, None
     for name in layouts:
-        dtype, lay_out = LAYOUTS[name]
-        targets[name], tokenizer = load_model(cfg.target, device="cpu", dtype=dtype)
+        dtype, lay_out, prepack = LAYOUTS[name]
+        targets[name], tokenizer = load_model(cfg.target, device="cpu", dtype=dtype, prepack=prepack)
         if lay_out is not None:
             lay_out(targets[name])
     draft = load_model(cfg.draft, device="cpu", dtype=LAYOUTS[layouts[-1]][0])[0]

@@ -225,7 +225,7 @@ def load_model(
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
-    if prepack == "auto":
+    if prepack in ("auto", "int4"):  # (int4 where the kernel's 4-bit products do not run: an error that says so)
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack == "int4" and kernel == "onednn":
         prepack = True  # a target that only scores: the dtype's layout
@@ -254,8 +254,10 @@ def load_model(
     layouts = shared.layouts if shared is not None else {}
     if int4:
         dtype = run_dtype
-        layers = int4_linears(model, dtype)
-        log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
+        if layers := int4_linears(model, dtype):
+            log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
+        else:
+            log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
         model.to(dtype)
     elif prepack == "int4" and shared is not None:
         int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})

@@ -359,7 +359,7 @@ def _grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
 class Int4Linear(nn.Module):
     """A frozen target's linear layer whose weight lies on 4-bit grids (:func:`int4_grid`: a 4-bit GGUF's layers),
     held as those codes in the few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int4`; ``packed``,
-    :meth:`layout`): a step reads about 0.28 of the bfloat16 weight's bytes, and every product (steps,
+    :meth:`layout`): a step reads about 0.31 of the bfloat16 weight's bytes, and every product (steps,
     verifications, prompts) goes through the kernel's 4-bit products, the rows rounded to 16 bits with a scale each
     and the sums float32. ``dtype`` (float32 or bfloat16, the model's) is its activations' in and out; the bias goes
     into the float32 sums before they are rounded to it, as :class:`PackedLinear`'s does. Built with
