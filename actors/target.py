@@ -6,19 +6,25 @@ scores, the evaluator, the Serve replicas that follow the run) builds it over th
 An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy. A
 bfloat16 target that decodes through the few-row kernel (``prepack``, a CPU with AVX512-BF16) is shared in that
 layout too, so that the actors that decode with it read one more copy a node, not one each; with ``prepack=int4`` its
-layers on 4-bit grids are shared in 4 bits, found once on the float32 weights.
+layers on 4-bit grids are shared in 4 bits, found once on the file's values.
 """
 
 from __future__ import annotations
 
 import ray
-import torch
 from transformers import PreTrainedModel
 
 from actors.common import NAMESPACE, log, weights_name
 from actors.worker import setup_worker
 from distillspec.config import Models
-from distillspec.models.loading import SharedWeights, load_model, resolve_dtype, resolve_prepack, share_weights
+from distillspec.models.loading import (
+    SharedWeights,
+    file_weights,
+    load_model,
+    resolve_dtype,
+    resolve_prepack,
+    share_weights,
+)
 from distillspec.models.packing import int4_layouts
 
 
@@ -27,11 +33,9 @@ def _load_shared(models: Models) -> SharedWeights:
     setup_worker()
     dtype = resolve_dtype(models.dtype, models.target, models.device)[0]
     prepack = resolve_prepack(models.prepack, dtype, models.target, models.device)[0]
-    # with prepack=int4 its layers on 4-bit grids are found on the float32 weights (the file's values) and shared in
-    # 4 bits; every weight in the dtype beside them, for the actors that only score
-    model, _ = load_model(models.target, device=models.device, dtype="float32" if prepack == "int4" else dtype)
-    int4 = int4_layouts(model) if prepack == "int4" else {}
-    model.to(getattr(torch, dtype))
+    model, _ = load_model(models.target, device=models.device, dtype=dtype)
+    # with prepack=int4 its layers on 4-bit grids, found on the file's values, are shared in 4 bits beside the weights
+    int4 = int4_layouts(model, file_weights(models.target)) if prepack == "int4" else {}
     # a bfloat16 target that decodes through the few-row kernel: its layout is shared too, once a node
     layouts = dtype == "bfloat16" and prepack in (True, "int4")
     return share_weights(model, models.target, layouts=layouts, int4=int4)

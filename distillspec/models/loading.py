@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from distillspec.models.packing import (
     fbgemm_available,
     few_rows_layouts,
     int4_available,
+    int4_layouts,
     int4_linears,
     prepack_linears,
     quantize_int8,
@@ -216,11 +217,12 @@ def load_model(
     freezes it with its linear weights laid out for few-row products
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
-    :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on its
-    float32 weights and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, but for a target that only
-    scores, ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this model in this dtype,
-    shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them, frozen, instead of
-    read from files, and over the layouts they hold where it is laid out for the few-row kernel (4-bit ones too)."""
+    :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on the
+    file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, but for
+    a target that only scores, ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this
+    model in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
+    frozen, instead of read from files, and over the layouts they hold where it is laid out for the few-row kernel
+    (4-bit ones too)."""
     if dtype == "auto":
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -229,10 +231,6 @@ def load_model(
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
     if prepack == "int4" and kernel == "onednn":
         prepack = True  # a target that only scores: the dtype's layout
-    # the 4-bit layers are found on the float32 weights (the file's values), then the rest take the dtype (a shared
-    # target brings them laid out)
-    int4, run_dtype = prepack == "int4" and shared is None, dtype
-    dtype = torch.float32 if int4 else dtype
     try:
         config = AutoConfig.from_pretrained(name)
         if shared is not None and torch.device(device).type != "cpu":
@@ -252,15 +250,13 @@ def load_model(
         raise _unloadable(name, exc) from None
     model = model.to(device).eval()
     layouts = shared.layouts if shared is not None else {}
-    if int4:
-        dtype = run_dtype
-        if layers := int4_linears(model, dtype):
+    if prepack == "int4" and shared is not None:  # the 4-bit layers found by the process that shares them
+        int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
+    elif prepack == "int4":  # found on the file's values, a layer at a time
+        if layers := int4_linears(model, dtype, int4_layouts(model, file_weights(name))):
             log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
         else:
             log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
-        model.to(dtype)
-    elif prepack == "int4" and shared is not None:
-        int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
     if prepack:
         weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
         laid_out = {k: _over(a, torch.bfloat16) for k, a in layouts.items() if a.dtype != np.uint8}
@@ -381,6 +377,27 @@ def check_pair_sources(
 #: hardware a few more rows (a verification) cost about what one does; a smaller one is bound by per-call costs,
 #: which bfloat16 does not lower (the garden, SmolLM2-135M).
 AUTO_BF16_BYTES = 1 << 30
+
+
+def file_weights(name: str) -> Callable[[str], torch.Tensor | None] | None:
+    """A reader of a local model folder's safetensors weights as they are stored (a parameter's name -> its tensor,
+    widened to float32; None for a name it lacks), one at a time; None for a hub id or a folder without them."""
+    path = Path(name).expanduser()
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    where = {}
+    for file in files:
+        with safetensors.safe_open(file, "pt") as weights:
+            where |= dict.fromkeys(weights.keys(), file)
+
+    def read(key: str) -> torch.Tensor | None:
+        if key not in where:
+            return None
+        with safetensors.safe_open(where[key], "pt") as weights:
+            return weights.get_tensor(key).float()
+
+    return read
 
 
 def _weight_bytes(target: str) -> int | None:

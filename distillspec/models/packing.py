@@ -378,12 +378,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     @staticmethod
-    def layout(linear: nn.Linear) -> Tensor | None:
-        """``linear``'s weight (float32: the file's values) in the kernel's 4-bit layout where it lies on 4-bit grids
-        and the kernel takes its shape (outputs a multiple of 16), else None."""
+    def layout(linear: nn.Linear, weight: Tensor | None = None) -> Tensor | None:
+        """``linear``'s weight as its file holds it (``weight``, float32: the file's values; default its own) in the
+        kernel's 4-bit layout where it lies on 4-bit grids and the kernel takes its shape (outputs a multiple of
+        16), else None."""
         if linear.out_features % 16 or linear.weight.device.type != "cpu":
             return None
-        grid = int4_grid(linear.weight)
+        grid = int4_grid(linear.weight if weight is None else weight)
         return None if grid is None else few_rows.pack_int4(grid[0], grid[1].to(torch.bfloat16))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -408,22 +409,27 @@ class Int4Linear(nn.Module):
         return f"{shape}, 4-bit codes in groups of {INT4_GROUP} for the few-row kernel"
 
 
-def int4_layouts(model: nn.Module) -> dict[str, Tensor]:
-    """:meth:`Int4Linear.layout` of each linear layer of ``model`` (float32 weights) that lies on 4-bit grids, by
-    module name: what a process that shares the target shares with the processes that decode with it."""
-    layouts = {name: Int4Linear.layout(m) for name, m in model.named_modules() if type(m) is nn.Linear}
-    return {name: layout for name, layout in layouts.items() if layout is not None}
+def int4_layouts(model: nn.Module, weights: Callable[[str], Tensor | None] | None = None) -> dict[str, Tensor]:
+    """:meth:`Int4Linear.layout` of each linear layer of ``model`` that lies on 4-bit grids, by module name, found on
+    the weights its files hold (``weights``: a parameter's name -> its float32 values, or None: the model's own, as
+    a float32 model holds them), one layer at a time."""
+    layouts = {}
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            weight = weights(f"{name}.weight") if weights is not None else None
+            if (layout := Int4Linear.layout(module, weight)) is not None:
+                layouts[name] = layout
+    return layouts
 
 
-def int4_linears(model: nn.Module, dtype: torch.dtype, layouts: dict[str, Tensor] | None = None) -> int:
-    """Replace each linear layer of ``model`` (in place) whose weight lies on 4-bit grids by an :class:`Int4Linear`
-    in ``dtype``: found on its float32 weights, or those of ``layouts`` (:func:`int4_layouts`, by module name: shared
-    by another process). The others stay as they are, for :func:`prepack_linears`. Returns how many were replaced
-    (the model is frozen)."""
+def int4_linears(model: nn.Module, dtype: torch.dtype, layouts: dict[str, Tensor]) -> int:
+    """Replace each linear layer of ``model`` (in place) that ``layouts`` holds (:func:`int4_layouts`, by module name,
+    found here or shared by another process) by an :class:`Int4Linear` in ``dtype``; the others stay as they are,
+    for :func:`prepack_linears`. Returns how many were replaced (the model is frozen)."""
     names = {id(module): name for name, module in model.named_modules()}
 
     def make(linear: nn.Linear) -> Int4Linear | None:
-        layout = Int4Linear.layout(linear) if layouts is None else layouts.get(names[id(linear)])
+        layout = layouts.get(names[id(linear)])
         return None if layout is None else Int4Linear(linear, layout, dtype)
 
     return replace_linears(model, make)
