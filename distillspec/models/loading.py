@@ -161,7 +161,7 @@ def share_weights(
     tied tensor once; with ``layouts``, also its bfloat16 linear weights laid out for the few-row kernel where
     :func:`~distillspec.models.packing.prepack_linears` would lay them out (as much memory again), but for those
     ``int4`` lays out in 4 bits (:func:`~distillspec.models.packing.int4_layouts`, by module name: ``prepack=int4``;
-    about a quarter of it)."""
+    about a third of it)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
     dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
