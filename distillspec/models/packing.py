@@ -333,25 +333,30 @@ def int4_grid(weight: Tensor, group: int = INT4_GROUP) -> tuple[Tensor, Tensor] 
 
 
 def _grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
-    """:func:`int4_grid` of a chunk of rows."""
+    """:func:`int4_grid` of a chunk of rows: every group tried on 16 levels in one pass, in place (most groups of a
+    4-bit layer span all 16), the rest on fewer."""
     rows, cols = weight.shape
     w = weight.float().reshape(-1, group)  # [groups, group]
     low = w.amin(-1, keepdim=True)
     span = w.amax(-1, keepdim=True) - low
-    step = torch.zeros_like(span)
-    left = torch.arange(len(w), device=w.device)[span[:, 0] > 0]  # groups of one value take any step
-    for levels in range(15, 0, -1):  # most groups of a 4-bit layer span all 16 levels; the rest, fewer
-        trial = span[left] / levels
-        rel = (w[left] - low[left]) / trial
-        on = (rel - rel.round()).abs().amax(-1) < GRID_TOLERANCE
-        step[left[on]] = trial[on]
-        left = left[~on]
+    step = span / 15
+    rel = w.sub(low).div_(step.clamp(min=torch.finfo(torch.float32).tiny))  # a group of one value: all zero
+    codes = rel.round()
+    left = (rel.sub_(codes).abs_().amax(-1) >= GRID_TOLERANCE).nonzero().squeeze(-1)
+    del rel
+    for levels in range(14, 0, -1):
         if len(left) == 0:
             break
+        trial = span[left] / levels
+        rel = (w[left] - low[left]) / trial
+        rounded = rel.round()
+        on = (rel - rounded).abs().amax(-1) < GRID_TOLERANCE
+        step[left[on]], codes[left[on]] = trial[on], rounded[on]
+        left = left[~on]
     if len(left):
         return None
     step = torch.where(step > 0, step, torch.ones_like(step))
-    codes = ((w - low) / step).round().clamp(0, 15).to(torch.int32).reshape(rows, cols)
+    codes = codes.clamp_(0, 15).to(torch.int32).reshape(rows, cols)
     scales_zeros = torch.cat([step, low + 8 * step], -1).reshape(rows, cols // group, 2).transpose(0, 1)
     return codes, scales_zeros.contiguous()
 
