@@ -166,9 +166,8 @@ def share_weights(
     arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
     dtypes = {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
     int4 = int4 or {}
-    laid_out = few_rows_layouts(model) if layouts else {}
-    words = {k: t.view(torch.int16).numpy() for k, t in laid_out.items() if k not in int4}
-    words |= {k: t.numpy() for k, t in int4.items()}
+    laid_out = few_rows_layouts(model, but=int4) if layouts else {}
+    words = {k: t.view(torch.int16).numpy() for k, t in laid_out.items()} | {k: t.numpy() for k, t in int4.items()}
     return SharedWeights(name, str(model.dtype).removeprefix("torch."), arrays, dtypes, words)
 
 
@@ -379,11 +378,16 @@ def check_pair_sources(
 AUTO_BF16_BYTES = 1 << 30
 
 
+def _safetensors(name: str) -> list[Path]:
+    """A local model folder's safetensors files, in order; none for a hub id or a folder without them."""
+    path = Path(name).expanduser()
+    return sorted(path.glob("*.safetensors")) if path.is_dir() else []
+
+
 def file_weights(name: str) -> Callable[[str], torch.Tensor | None] | None:
     """A reader of a local model folder's safetensors weights as they are stored (a parameter's name -> its tensor,
     widened to float32; None for a name it lacks), one at a time; None for a hub id or a folder without them."""
-    path = Path(name).expanduser()
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    files = _safetensors(name)
     if not files:
         return None
     where = {}
@@ -402,8 +406,7 @@ def file_weights(name: str) -> Callable[[str], torch.Tensor | None] | None:
 
 def _weight_bytes(target: str) -> int | None:
     """Bytes of a local model folder's safetensors weights (None for a hub id or a folder without them)."""
-    path = Path(target).expanduser()
-    files = list(path.glob("*.safetensors")) if path.is_dir() else []
+    files = _safetensors(target)
     return sum(f.stat().st_size for f in files) if files else None
 
 
@@ -501,8 +504,7 @@ def parameter_count(model: str | torch.nn.Module) -> int | None:
     None for a hub id or a folder without them."""
     if isinstance(model, torch.nn.Module):
         return sum(p.numel() for p in model.parameters())
-    path = Path(model).expanduser()
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    files = _safetensors(model)
     if not files:
         return None
     count = 0

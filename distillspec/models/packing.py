@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 from torch import Tensor, nn
@@ -249,14 +249,18 @@ def bf16_few_rows(linear: nn.Linear, kernel: str = "auto") -> bool:
     return kernel != "onednn" and few_rows.bf16_rows() and not few_rows.refusal(linear.in_features, torch.bfloat16)
 
 
-def few_rows_layouts(model: nn.Module) -> dict[str, Tensor]:
+def few_rows_layouts(model: nn.Module, but: Container[str] = ()) -> dict[str, Tensor]:
     """The few-row kernel's layout of each bfloat16 linear weight of ``model`` that :func:`prepack_linears` lays out
-    for it, by module name: what a process that shares the model shares with it (the layout is as large as the
-    weight), so that the processes that decode with it do not each lay out their own."""
+    for it, by module name, but for the modules named in ``but`` (those held in 4 bits: :func:`int4_layouts`): what a
+    process that shares the model shares with it (the layout is as large as the weight), so that the processes that
+    decode with it do not each lay out their own."""
     return {
         name: few_rows.pack(module.weight.detach())
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and bf16_few_rows(module)
+        if type(module) is nn.Linear
+        and name not in but
+        and module.weight.dtype == torch.bfloat16
+        and bf16_few_rows(module)
     }
 
 
