@@ -634,11 +634,12 @@ class JobConfig:
         "bytes; the target decodes a little differently, and speculative decoding stays exact for it; a learner or "
         "scoring actor keeps float32 weights); int4: the target's linear layers whose weights lie on 4-bit grids in "
         "groups of 32 (a 4-bit GGUF's, Q4_0, Q4_1 or Q4_K, as the pretrained models' import dequantizes them) held "
-        "as those codes for the same kernel's 4-bit products, the rest laid out as above: a step reads a fraction "
-        "of the bytes, its rows rounded to 16 bits, so the target decodes a little differently (in float32 closer "
-        "to the file's model than bfloat16 weights are; speculative decoding stays exact for the target as it "
-        "runs). auto = int4 for such a target where the kernel runs (float32; bfloat16 with AVX512-BF16), else as "
-        "above; a target that only scores (a learner's, a scoring actor's) keeps the layout above",
+        "as those codes for the same kernel's 4-bit products, the rest laid out as above (a float32 target's in "
+        "bfloat16, as bfloat16 rounds them): a step reads a fraction of the bytes, its rows rounded to 16 bits, so "
+        "the target decodes a little differently (in float32 about as close to the file's model as bfloat16 "
+        "weights are; speculative decoding stays exact for the target as it runs). auto = int4 for such a target "
+        "where the kernel runs (float32; bfloat16 with AVX512-BF16), else as above; a target that only scores (a "
+        "learner's, a scoring actor's) keeps the layout above",
     )
     chat_template: bool = knob(
         True,

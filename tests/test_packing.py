@@ -498,9 +498,10 @@ def test_a_target_layer_on_4_bit_grids_multiplies_as_its_weight(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(tmp_path, tokenizer, dtype):
     """prepack=int4: a target saved with its decoder layers on 4-bit grids (a 4-bit GGUF's, dequantized) loads with
-    those layers in 4 bits and the rest (its head) laid out as prepack=true lays them; its logits are the float
-    model's within the rounding of its rows and scales, and greedy speculative decoding over it is its own greedy
-    decoding. A target that only scores (``kernel="onednn"``) keeps the dtype's layout."""
+    those layers in 4 bits and the rest (its head) laid out for the few-row kernel, in bfloat16 (a float32 target's
+    rounded to it, as prepack=bfloat16 rounds them); its logits are the float model's within the rounding of its rows
+    and scales, and greedy speculative decoding over it is its own greedy decoding. A target that only scores
+    (``kernel="onednn"``) keeps the dtype's layout."""
     from distillspec.models.loading import load_model
     from distillspec.models.packing import Int4Linear
 
@@ -513,11 +514,12 @@ def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(
     layers = [name for name, m in loaded.named_modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down of both decoder layers; not the head
     assert isinstance(loaded.lm_head, PackedLinear) and next(loaded.parameters()).dtype == getattr(torch, dtype)
-    held = copy.deepcopy(snapped)  # the weights as the kernel holds them: the scales in bfloat16
+    assert loaded.lm_head.packed.dtype == torch.bfloat16 and loaded.lm_head.kernel == "few_rows"
+    held = copy.deepcopy(snapped)  # the weights as the kernel holds them: the scales in bfloat16, the head bfloat16
     with torch.no_grad():
         for name, layer in held.named_modules():
-            if isinstance(layer, torch.nn.Linear) and name != "lm_head":
-                layer.weight.copy_(on_grids(layer.weight))
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.copy_(on_grids(layer.weight) if name != "lm_head" else layer.weight.bfloat16().float())
     ids, mask = left_padded_prompts()
     with torch.no_grad():
         theirs = held.to(getattr(torch, dtype))(ids, attention_mask=mask).logits.float()

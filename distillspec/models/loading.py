@@ -217,7 +217,8 @@ def load_model(
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
     :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on the
-    file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, but for
+    file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, the
+    others as ``true`` lays them out (a float32 target's rounded to bfloat16, as ``bfloat16`` rounds them), but for
     a target that only scores, ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this
     model in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
     frozen, instead of read from files, and over the layouts they hold where it is laid out for the few-row kernel
@@ -257,7 +258,8 @@ def load_model(
         else:
             log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
     if prepack:
-        weights = torch.bfloat16 if prepack == "bfloat16" and kernel != "onednn" else None
+        # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 bits (the fewest bytes)
+        weights = torch.bfloat16 if prepack in ("bfloat16", "int4") and kernel != "onednn" else None
         laid_out = {k: _over(a, torch.bfloat16) for k, a in layouts.items() if a.dtype != np.uint8}
         prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
@@ -434,7 +436,8 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     float32 target on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to
     bfloat16 for that kernel; so does ``int4`` (a float32 or bfloat16 target where the 4-bit products run, else an
     error): :func:`load_model` holds its layers on 4-bit grids in 4 bits
-    (:class:`~distillspec.models.packing.Int4Linear`), the rest as ``true`` lays them out."""
+    (:class:`~distillspec.models.packing.Int4Linear`), the rest as ``true`` lays them out, a float32 target's in
+    bfloat16 as ``bfloat16`` rounds them."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type

@@ -202,7 +202,8 @@ def layout_name(dtype: str, prepack: bool | str = True) -> str:
     if prepack == "bfloat16":
         return "weights rounded to bfloat16 for the few-row kernel"
     if prepack == "int4":
-        return f"layers on 4-bit grids in 4 bits for the few-row kernel, the rest's {layout_name(dtype)}"
+        rest = layout_name(dtype, "bfloat16" if dtype == "float32" else True)
+        return f"layers on 4-bit grids in 4 bits for the few-row kernel, the rest's {rest}"
     if dtype != "float32":
         return (
             "weights laid out for the few-row kernel"
@@ -220,7 +221,8 @@ def prepack_linears(
     packed: dict[str, Tensor] | None = None,
 ) -> int:
     """Lay out every linear layer of ``model`` on a CPU (in place) for few-row products: a float32 one becomes a
-    :class:`PackedLinear` (``kernel`` and ``weights`` as there: ``torch.bfloat16`` rounds its weight), a bfloat16 one
+    :class:`PackedLinear` (``kernel`` and ``weights`` as there: ``torch.bfloat16`` rounds its weight where the
+    few-row kernel takes the layer), a bfloat16 one
     a :class:`PackedLinear` for the few-row kernel where it takes bfloat16 rows (AVX512-BF16; inputs a multiple of 8)
     and ``kernel`` is not ``"onednn"`` (a target that only scores batches of many rows), else a
     :class:`FewRowLinear`, whose products of more rows are oneDNN's; the model is frozen. ``packed``: layers' weights
@@ -232,7 +234,7 @@ def prepack_linears(
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
         if linear.weight.dtype == torch.float32:
-            if weights is not None:
+            if weights is not None and not few_rows.refusal(linear.in_features, weights):
                 return PackedLinear(linear, rows, "few_rows", weights)
             return PackedLinear(linear, rows, kernel)
         if linear.weight.dtype != torch.bfloat16:
