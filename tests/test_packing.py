@@ -401,6 +401,14 @@ def test_prepack_bfloat16_rounds_a_float32_targets_weights_and_sd_stays_exact_fo
     assert fast.dtype == torch.float32 and not torch.equal(fast, plain)
     assert torch.allclose(fast, plain, atol=0.1)  # weights rounded to 8 bits of mantissa
     assert_greedy_sd_is_target_greedy(rounded, perturbed(target, 0.01), 4)
+    odd = torch.nn.Sequential(torch.nn.Linear(12, 16))  # inputs the kernel does not take: float32, as prepack=true
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        want = odd(x)
+    assert prepack_linears(odd, weights=torch.bfloat16) == 1
+    assert odd[0].kernel == "onednn" and odd[0].packed.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(odd(x), want)
 
 
 def test_load_pair_packs_the_target_only(tmp_path, text_pair, tokenizer):
