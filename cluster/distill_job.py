@@ -3,8 +3,10 @@ the single-process loop with ``ray.mode=sync``), measure again, write the result
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +30,26 @@ from distillspec.tasks.data import load_task
 from distillspec.training.learner import LOG_FILE, Distiller, checkpoint_log, load_checkpoint, save_checkpoint
 
 SYNC_CHECKPOINT = "checkpoint"  #: the single-process loop's checkpoint folder under output_dir
+#: The measurements before distillation under output_dir, with what they measured, for a run that stops and reruns
+BEFORE = "before.json"
+#: The config's knobs and sections that do not change what the measurements before distillation measure
+NOT_MEASURED = ("output_dir", "overwrite", "distill", "ray", "rollout", "scorer", "buffer", "learner", "evaluator",
+                "serve", "sweep")  # fmt: skip
+
+
+def measured_before(cfg: JobConfig, out: Path, measure: Callable[[], list[dict]]) -> list[dict]:
+    """The measurements before distillation: those that a run in ``out`` took already and kept (``BEFORE``), where
+    this run would measure the same (the pair, the data, the precisions, ``eval``: all but :data:`NOT_MEASURED`), else
+    ``measure()``'s, kept there: a stopped run that reruns to resume its checkpoint does not measure the undistilled
+    draft again."""
+    measured = json.loads(json.dumps({k: v for k, v in to_dict(cfg).items() if k not in NOT_MEASURED}))
+    kept = read_json(out / BEFORE)
+    if isinstance(kept, dict) and kept.get("measured") == measured and isinstance(kept.get("records"), list):
+        print(f"measure before: as the run before this one measured it ({out / BEFORE})")
+        return kept["records"]
+    records = measure()
+    write_json(out / BEFORE, {"measured": measured, "records": records}, indent=1)
+    return records
 
 
 def train_sync(cfg: JobConfig, target, draft, tokenizer, task, out: Path) -> dict:
@@ -73,7 +95,9 @@ def train_async(cfg: JobConfig, task, out: Path) -> tuple[list[dict], dict]:
     if not cfg.ray.log_to_driver:
         print(f"ray: the actors' logs are in {logs_dir()} (ray.log_to_driver=true shows them here)")
     threads = torch.get_num_threads()  # the measurements run alone, before and after the pipeline
-    records = measure_on_cluster("before", cfg, cfg.draft, task, threads=threads, speed=False)
+    records = measured_before(
+        cfg, out, lambda: measure_on_cluster("before", cfg, cfg.draft, task, threads=threads, speed=False)
+    )
     pipeline = Pipeline(cfg, task, out, fixed_cluster=how.startswith("started"))
     if pipeline.resumed_from is not None:
         print(f"resuming the learner from its checkpoint at step {pipeline.resumed_from} in {out / 'learner'}")
@@ -119,7 +143,7 @@ def check_rerun(cfg: JobConfig, out: Path) -> None:
     elif (out / "results.json").exists():
         shutil.rmtree(out / RUN_DIR, ignore_errors=True)
         shutil.rmtree(out / SYNC_CHECKPOINT, ignore_errors=True)
-        for name in (LOG_FILE, EVALUATIONS):
+        for name in (LOG_FILE, EVALUATIONS, BEFORE):
             (out / name).unlink(missing_ok=True)
         print(f"overwrite=true: {out} held a finished run; this one starts from step 0 (its checkpoints removed)")
 
@@ -180,7 +204,9 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
         )
         # The draft trains in float32; it is measured as the evaluator decodes it, in the pair's dtype.
         baseline = decoding_copy(draft, target.dtype, cfg.draft_int8)
-        records = measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)
+        records = measured_before(
+            cfg, out, lambda: measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)
+        )
         training = train_sync(cfg, target, draft, tokenizer, task, out)
         distilled = decoding_copy(draft, target.dtype, cfg.draft_int8)
         records += measure_phase("after", cfg, target, distilled, tokenizer, task, baseline=baseline)

@@ -75,6 +75,29 @@ def test_job_writes_results_plot_and_draft(job_run):
     assert json.loads(next(garden.glob("target-*/garden.json")).read_text())["parameters"] > 0
 
 
+def test_measurements_before_are_kept_for_a_rerun_that_measures_the_same(tmp_path, capsys):
+    """The job keeps its measurements before distillation in the output folder; a rerun (to resume a checkpoint)
+    takes them from there unless a knob they depend on changed; a file cut off while written is measured anew."""
+    from cluster.distill_job import BEFORE, measured_before
+    from distillspec.config import load_config
+
+    taken = []
+
+    def measure() -> list[dict]:
+        taken.append(len(taken))
+        return [{"phase": "before", "gamma": 2, "alpha": 0.5 + len(taken) / 10}]
+
+    first = measured_before(load_config(None, ["eval.num_prompts=6"]), tmp_path, measure)
+    rerun = load_config(None, ["eval.num_prompts=6", "distill.steps=7", "ray.address=auto", "learner.cpus=0.5"])
+    assert measured_before(rerun, tmp_path, measure) == first and len(taken) == 1
+    assert "as the run before this one measured it" in capsys.readouterr().out
+    for changed in (["eval.num_prompts=8"], ["eval.num_prompts=8"], ["eval.num_prompts=8", "seed=3"]):
+        measured_before(load_config(None, changed), tmp_path, measure)
+    assert len(taken) == 3  # the second measures what the first did
+    (tmp_path / BEFORE).write_text('{"measured": {')
+    assert measured_before(load_config(None, ["eval.num_prompts=8"]), tmp_path, measure)[0]["alpha"] == 0.9
+
+
 def test_garden_is_reused_and_models_load(job_run):
     out, _ = job_run
     garden = next((out / "garden").iterdir())

@@ -429,6 +429,10 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     resumed = re.search(r"resuming the learner from its checkpoint at step (\d+)", output)
     assert resumed and saved <= int(resumed[1]) < steps, output[-3000:]
     assert f"learner rank 0: resumed from the checkpoint at step {resumed[1]}" in output  # what the learner did
+    assert "measure before: as the run before this one measured it" in output  # the killed run's, kept
+    before = json.loads((out / "before.json").read_text())["records"]
+    kept = [r for r in json.loads((out / "results.json").read_text())["records"] if r["phase"] == "before"]
+    assert [r["alpha"] for r in kept] == [r["alpha"] for r in before]
     log = json.loads((out / "train_log.json").read_text())
     assert [r["step"] for r in log] == list(range(1, steps + 1))
     assert yaml.safe_load((out / "config.yaml").read_text())["ray"]["address"] == ray_cluster

@@ -4,7 +4,9 @@
 bfloat16 target: the few-row kernel (``bf16-few-rows``: bfloat16 rows where the CPU has AVX512-BF16, else float32
 ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``).
 Either dtype with its layers on 4-bit grids held in 4 bits, the rest through the few-row kernel (``int4``,
-``bf16-int4``: ``prepack=int4``, the default where the kernel runs). The target is loaded once with each of
+``bf16-int4``: ``prepack=int4``, the default where the kernel runs); a float32 one with every other linear layer
+rounded to such grids as well and held in 4 bits (``int4-all``: a 4-bit quantization of the target, for comparison;
+no ``prepack`` value does it). The target is loaded once with each of
 ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the bfloat16 ones, with its float32 embedding 4.5
 GB; 3.4 and 2.0 GB with its 4-bit layers in 4 bits). The last layout named is the baseline, whose dtype the draft
 takes.
@@ -55,9 +57,34 @@ from distillspec.models.loading import (
     quantize_decoding_draft,
     resolve_draft_int8,
 )
-from distillspec.models.packing import FewRowLinear, PackedLinear, prepack_linears, replace_linears
+from distillspec.models.packing import (
+    INT4_GROUP,
+    FewRowLinear,
+    Int4Linear,
+    PackedLinear,
+    int4_grid,
+    int4_groups,
+    prepack_linears,
+    replace_linears,
+)
 from distillspec.models.pretrained import prepare_pair
 from distillspec.tasks.data import load_task
+
+
+def every_layer_in_4_bits(model: nn.Module) -> int:
+    """Every linear layer of ``model`` whose shape the kernel's 4-bit products take held in 4 bits
+    (:class:`~distillspec.models.packing.Int4Linear`): those on 4-bit grids as they lie, the others rounded to such
+    grids (:func:`~distillspec.models.packing.int4_groups`: each group's least to greatest weight in 16 levels).
+    Returns how many."""
+
+    def make(linear: nn.Linear) -> Int4Linear | None:
+        if linear.out_features % 16 or linear.in_features % INT4_GROUP:
+            return None
+        codes, scales_zeros = int4_grid(linear.weight) or int4_groups(linear.weight)
+        return Int4Linear(linear, few_rows.pack_int4(codes, scales_zeros.to(torch.bfloat16)), linear.weight.dtype)
+
+    return replace_linears(model, make)
+
 
 #: A layout's name -> the target's dtype, what lays its linear layers out after loading (None: as they come), and
 #: the ``prepack`` it is loaded with (False: none).
@@ -66,6 +93,7 @@ LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None, bool | 
     "onednn": (torch.float32, partial(prepack_linears, kernel="onednn"), False),
     "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16), False),
     "int4": (torch.float32, None, "int4"),
+    "int4-all": (torch.float32, every_layer_in_4_bits, False),
     "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows")), False),
     "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear), False),
     "bf16-plain": (torch.bfloat16, None, False),
