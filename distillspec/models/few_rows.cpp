@@ -495,35 +495,43 @@ VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xs
 
 #endif
 
-// A run's products for up to 4 rows, through AVX512-VNNI or AVX2 (the same sums).
+// A run's products for up to 4 rows through AVX512-VNNI, or up to 8 through AVX2 (the same sums).
 template <int M, typename Y>
 void int4_run_rows(bool vnni, const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
                    int64_t K, int64_t N, int64_t n0) {
 #ifdef DISTILLSPEC_INT8_VNNI
-  if (vnni) return int4_run<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+  if constexpr (M <= 4)
+    if (vnni) return int4_run<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
 #endif
   int4_run_avx2<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
 }
 
 // ys [M, N] = the rows (in 16 bits, with their groups' sums and their scales) times the 4-bit weight's transpose
-// (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows (from its second-level cache
-// after the first).
+// (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows through AVX512-VNNI, every 8
+// at AVX2 (from its second-level cache after the first). At AVX2 a pass's cost was mostly the weight's: on an
+// 8960 x 1536 layer (Zen 3, one thread) 6 rows in passes of 4 and 2 took 1.71x the time of 4 rows, in one pass
+// 1.25-1.32x, and the 1.5B Qwen target's 6-token step 192-288 ms against 259-276 (docs/MEASUREMENTS.md).
 template <typename Y>
 void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys, int64_t M,
                    int64_t K, int64_t N, bool vnni) {
   const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
+  const int64_t most = vnni ? 4 : 8;  // rows a pass over a run takes (AVX2: 8, whose 8 sums fit its 16 registers)
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* run = W + r * G * INT4_RUN_GROUP;
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      for (int64_t m0 = 0; m0 < M; m0 += most) {
         const int16_t* x = xq + m0 * K;
         const float* sum = xsum + m0 * G;
         Y* y = ys + m0 * N;
-        switch (std::min<int64_t>(4, M - m0)) {
+        switch (std::min<int64_t>(most, M - m0)) {
           case 1: int4_run_rows<1, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
           case 2: int4_run_rows<2, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
           case 3: int4_run_rows<3, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          default: int4_run_rows<4, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 4: int4_run_rows<4, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 5: int4_run_rows<5, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 6: int4_run_rows<6, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 7: int4_run_rows<7, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          default: int4_run_rows<8, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
         }
       }
     }

@@ -280,8 +280,8 @@ INT8_ROWS = 16
 #: 57 / 76 / 77 / 89; docs/MEASUREMENTS.md); more rows (a prompt) take the int8 path.
 INT4_ROWS = 4
 #: ... and up to this many through the few-row kernel's 4-bit products (:func:`~distillspec.models.few_rows.int4`),
-#: which read the weight once for every 4 rows: the 0.5B Qwen draft's step at 6 / 8 / 12 / 16 rows took 20.0 / 23.8 /
-#: 30.1 / 38.2 ms against fbgemm's 25.9 / 28.0 / 31.8 / 36.5 (AMD EPYC, AVX512-VNNI)
+#: which read the weight once for every 4 rows (8 at AVX2): the 0.5B Qwen draft's step at 6 / 8 / 12 / 16 rows took
+#: 20.0 / 23.8 / 30.1 / 38.2 ms against fbgemm's 25.9 / 28.0 / 31.8 / 36.5 (AMD EPYC, AVX512-VNNI)
 INT4_FEW_ROWS = 12
 #: Weights per 4-bit group (each group has its own scale and zero point): the granularity of llama.cpp's Q4_K blocks.
 INT4_GROUP = 32
