@@ -13,12 +13,13 @@ header, never the arrays. ``put`` takes a batch from any other producer, checks 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import ray
 
-from actors.common import log
+from actors.common import log, stopped
 from actors.dashboard import count, gauge
 from actors.worker import setup_worker
 from distillspec.training.batches import BatchHeader, RolloutBatch, SampleBuffer
@@ -77,10 +78,19 @@ class BufferActor:
                     break
                 self.reserved.add(rank)
             header, ref = producer.sample.remote(*limits)
+            made = [header, ref]
             if scorers:
                 header, ref = scorers[(rank + len(sampled)) % len(scorers)].score.remote(ref, *limits)
+                made += [header, ref]
             try:
                 status, version, source = self._hold(header, ref, rank)
+            except ray.exceptions.RayTaskError as exc:
+                if not (self.closed and stopped(exc)):
+                    raise
+                for answer in made:  # read, so that Ray does not log them as errors nobody saw
+                    with contextlib.suppress(ray.exceptions.RayError):
+                        ray.get(answer)
+                break  # the producer waited for the endpoint's traffic, and the buffer closed meanwhile
             finally:
                 with self.changed:
                     self.reserved.discard(rank)

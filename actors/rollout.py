@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import ray
 import torch
 
-from actors.common import buffer_name, log, prompts_name, weights_name
+from actors.common import Stopped, buffer_name, log, prompts_name, weights_name
 from actors.dashboard import gauge
 from actors.target import load_target
 from actors.weights import take
@@ -77,7 +78,7 @@ class RolloutActor:
         s, m = settings, settings.models
         buffer = ray.get_actor(buffer_name(s.run))
         train: list[Example] = ray.get(ray.get(buffer.examples.remote())[0])  # the training examples
-        self.settings, self.rank = s, rank
+        self.settings, self.rank, self.stopped = s, rank, threading.Event()
         d = s.distill
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         seed = s.seed * 100_003 + 7919 * (rank + 1) + (os.getpid() if restarted else 0)
@@ -121,6 +122,16 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def stop(self) -> None:
+        """The pipeline is done (its buffer closed): a batch still waiting for served prompts or samples is not made
+        (its ``sample`` raises :class:`~actors.common.Stopped`), so the run ends now, not when traffic comes."""
+        self.stopped.set()
+
+    def wait(self, what: str) -> None:
+        """Half a second of a wait for the endpoint's traffic, or :class:`~actors.common.Stopped` once told to stop."""
+        if self.stopped.wait(0.5):
+            raise Stopped(f"rollout {self.rank}: the pipeline stopped while it waited for {what}")
+
     @ray.method(num_returns=2)
     def sample(self, max_tokens: int, vocab_size: int) -> tuple[BatchHeader, RolloutBatch]:
         """One batch from the latest draft, and its header checked against the buffer's limits: the buffer calls this
@@ -141,7 +152,7 @@ class RolloutActor:
         r = self.settings.rollout
         served, data = online_rows(self.settings.distill.batch_size, r.online_mix)
         while not (prompts := ray.get(self.prompts.sample.remote(served, r.online_min_prompts))):
-            time.sleep(0.5)
+            self.wait("served prompts")
         replayed = self.sampler.rng.sample(self.dataset, min(data, len(self.dataset)))
         # one assignment: stats() runs on another thread of this actor and must not see one count moved alone
         rows = self.rows
@@ -154,7 +165,7 @@ class RolloutActor:
         the log holds as many; each trains once)."""
         d = self.settings.distill
         while not (samples := ray.get(self.prompts.take_samples.remote(d.batch_size, d.temperature))):
-            time.sleep(0.5)
+            self.wait("served samples")
         self.sync()  # the batch is made now, not when the wait began: its version is the latest, not a stale one
         self.rows = {**self.rows, "samples": self.rows["samples"] + len(samples)}
         return served_batch(samples, self.tokenizer.pad_token_id, d.max_prompt_tokens, d.max_new_tokens)

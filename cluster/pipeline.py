@@ -249,6 +249,8 @@ class Pipeline:
             watcher.join()
             console.join()
             ledger = ray.get(self.buffer.close.remote())
+            for rollout in self.rollouts:  # a batch waiting for the endpoint's traffic is not made
+                rollout.stop.remote()
             try:  # each feed returns once the buffer is closed, after the batch it was pulling
                 self.sampled = [s for feed in ray.get(self.runs, timeout=60) for s in feed]
             except (ray.exceptions.RayError, TimeoutError):

@@ -177,6 +177,8 @@ def test_online_batches_of_served_samples_need_no_sampling_nor_scoring(ray_clust
     assert stats["version"] >= 0  # holding no draft, it still stamps its batches with the latest version
     assert held["samples_taken"] >= 3 * 4 and held["samples_received"] == 15
     assert held["samples_held"] == 15 - held["samples_taken"]
+    # The feed waiting for a fourth batch's samples ended with the run (told to stop), its batches all reported.
+    assert len(pipeline.sampled) == stats["made"] >= 3, (pipeline.sampled, stats)
 
 
 def test_a_pipeline_and_an_endpoint_the_cluster_cannot_hold_together_are_refused(ray_cluster, tiny_garden, tmp_path):
