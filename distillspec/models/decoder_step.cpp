@@ -19,8 +19,8 @@
 #include "few_rows.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -277,9 +277,9 @@ void add_rms_norm_rows(const T* h, const T* delta, T* total, const T* weight, T*
 
 // See the top of this file. h [..., D] and delta (None: h alone) in one dtype (float32 or bfloat16), weight [D] in it
 // too. Returns (h + delta, its norm): a new tensor for the sum (h is not written), or h itself without a delta.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
-                                                      const std::optional<torch::Tensor>& delta_in,
-                                                      const torch::Tensor& weight, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in,
+                                                      const std::optional<at::Tensor>& delta_in,
+                                                      const at::Tensor& weight, double eps) {
   const auto dtype = h_in.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && h_in.device().is_cpu() && h_in.dim() >= 1,
               "add_rms_norm takes float32 or bfloat16 CPU rows");
@@ -289,10 +289,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
   TORCH_CHECK(!delta_in || (delta_in->scalar_type() == dtype && delta_in->sizes() == h_in.sizes()),
               "add_rms_norm: a delta of the rows' shape and dtype");
   const auto h = h_in.contiguous();
-  const auto delta = delta_in ? delta_in->contiguous() : torch::Tensor();
+  const auto delta = delta_in ? delta_in->contiguous() : at::Tensor();
   const auto w = weight.contiguous();
-  auto total = delta_in ? torch::empty_like(h) : h;
-  auto y = torch::empty_like(h);
+  auto total = delta_in ? at::empty_like(h) : h;
+  auto y = at::empty_like(h);
   const int64_t rows = h.numel() / std::max<int64_t>(D, 1);
   if (dtype == at::kFloat)
     add_rms_norm_rows(h.data_ptr<float>(), delta_in ? delta.data_ptr<float>() : nullptr, total.data_ptr<float>(),
@@ -308,17 +308,17 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
 // [B, k, d], the cache's keys and values [B, Hkv, capacity, d] (contiguous; the new tokens go to columns start ..
 // start + k - 1), mask [B, start + k] (int64: the valid cache columns), all but the mask in one dtype (float32 or
 // bfloat16). Returns [B, k, H x d] in that dtype.
-torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
-                               const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
-                               torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale) {
+at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                               const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
+                               at::Tensor& values, const at::Tensor& mask, int64_t start, double scale) {
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cached_attention takes float32 or bfloat16");
-  const std::initializer_list<const torch::Tensor*> same_dtype{&key_in, &value_in, &cos_in, &sin_in, &keys, &values};
-  for (const torch::Tensor* t : same_dtype)
+  const std::initializer_list<const at::Tensor*> same_dtype{&key_in, &value_in, &cos_in, &sin_in, &keys, &values};
+  for (const at::Tensor* t : same_dtype)
     TORCH_CHECK(t->scalar_type() == dtype && t->device().is_cpu(), "cached_attention: one dtype, on the CPU");
-  for (const torch::Tensor* t : {&q_in, &key_in, &value_in, &cos_in, &sin_in})
+  for (const at::Tensor* t : {&q_in, &key_in, &value_in, &cos_in, &sin_in})
     TORCH_CHECK(t->dim() == 3, "cached_attention: [B, k, n] inputs");
-  auto rows = [](const torch::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };  // each row contiguous
+  auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 ? t : t.contiguous(); };  // each row contiguous
   const auto q = rows(q_in), key = rows(key_in), value = rows(value_in), cos = rows(cos_in), sin = rows(sin_in);
   TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
               "cached_attention: contiguous [B, kv_heads, capacity, head_dim] caches");
@@ -334,7 +334,7 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
   TORCH_CHECK(mask.scalar_type() == at::kLong && mask.dim() == 2 && mask.size(0) == B && mask.size(1) == start + k &&
                   mask.stride(1) == 1 && start >= 0 && start + k <= cap,
               "cached_attention: an int64 mask [B, start + k] within the cache's capacity");
-  auto out = torch::empty({B, k, H * d}, q.options());
+  auto out = at::empty({B, k, H * d}, q.options());
   if (B == 0 || k == 0) return out;
   const Strided qs{q.stride(0), q.stride(1)}, ks{key.stride(0), key.stride(1)}, vs{value.stride(0), value.stride(1)},
       rs{cos.stride(0), cos.stride(1)};
@@ -356,13 +356,13 @@ torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& k
 // through matmul, the bias added to its float32 sums before they are rounded to the model's dtype (bias_in_float) or
 // after.
 struct StepProduct {
-  torch::Tensor packed;
+  at::Tensor packed;
   int64_t out_features;
-  std::optional<torch::Tensor> scales, bias;
+  std::optional<at::Tensor> scales, bias;
   bool float_rows, bias_in_float;
   at::ScalarType dtype;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     auto rows = x.reshape({-1, x.size(-1)});
     auto out = matmul(float_rows ? rows.to(at::kFloat) : rows, packed, out_features, scales);
     if (bias && bias_in_float) out.add_(*bias);
@@ -379,9 +379,9 @@ struct StepSiblings {
   std::vector<StepProduct> products;
   std::vector<int64_t> sizes;
 
-  std::vector<torch::Tensor> operator()(const torch::Tensor& x) const {
+  std::vector<at::Tensor> operator()(const at::Tensor& x) const {
     if (!sizes.empty()) return products[0](x).split_with_sizes(sizes, -1);
-    std::vector<torch::Tensor> outputs;
+    std::vector<at::Tensor> outputs;
     for (const auto& product : products) outputs.push_back(product(x));
     return outputs;
   }
@@ -390,11 +390,11 @@ struct StepSiblings {
 // A Llama-like decoder layer's step: its norms' weights and epsilons, its q/k/v, o, gate/up and down products, its
 // attention's scale (a SiLU MLP).
 struct StepLayer {
-  torch::Tensor input_norm;
+  at::Tensor input_norm;
   double input_eps;
   StepSiblings qkv;
   StepProduct o;
-  torch::Tensor post_norm;
+  at::Tensor post_norm;
   double post_eps;
   StepSiblings gate_up;
   StepProduct down;
@@ -408,12 +408,12 @@ struct StepLayer {
 struct StepLayers {
   std::vector<StepLayer> layers;
 
-  torch::Tensor operator()(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
-                           std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                           const torch::Tensor& mask, int64_t start) const {
+  at::Tensor operator()(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                           std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                           const at::Tensor& mask, int64_t start) const {
     TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "step_layers: one cache a layer");
-    std::optional<torch::Tensor> pending;  // the last layer's MLP output, not yet added to h
-    torch::Tensor x;
+    std::optional<at::Tensor> pending;  // the last layer's MLP output, not yet added to h
+    at::Tensor x;
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto& layer = layers[i];
       std::tie(h, x) = add_rms_norm(h, pending, layer.input_norm, layer.input_eps);
@@ -431,10 +431,10 @@ struct StepLayers {
 
 void bind_step_layers(py::module_& m) {
   py::class_<StepProduct>(m, "StepProduct")
-      .def(py::init([](torch::Tensor packed, int64_t out_features, std::optional<torch::Tensor> scales,
-                       std::optional<torch::Tensor> bias, bool float_rows, bool bias_in_float, py::object dtype) {
+      .def(py::init([](at::Tensor packed, int64_t out_features, std::optional<at::Tensor> scales,
+                       std::optional<at::Tensor> bias, bool float_rows, bool bias_in_float, at::ScalarType dtype) {
              return StepProduct{std::move(packed), out_features, std::move(scales), std::move(bias),
-                                float_rows,        bias_in_float, torch::python::detail::py_object_to_dtype(dtype)};
+                                float_rows,        bias_in_float, dtype};
            }),
            py::arg("packed"), py::arg("out_features"), py::arg("scales"), py::arg("bias"), py::arg("float_rows"),
            py::arg("bias_in_float"), py::arg("dtype"))
@@ -442,7 +442,7 @@ void bind_step_layers(py::module_& m) {
   py::class_<StepSiblings>(m, "StepSiblings")
       .def(py::init<std::vector<StepProduct>, std::vector<int64_t>>(), py::arg("products"), py::arg("sizes"));
   py::class_<StepLayer>(m, "StepLayer")
-      .def(py::init<torch::Tensor, double, StepSiblings, StepProduct, torch::Tensor, double, StepSiblings, StepProduct,
+      .def(py::init<at::Tensor, double, StepSiblings, StepProduct, at::Tensor, double, StepSiblings, StepProduct,
                     double>(),
            py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("post_eps"), py::arg("gate_up"), py::arg("down"), py::arg("scale"));

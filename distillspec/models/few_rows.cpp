@@ -24,7 +24,6 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -623,14 +622,14 @@ bool int8_vnni_supported() {
 
 // The weight [N, K] (float32 or bfloat16, K a multiple of 8; int8, K a multiple of 32) in the blocked layout, its rows
 // past N zero.
-torch::Tensor pack(const torch::Tensor& weight) {
+at::Tensor pack(const at::Tensor& weight) {
   const auto type = weight.scalar_type();
   const bool bf16 = type == at::kBFloat16, int8 = type == at::kChar;
   TORCH_CHECK(weight.dim() == 2 && (bf16 || int8 || type == at::kFloat) && weight.device().is_cpu(),
               "few_rows.pack takes a 2-d float32, bfloat16 or int8 CPU weight");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % (int8 ? 32 : 8) == 0, "few_rows.pack takes inputs in multiples of ", int8 ? 32 : 8, ", not ", K);
-  auto packed = torch::zeros({(N + NB - 1) / NB * NB * K}, weight.options());
+  auto packed = at::zeros({(N + NB - 1) / NB * NB * K}, weight.options());
   auto dense = weight.contiguous();
   if (int8)
     pack_blocks(dense.data_ptr<int8_t>(), packed.data_ptr<int8_t>(), N, K);
@@ -648,7 +647,7 @@ bool int4_supported() { return true; }
 
 // A 4-bit weight's codes [N, K] (0-15, any integer type; N a multiple of 16, K of 32) and its groups' scales and zero
 // points [K / 32, N, 2] (bfloat16, torch's layout) in the layout of int4_run: one uint8 tensor, its padding zero.
-torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_zeros) {
+at::Tensor pack_int4(const at::Tensor& codes, const at::Tensor& scales_zeros) {
   TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "few_rows.pack_int4 takes 2-d CPU codes");
   const int64_t N = codes.size(0), K = codes.size(1), G = K / INT4_GROUP_SIZE;
   TORCH_CHECK(N % 16 == 0 && K % INT4_GROUP_SIZE == 0, "few_rows.pack_int4 takes outputs in multiples of 16 and ",
@@ -658,7 +657,7 @@ torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_
               "few_rows.pack_int4 takes bfloat16 scales and zero points [K / 32, N, 2]");
   auto q = codes.to(at::kByte).contiguous();
   auto sz = scales_zeros.contiguous();
-  auto packed = torch::zeros({int4_bytes(N, K)}, codes.options().dtype(at::kByte));
+  auto packed = at::zeros({int4_bytes(N, K)}, codes.options().dtype(at::kByte));
   const uint8_t* src = q.data_ptr<uint8_t>();
   const uint16_t* sz_src = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint8_t* dst = packed.data_ptr<uint8_t>();
@@ -683,8 +682,8 @@ torch::Tensor pack_int4(const torch::Tensor& codes, const torch::Tensor& scales_
 
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
 // takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                     const std::optional<torch::Tensor>& scales) {
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& scales) {
   const bool bf16_rows = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16_rows || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "few_rows.matmul takes 2-d float32 or bfloat16 CPU rows");
@@ -699,7 +698,7 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_
               "few_rows.matmul: a 4-bit weight packed for other shapes");
   TORCH_CHECK(int4 || packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
-  auto Y = torch::empty({M, N}, X.options().dtype(int4 ? X.scalar_type() : at::kFloat));  // 4-bit: the rows' dtype
+  auto Y = at::empty({M, N}, X.options().dtype(int4 ? X.scalar_type() : at::kFloat));  // 4-bit: the rows' dtype
   if (M == 0) return Y;
   if (int4) {
     const int64_t G = K / INT4_GROUP_SIZE;

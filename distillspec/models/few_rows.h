@@ -1,8 +1,15 @@
 // What the few-row kernel's sources (few_rows.cpp, decoder_step.cpp: one module, built by few_rows.py) share.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+// pybind11 with torch's casters (tensors, dtypes), and each ATen operator the sources call by its own header: a
+// fraction of torch/extension.h's compile time (the whole C++ frontend), which the first use waits for.
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <optional>
@@ -26,15 +33,15 @@ inline __m256 load8(const at::BFloat16* p) { return load8(reinterpret_cast<const
 bool bf16_rows_supported();
 
 // few_rows.cpp: x [M, K] times a packed weight's transpose (see matmul there).
-torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                     const std::optional<torch::Tensor>& scales);
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const std::optional<at::Tensor>& scales);
 
 // decoder_step.cpp: a decoding step's work around its products.
-torch::Tensor cached_attention(const torch::Tensor& q_in, const torch::Tensor& key_in, const torch::Tensor& value_in,
-                               const torch::Tensor& cos_in, const torch::Tensor& sin_in, torch::Tensor& keys,
-                               torch::Tensor& values, const torch::Tensor& mask, int64_t start, double scale);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(const torch::Tensor& h_in,
-                                                      const std::optional<torch::Tensor>& delta_in,
-                                                      const torch::Tensor& weight, double eps);
+at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& key_in, const at::Tensor& value_in,
+                               const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
+                               at::Tensor& values, const at::Tensor& mask, int64_t start, double scale);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in,
+                                                      const std::optional<at::Tensor>& delta_in,
+                                                      const at::Tensor& weight, double eps);
 // ... and a step's decoder layers in one call (StepLayers), bound into the module.
 void bind_step_layers(pybind11::module_& m);

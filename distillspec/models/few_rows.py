@@ -93,7 +93,7 @@ def _built() -> tuple[ModuleType | None, str | None]:
         )
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming (with the jobs'
-            print(f"building the few-row kernel into {build} (once, about a minute)", flush=True)  # progress lines)
+            print(f"building the few-row kernel into {build} (once, half a minute)", flush=True)  # progress lines)
         try:
             module = cpp_extension.load(
                 "distillspec_few_rows",
