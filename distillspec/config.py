@@ -420,6 +420,7 @@ class AutoscalingConfig:
     target_ongoing_requests: PosFloat = knob(8.0, "target of ongoing requests per replica")
     upscale_delay_s: NonNegFloat = knob(30.0, "how long the load stays above target before a replica is added")
     downscale_delay_s: NonNegFloat = knob(600.0, "how long the load stays below target before a replica is removed")
+    look_back_period_s: PosFloat = knob(30.0, "the window over which the ongoing requests are averaged")
 
     def validate(self) -> None:
         if self.min_replicas > self.max_replicas:

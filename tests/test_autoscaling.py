@@ -115,7 +115,7 @@ def test_the_cluster_job_scales_gpu_nodes_from_zero_survives_losing_nodes_and_sc
         "--submission-id", job, "--no-wait",
         "--", sys.executable, str(ROOT / "jobs" / "distill.py"),
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft),
-        "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5", "rollout.cpus=0.25",
+        "--output-dir", str(out), *GPU_SETTINGS, "learner.cpus=0.5", "rollout.cpus=0.25", "rollout.workers=1",
         "evaluator.cpus=0.25", f"distill.steps={steps}", "distill.checkpoint_every=4", "evaluator.every=8",
         "distill.batch_size=4", "distill.max_new_tokens=8", "eval.max_new_tokens=8", "eval.batch_size=4",
         "eval.num_prompts=4", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.speedup_prompts=0",

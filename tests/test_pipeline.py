@@ -398,7 +398,7 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     args = [
         "--target", str(tiny_garden.target), "--draft", str(tiny_garden.draft), "--output-dir", str(out),
         f"ray.address={ray_cluster}", *PIPELINE_TINY, f"distill.steps={steps}", f"distill.checkpoint_every={every}",
-        "distill.train=lora:4",
+        "distill.train=lora:4", "rollout.workers=1",
         "evaluator.every=0", "eval.gammas=[2]", "eval.temperatures=[0]", "eval.num_prompts=4",
         "eval.speedup_prompts=0", "ray.run_name=resume", "ray.log_to_driver=true",
     ]  # fmt: skip
