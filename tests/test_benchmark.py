@@ -53,3 +53,8 @@ def test_the_runner_lists_explains_and_refuses_in_one_line(capsys, monkeypatch):
     empty = run("online", "--distinct", "0")  # as a user runs it: refused before a model loads or Ray starts
     assert empty.returncode != 0 and "--clients and --distinct: at least 1" in empty.stderr
     assert "Traceback" not in empty.stderr
+    # A suite run as its own module, as its docstring shows: the same one line.
+    module = [sys.executable, "-m", "benchmarks.suites.target_kernel", "--layouts", "int4"]
+    alone = subprocess.run(module, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert alone.returncode == 2 and alone.stderr.startswith("error: --layouts takes two or more"), alone.stderr
+    assert "Traceback" not in alone.stderr

@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from benchmarks.suites.draft_temperature import short
 from benchmarks.suites.trajectory import held_out, position_acceptance
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.evaluation.report import pyplot
 from distillspec.models.draft_vocab import vocab_size
@@ -219,4 +220,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -16,6 +16,8 @@ from typing import Any
 
 from openai import APIStatusError, OpenAI
 
+from distillspec.cli import run_main
+
 PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
 CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
 
@@ -112,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

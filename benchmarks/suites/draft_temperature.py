@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.suites.trajectory import acceptance, held_out
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau
 from distillspec.evaluation.report import pyplot
@@ -119,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.trajectory import held_out
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.metrics import alpha_from_tvd, expected_tau
 from distillspec.models.loading import load_pair
@@ -150,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,6 +25,7 @@ from ray import serve
 from benchmarks.suites.traffic import distill_job, send, wait_for_store
 from cluster.connect import connect
 from cluster.serve_job import start
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.report import pyplot
@@ -121,4 +122,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
+from distillspec.cli import run_main
 from distillspec.decoding.kvcache import CachedLM, CudaGraphs, compile_cache, static_step
 from distillspec.decoding.metrics import expected_tau, predicted_speedup
 from distillspec.decoding.speculative import autoregressive_generate
@@ -347,4 +348,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -46,6 +46,7 @@ from torch import nn
 
 from benchmarks.suites.common import cpu_kernels, limits_text, quantize_kind, suite_int8_kernels
 from benchmarks.suites.speed import suite_step_ms
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.decoding.metrics import position_tvd
@@ -210,4 +211,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

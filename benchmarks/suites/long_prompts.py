@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.common import command
+from distillspec.cli import run_main
 from distillspec.config import DraftContext, load_config
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
@@ -182,4 +183,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks.suites.analysis import plot_lenience
 from benchmarks.suites.common import run_pair
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.metrics import measure_cost_ratio
 from distillspec.decoding.speculative import LENIENCES
@@ -236,4 +237,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.common import cpu_kernels
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.models.loading import load_arrays
 from distillspec.models.pretrained import prepare_pair
@@ -137,4 +138,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

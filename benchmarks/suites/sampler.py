@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.common import cpu_kernels
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding import sampling, speculative
 from distillspec.decoding.sampling import History, SamplingControls
@@ -351,4 +352,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.suites.common import INT4_TORCH, cpu_kernels, limits_text, quantize_kind
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.metrics import expected_tau, predicted_speedup, step_times
 from distillspec.evaluation.measure import race
@@ -370,4 +371,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,6 +23,8 @@ import time
 import requests
 from transformers import AutoTokenizer
 
+from distillspec.cli import run_main
+
 PORT = 8123
 
 
@@ -107,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

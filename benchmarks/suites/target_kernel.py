@@ -46,6 +46,7 @@ from torch import nn
 from benchmarks.suites.common import cpu_kernels
 from benchmarks.suites.int8 import apart, stepwise_logits
 from benchmarks.suites.speed import suite_step_ms
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.measure import race
@@ -278,4 +279,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

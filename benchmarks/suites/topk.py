@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from distillspec.cli import run_main
 from distillspec.config import DIVERGENCE_NAMES, load_config
 from distillspec.models.draft_vocab import d2t, restrict_target
 from distillspec.models.loading import load_pair
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

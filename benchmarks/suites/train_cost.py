@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.models.loading import load_pair
 from distillspec.models.pretrained import prepare_pair
@@ -112,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from distillspec.cli import run_main
 from distillspec.config import load_config
 from distillspec.decoding.metrics import position_tvd
 from distillspec.evaluation.report import pyplot
@@ -358,4 +359,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

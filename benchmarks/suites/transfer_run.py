@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from benchmarks.suites.common import run_pair
+from distillspec.cli import run_main
 from distillspec.evaluation.study import measure_pair
 from distillspec.models.loading import load_decoding_draft, load_decoding_pair
 from distillspec.tasks.data import chat_prompts, load_task
@@ -129,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
