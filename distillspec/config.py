@@ -411,6 +411,11 @@ class BatchingConfig:
     )
 
 
+#: How often Ray Serve's replicas report their ongoing requests to its autoscaler (its ``metrics_interval_s``): an
+#: autoscaling window must be longer.
+SERVE_METRICS_INTERVAL_S = 10.0
+
+
 @dataclass(config=SCHEMA)
 class AutoscalingConfig:
     """``serve.autoscaling``: Ray Serve's autoscaling of the replicas (its ``autoscaling_config``)."""
@@ -420,13 +425,20 @@ class AutoscalingConfig:
     target_ongoing_requests: PosFloat = knob(8.0, "target of ongoing requests per replica")
     upscale_delay_s: NonNegFloat = knob(30.0, "how long the load stays above target before a replica is added")
     downscale_delay_s: NonNegFloat = knob(600.0, "how long the load stays below target before a replica is removed")
-    look_back_period_s: PosFloat = knob(30.0, "the window over which the ongoing requests are averaged")
+    look_back_period_s: PosFloat = knob(
+        30.0, f"the window over which the ongoing requests are averaged (over {SERVE_METRICS_INTERVAL_S:g} s)"
+    )
 
     def validate(self) -> None:
         if self.min_replicas > self.max_replicas:
             raise DistillSpecError(
                 f"serve.autoscaling.min_replicas={self.min_replicas} > "
                 f"serve.autoscaling.max_replicas={self.max_replicas}"
+            )
+        if self.look_back_period_s <= SERVE_METRICS_INTERVAL_S:
+            raise DistillSpecError(
+                f"serve.autoscaling.look_back_period_s={self.look_back_period_s:g}: the window must be longer than "
+                f"the {SERVE_METRICS_INTERVAL_S:g} s between the load reports of Ray Serve's replicas"
             )
 
 

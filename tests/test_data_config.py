@@ -109,6 +109,7 @@ def test_the_canary_decodes_at_the_temperature_the_replicas_serve():
         (["serve.draft_context=512", "serve.backend=vllm"], "serve.draft_context=512 is this project's decoder's"),
         (["serve.draft_context=0"], "serve.draft_context"),
         (["serve.draft_context=some"], "serve.draft_context"),
+        (["serve.autoscaling.look_back_period_s=2"], "look_back_period_s=2: the window must be longer than the 10 s"),
     ],
 )
 def test_bad_config(overrides, match):

@@ -41,8 +41,9 @@ def test_replicas_follow_the_load_and_late_ones_serve_the_current_draft(ray_clus
             f"target={tiny_garden.target}", f"draft={tiny_garden.draft}", f"ray.run_name={RUN}",
             "serve.autoscaling.min_replicas=1", "serve.autoscaling.max_replicas=2",
             "serve.autoscaling.target_ongoing_requests=1", "serve.autoscaling.upscale_delay_s=1",
-            "serve.autoscaling.downscale_delay_s=4", "serve.autoscaling.look_back_period_s=2", "serve.replica.cpus=0.2",
-            "serve.batching.max_batch_size=2", "serve.follow.sync_every_s=0.5", "serve.gamma=2",
+            "serve.autoscaling.downscale_delay_s=4", "serve.autoscaling.look_back_period_s=11",
+            "serve.replica.cpus=0.2", "serve.batching.max_batch_size=2", "serve.follow.sync_every_s=0.5",
+            "serve.gamma=2",
         ],
     )  # fmt: skip
     serve.start(http_options={"host": "127.0.0.1", "port": port})
