@@ -278,8 +278,8 @@ void add_rms_norm_rows(const T* h, const T* delta, T* total, const T* weight, T*
 // See the top of this file. h [..., D] and delta (None: h alone) in one dtype (float32 or bfloat16), weight [D] in it
 // too. Returns (h + delta, its norm): a new tensor for the sum (h is not written), or h itself without a delta.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in,
-                                                      const std::optional<at::Tensor>& delta_in,
-                                                      const at::Tensor& weight, double eps) {
+                                                const std::optional<at::Tensor>& delta_in,
+                                                const at::Tensor& weight, double eps) {
   const auto dtype = h_in.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && h_in.device().is_cpu() && h_in.dim() >= 1,
               "add_rms_norm takes float32 or bfloat16 CPU rows");
@@ -309,8 +309,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in,
 // start + k - 1), mask [B, start + k] (int64: the valid cache columns), all but the mask in one dtype (float32 or
 // bfloat16). Returns [B, k, H x d] in that dtype.
 at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                               const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
-                               at::Tensor& values, const at::Tensor& mask, int64_t start, double scale) {
+                            const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
+                            at::Tensor& values, const at::Tensor& mask, int64_t start, double scale) {
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "cached_attention takes float32 or bfloat16");
   const std::initializer_list<const at::Tensor*> same_dtype{&key_in, &value_in, &cos_in, &sin_in, &keys, &values};
@@ -409,8 +409,8 @@ struct StepLayers {
   std::vector<StepLayer> layers;
 
   at::Tensor operator()(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
-                           std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
-                           const at::Tensor& mask, int64_t start) const {
+                      std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                      const at::Tensor& mask, int64_t start) const {
     TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(), "step_layers: one cache a layer");
     std::optional<at::Tensor> pending;  // the last layer's MLP output, not yet added to h
     at::Tensor x;

@@ -683,7 +683,7 @@ at::Tensor pack_int4(const at::Tensor& codes, const at::Tensor& scales_zeros) {
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
 // takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                     const std::optional<at::Tensor>& scales) {
+                  const std::optional<at::Tensor>& scales) {
   const bool bf16_rows = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16_rows || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "few_rows.matmul takes 2-d float32 or bfloat16 CPU rows");

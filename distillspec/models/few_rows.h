@@ -34,14 +34,14 @@ bool bf16_rows_supported();
 
 // few_rows.cpp: x [M, K] times a packed weight's transpose (see matmul there).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                     const std::optional<at::Tensor>& scales);
+                  const std::optional<at::Tensor>& scales);
 
 // decoder_step.cpp: a decoding step's work around its products.
 at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& key_in, const at::Tensor& value_in,
-                               const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
-                               at::Tensor& values, const at::Tensor& mask, int64_t start, double scale);
+                            const at::Tensor& cos_in, const at::Tensor& sin_in, at::Tensor& keys,
+                            at::Tensor& values, const at::Tensor& mask, int64_t start, double scale);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in,
-                                                      const std::optional<at::Tensor>& delta_in,
-                                                      const at::Tensor& weight, double eps);
+                                                const std::optional<at::Tensor>& delta_in,
+                                                const at::Tensor& weight, double eps);
 // ... and a step's decoder layers in one call (StepLayers), bound into the module.
 void bind_step_layers(pybind11::module_& m);
