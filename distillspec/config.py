@@ -426,7 +426,7 @@ class AutoscalingConfig:
     upscale_delay_s: NonNegFloat = knob(30.0, "how long the load stays above target before a replica is added")
     downscale_delay_s: NonNegFloat = knob(600.0, "how long the load stays below target before a replica is removed")
     look_back_period_s: PosFloat = knob(
-        30.0, f"the window over which the ongoing requests are averaged (over {SERVE_METRICS_INTERVAL_S:g} s)"
+        30.0, f"window the load is averaged over (more than the {SERVE_METRICS_INTERVAL_S:g} s between reports)"
     )
 
     def validate(self) -> None:
