@@ -16,8 +16,6 @@ from typing import Any
 
 from openai import APIStatusError, OpenAI
 
-from distillspec.cli import run_main
-
 PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
 CHAT = [{"role": "user", "content": "Tom has 3 apples and buys 4 more. How many apples does he have?"}]
 
@@ -114,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    main()

@@ -23,8 +23,6 @@ import time
 import requests
 from transformers import AutoTokenizer
 
-from distillspec.cli import run_main
-
 PORT = 8123
 
 
@@ -109,4 +107,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    main()
