@@ -6,7 +6,8 @@ scores, the evaluator, the Serve replicas that follow the run) builds it over th
 An actor on another node makes Ray copy the object there once; its neighbours on that node read that copy. A
 bfloat16 target that decodes through the few-row kernel (``prepack``, a CPU with AVX512-BF16) is shared in that
 layout too, so that the actors that decode with it read one more copy a node, not one each; with ``prepack=int4`` its
-layers on 4-bit grids are shared in 4 bits, found once on the file's values.
+layers on 4-bit grids are shared in 4 bits, found once on the file's values (with ``prepack=int4-int8`` too, whose
+other layers each actor rounds to int8 itself).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from actors.common import NAMESPACE, log, weights_name
 from actors.worker import setup_worker
 from distillspec.config import Models
 from distillspec.models.loading import (
+    INT4_PREPACKS,
     SharedWeights,
     file_weights,
     load_model,
@@ -35,7 +37,7 @@ def _load_shared(models: Models) -> SharedWeights:
     prepack = resolve_prepack(models.prepack, dtype, models.target, models.device)[0]
     model, _ = load_model(models.target, device=models.device, dtype=dtype)
     # with prepack=int4 its layers on 4-bit grids, found on the file's values, are shared in 4 bits beside the weights
-    int4 = int4_layouts(model, file_weights(models.target)) if prepack == "int4" else {}
+    int4 = int4_layouts(model, file_weights(models.target)) if prepack in INT4_PREPACKS else {}
     # a bfloat16 target that decodes through the few-row kernel: its layout is shared too, once a node
     layouts = dtype == "bfloat16" and prepack in (True, "int4")
     return share_weights(model, models.target, layouts=layouts, int4=int4)

@@ -141,24 +141,25 @@ def test_a_caches_steps_through_the_kernel_are_torchs(dtype, monkeypatch):
         torch.testing.assert_close(last(ours), last(torchs), atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("draft_int8", [None, True, "int4", "target-int4"])
+@pytest.mark.parametrize("draft_int8", [None, True, "int4", "target-int4", "target-int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkeypatch):
     """The products of the lean cache's kernel steps (each linear layer's ``step_forward``: the kernel's product
     without the module call), and the layers in one call of the kernel (``few_rows.step_layers``), give the logits of
     the layers' own modules to the bit: a packed target, an int8 draft with weight-only steps, a 4-bit one, a target
-    whose layers on 4-bit grids are held in 4 bits (``prepack=int4``; where each runs here), steps of one and of
+    whose layers on 4-bit grids are held in 4 bits (``prepack=int4``; where each runs here), a target whose layers
+    are held in int8 (as ``prepack=int4-int8`` holds those not in 4 bits), steps of one and of
     several tokens, and a batch whose rows exceed what the 4-bit kernel takes (the layer's forward, layer by
     layer)."""
     from distillspec.models.loading import int8_kernels, quantize_decoding_draft
     from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, int4_layouts, int4_linears, prepack_linears
 
-    target = draft_int8 in (None, "target-int4")
+    target = draft_int8 in (None, "target-int4", "target-int8")
     if draft_int8 in (True, "int4") and draft_int8 not in int8_kernels().values():
         pytest.skip(f"this build of torch has no kernel for draft_int8={draft_int8}")
     if draft_int8 == "target-int4" and not few_rows.int4():
         pytest.skip("a target's 4-bit layers take the few-row kernel's 4-bit products (x86 AVX2)")
-    if target and dtype == torch.bfloat16 and not few_rows.bf16_rows():
+    if target and dtype == torch.bfloat16 and not few_rows.bf16_rows() and draft_int8 != "target-int8":
         pytest.skip("a bfloat16 target's products take the few-row kernel with AVX512-BF16")
     model = tiny_qwen2()
     with torch.no_grad():
@@ -169,7 +170,7 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkey
         assert int4_linears(model, dtype, int4_layouts(on_4_bit_grids(model))) == 2 * 7
     model.to(dtype)
     if target:
-        prepack_linears(model, kernel="few_rows")
+        prepack_linears(model, kernel="few_rows", weights=torch.int8 if draft_int8 == "target-int8" else None)
     else:
         quantize_decoding_draft(model, draft_int8)
     batch = INT4_FEW_ROWS // 2 + 1  # two tokens a row: more rows than 4-bit products take

@@ -504,30 +504,39 @@ def test_a_target_layer_on_4_bit_grids_multiplies_as_its_weight(dtype):
 @needs_compiler
 @pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 4-bit products need x86 AVX2")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(tmp_path, tokenizer, dtype):
+@pytest.mark.parametrize("prepack", ["int4", "int4-int8"])
+def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(tmp_path, tokenizer, dtype, prepack):
     """prepack=int4: a target saved with its decoder layers on 4-bit grids (a 4-bit GGUF's, dequantized) loads with
     those layers in 4 bits and the rest (its head) laid out for the few-row kernel, in bfloat16 (a float32 target's
-    rounded to it, as prepack=bfloat16 rounds them); its logits are the float model's within the rounding of its rows
-    and scales, and greedy speculative decoding over it is its own greedy decoding. A target that only scores
-    (``kernel="onednn"``) keeps the dtype's layout."""
+    rounded to it, as prepack=bfloat16 rounds them; with prepack=int4-int8 in int8, a scale per output row); its
+    logits are the float model's within the rounding of its rows and scales, and greedy speculative decoding over it
+    is its own greedy decoding. A target that only scores (``kernel="onednn"``) keeps the dtype's layout."""
     from distillspec.models.loading import load_model
-    from distillspec.models.packing import Int4Linear
+    from distillspec.models.packing import Int4Linear, int8_rows
 
-    if dtype == "bfloat16" and not few_rows.bf16_rows():
+    if dtype == "bfloat16" and not few_rows.bf16_rows() and prepack == "int4":
         pytest.skip("a bfloat16 target's other layers take the few-row kernel with AVX512-BF16")
     snapped = on_4_bit_grids(tiny_llama(len(tokenizer), d=64, layers=2, seed=1, sharpness=30.0))
     snapped.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    loaded = load_model(str(tmp_path / "target"), dtype=dtype, prepack="int4")[0]
+    loaded = load_model(str(tmp_path / "target"), dtype=dtype, prepack=prepack)[0]
     layers = [name for name, m in loaded.named_modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down of both decoder layers; not the head
     assert isinstance(loaded.lm_head, PackedLinear) and next(loaded.parameters()).dtype == getattr(torch, dtype)
-    assert loaded.lm_head.packed.dtype == torch.bfloat16 and loaded.lm_head.kernel == "few_rows"
-    held = copy.deepcopy(snapped)  # the weights as the kernel holds them: the scales in bfloat16, the head bfloat16
+    rest = torch.int8 if prepack == "int4-int8" else torch.bfloat16
+    assert loaded.lm_head.packed.dtype == rest and loaded.lm_head.kernel == "few_rows"
+
+    def head(weight: torch.Tensor) -> torch.Tensor:  # the head's weight as the kernel holds it
+        if rest == torch.bfloat16:
+            return weight.bfloat16().float()
+        codes, scales = int8_rows(weight.to(getattr(torch, dtype)).float())
+        return codes.float() * scales[:, None]
+
+    held = copy.deepcopy(snapped)  # the weights as the kernel holds them: the scales in bfloat16, the head as above
     with torch.no_grad():
         for name, layer in held.named_modules():
             if isinstance(layer, torch.nn.Linear):
-                layer.weight.copy_(on_grids(layer.weight) if name != "lm_head" else layer.weight.bfloat16().float())
+                layer.weight.copy_(on_grids(layer.weight) if name != "lm_head" else head(layer.weight))
     ids, mask = left_padded_prompts()
     with torch.no_grad():
         theirs = held.to(getattr(torch, dtype))(ids, attention_mask=mask).logits.float()
@@ -535,8 +544,9 @@ def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(
     # the rows rounded to 16 bits; in bfloat16, each operation rounded as well
     assert (ours - theirs).abs().max() < (1e-3 if dtype == "float32" else 0.05) * theirs.abs().max()
     assert_greedy_sd_is_target_greedy(loaded, perturbed(snapped, 0.01), 4, through_cache=True)
-    scoring = load_model(str(tmp_path / "target"), dtype=dtype, prepack="int4", kernel="onednn")[0]
+    scoring = load_model(str(tmp_path / "target"), dtype=dtype, prepack=prepack, kernel="onednn")[0]
     assert not any(isinstance(m, Int4Linear) for m in scoring.modules())
+    assert not any(isinstance(m, PackedLinear) and m.scales is not None for m in scoring.modules())
 
 
 def test_prepack_int4_is_refused_where_the_kernel_does_not_take_it(monkeypatch):
@@ -546,6 +556,8 @@ def test_prepack_int4_is_refused_where_the_kernel_does_not_take_it(monkeypatch):
         resolve_prepack("int4", "float16", "some/hub-id")
     with pytest.raises(DistillSpecError, match="prepack=int4 .* on meta"):
         resolve_prepack("int4", "float32", "some/hub-id", device="meta")
+    with pytest.raises(DistillSpecError, match="prepack=int4-int8 .* on meta"):
+        resolve_prepack("int4-int8", "float32", "some/hub-id", device="meta")
     assert (resolve_prepack("auto", "float32", "some/hub-id")[0] == "int4") is few_rows.int4()
     monkeypatch.setenv(few_rows.INT4_SWITCH, "0")
     with pytest.raises(DistillSpecError, match=f"prepack=int4 .*{few_rows.INT4_SWITCH}=0|prepack=int4 .*kernel"):

@@ -4,7 +4,8 @@
 bfloat16 target: the few-row kernel (``bf16-few-rows``: bfloat16 rows where the CPU has AVX512-BF16, else float32
 ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``).
 Either dtype with its layers on 4-bit grids held in 4 bits, the rest through the few-row kernel (``int4``,
-``bf16-int4``: ``prepack=int4``, the default where the kernel runs); a float32 one with every other linear layer
+``bf16-int4``: ``prepack=int4``, the default where the kernel runs), a float32 one with that rest in int8
+(``int4-int8``: ``prepack=int4-int8``); a float32 one with every other linear layer
 rounded to such grids as well and held in 4 bits (``int4-all``: a 4-bit quantization of the target, for comparison;
 no ``prepack`` value does it). The target is loaded once with each of
 ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the bfloat16 ones, with its float32 embedding 4.5
@@ -94,6 +95,7 @@ LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None, bool | 
     "onednn": (torch.float32, partial(prepack_linears, kernel="onednn"), False),
     "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16), False),
     "int4": (torch.float32, None, "int4"),
+    "int4-int8": (torch.float32, None, "int4-int8"),
     "int4-all": (torch.float32, every_layer_in_4_bits, False),
     "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows")), False),
     "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear), False),

@@ -47,6 +47,8 @@ def _looks_local(name: str) -> bool:
 
 #: What a model folder made by ``save_pretrained`` (with its tokenizer) holds, besides the weights.
 MODEL_FILES = ("config.json", "tokenizer_config.json")
+#: The ``prepack`` values that hold a target's layers on 4-bit grids in 4 bits (they differ in the rest's layout).
+INT4_PREPACKS = ("int4", "int4-int8")
 
 
 def _check_path(name: str, weights: bool = True) -> None:
@@ -218,8 +220,9 @@ def load_model(
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
     :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on the
     file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, the
-    others as ``true`` lays them out (a float32 target's rounded to bfloat16, as ``bfloat16`` rounds them), but for
-    a target that only scores, ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this
+    others as ``true`` lays them out (a float32 target's rounded to bfloat16, as ``bfloat16`` rounds them; with
+    ``int4-int8`` rounded to int8, a scale per output row), but for a target that only scores,
+    ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this
     model in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
     frozen, instead of read from files, and over the layouts they hold where it is laid out for the few-row kernel
     (4-bit ones too)."""
@@ -227,9 +230,9 @@ def load_model(
         dtype = resolve_dtype("auto", name, device)[0]
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     tokenizer = load_tokenizer(name)
-    if prepack in ("auto", "int4"):  # (int4 where the kernel's 4-bit products do not run: an error that says so)
+    if prepack in ("auto", *INT4_PREPACKS):  # (where the kernel's 4-bit products do not run: an error that says so)
         prepack = resolve_prepack(prepack, str(dtype).removeprefix("torch."), name, device)[0]
-    if prepack == "int4" and kernel == "onednn":
+    if prepack in INT4_PREPACKS and kernel == "onednn":
         prepack = True  # a target that only scores: the dtype's layout
     try:
         config = AutoConfig.from_pretrained(name)
@@ -250,17 +253,20 @@ def load_model(
         raise _unloadable(name, exc) from None
     model = model.to(device).eval()
     layouts = shared.layouts if shared is not None else {}
-    if prepack == "int4" and shared is not None:  # the 4-bit layers found by the process that shares them
+    if prepack in INT4_PREPACKS and shared is not None:  # the 4-bit layers found by the process that shares them
         int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
-    elif prepack == "int4":  # found on the file's values, a layer at a time
+    elif prepack in INT4_PREPACKS:  # found on the file's values, a layer at a time
         if layers := int4_linears(model, dtype, int4_layouts(model, file_weights(name))):
             log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
         else:
             log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
     if prepack:
-        # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 bits (the fewest bytes)
-        weights = torch.bfloat16 if prepack in ("bfloat16", "int4") and kernel != "onednn" else None
+        # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 bits (the fewest bytes);
+        # int4-int8: those rounded to int8 instead, each process its own (no bfloat16 layout of them is shared)
+        weights = {"bfloat16": torch.bfloat16, "int4": torch.bfloat16, "int4-int8": torch.int8}.get(str(prepack))
+        weights = weights if kernel != "onednn" else None
         laid_out = {k: _over(a, torch.bfloat16) for k, a in layouts.items() if a.dtype != np.uint8}
+        laid_out = laid_out if weights != torch.int8 else {}
         prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
     return model, tokenizer
@@ -427,29 +433,31 @@ def resolve_dtype(dtype: str, target: str, device: str = "cpu") -> tuple[str, st
 
 def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = "cpu") -> tuple[bool | str, str]:
     """Whether the frozen target's linear weights are laid out for few-row products (:func:`prepack_linears`) for
-    ``prepack`` (``auto``, true, false, ``bfloat16``, ``int4``) with the resolved ``dtype``, and why. ``auto`` lays
-    out a target on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines it): ``int4``
-    where the few-row kernel's 4-bit products run and it takes the dtype's other layers (float32; bfloat16 with
-    AVX512-BF16), else a float32 one for the few-row kernel or oneDNN
+    ``prepack`` (``auto``, true, false, ``bfloat16``, ``int4``, ``int4-int8``) with the resolved ``dtype``, and why.
+    ``auto`` lays out a target on a CPU that is bound by reading its weights (as :data:`AUTO_BF16_BYTES` defines
+    it): ``int4`` where the few-row kernel's 4-bit products run and it takes the dtype's other layers (float32;
+    bfloat16 with AVX512-BF16), else a float32 one for the few-row kernel or oneDNN
     (:class:`~distillspec.models.packing.PackedLinear`), a bfloat16 one as matrix-vector products where the CPU has
     AMX (where they were measured to pay; without AMX they took 1.4-2.2x the plain product's). ``bfloat16`` (a
     float32 target on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to
     bfloat16 for that kernel; so does ``int4`` (a float32 or bfloat16 target where the 4-bit products run, else an
     error): :func:`load_model` holds its layers on 4-bit grids in 4 bits
     (:class:`~distillspec.models.packing.Int4Linear`), the rest as ``true`` lays them out, a float32 target's in
-    bfloat16 as ``bfloat16`` rounds them."""
+    bfloat16 as ``bfloat16`` rounds them; so does ``int4-int8``, which holds the rest in int8 (a scale per output
+    row: :class:`~distillspec.models.packing.PackedLinear`), fewer bytes again, the target a little further from
+    its file's model."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type
-    if prepack == "int4":
+    if prepack in INT4_PREPACKS:
         if kind != "cpu" or dtype not in ("float32", "bfloat16") or not few_rows.int4():
             why = f"dtype={dtype} on {kind}" if kind != "cpu" or dtype not in ("float32", "bfloat16") else None
             why = why or few_rows.missing() or f"{few_rows.INT4_SWITCH}=0"
             raise DistillSpecError(
-                f"prepack=int4 holds a float32 or bfloat16 target's 4-bit layers for the few-row kernel on a CPU; "
-                f"here {why}: set prepack=auto"
+                f"prepack={prepack} holds a float32 or bfloat16 target's 4-bit layers for the few-row kernel on a "
+                f"CPU; here {why}: set prepack=auto"
             )
-        return "int4", "set by prepack"
+        return prepack, "set by prepack"
     if prepack == "bfloat16":
         if kind != "cpu" or dtype != "float32" or few_rows.missing():
             why = f"dtype={dtype} on {kind}" if kind != "cpu" or dtype != "float32" else few_rows.missing()

@@ -40,6 +40,13 @@ def can_prepack(device: str | torch.device = "cpu") -> bool:
     return torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
 
 
+def int8_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A float32 ``weight`` [out, in] as int8 codes with one scale per output row (its largest magnitude at 127):
+    ``codes * scales[:, None]`` is about the weight."""
+    scales = weight.abs().amax(1).clamp(min=1e-12) / 127
+    return (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
+
+
 class PackedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight is laid out once for a CPU's few-row products; ``forward`` takes
     any leading shape. The layout is the few-row kernel's (:mod:`distillspec.models.few_rows`: AVX2, its inputs a
@@ -50,7 +57,10 @@ class PackedLinear(nn.Module):
     ``"onednn"``. A bfloat16 weight, or ``weights=torch.bfloat16`` (a float32 weight rounded to it: half the bytes a
     product reads), takes the few-row kernel, which widens it to float32 in registers, the rows and sums float32; a
     bfloat16 model's rows go in as they are where the CPU has AVX512-BF16 (:func:`~distillspec.models.few_rows.
-    bf16_rows`), multiplied in pairs into float32 sums. The output is in the model's dtype. ``packed``: the weight in
+    bf16_rows`), multiplied in pairs into float32 sums. ``weights=torch.int8`` rounds a float32 or bfloat16 weight to
+    int8 with a scale per output row (:func:`int8_rows`, as :class:`Int8Linear`'s), for the kernel's int8 products (the
+    rows rounded to 16 bits, a scale each): a quarter of float32's bytes, half of bfloat16's, its products a little
+    further from the weight's (``prepack=int4-int8``). The output is in the model's dtype. ``packed``: the weight in
     the few-row kernel's layout already (:func:`few_rows_layouts`: shared by another process)."""
 
     def __init__(
@@ -63,15 +73,22 @@ class PackedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.dtype = linear.weight.dtype  #: the model's: its activations in and out
-        weight = linear.weight.detach() if weights is None else linear.weight.detach().to(weights)
+        weight = linear.weight.detach()
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise ValueError(
                 f"PackedLinear takes float32 or bfloat16 CPU weights, not {weight.dtype} on {weight.device}"
             )
+        self.scales = None  #: an int8 weight's scale per output row (float32), which its products take
+        if weights == torch.int8:
+            weight, self.scales = int8_rows(weight.float())
+        elif weights is not None:
+            weight = weight.to(weights)
         if kernel not in ("auto", "few_rows", "onednn"):
             raise ValueError(f"kernel is auto, few_rows or onednn, not {kernel!r}")
-        if weight.dtype == torch.bfloat16 and kernel != "few_rows":
-            raise ValueError("PackedLinear takes bfloat16 weights for the few-row kernel only (kernel='few_rows')")
+        if weight.dtype in (torch.bfloat16, torch.int8) and kernel != "few_rows":
+            raise ValueError(
+                f"PackedLinear takes {weight.dtype} weights for the few-row kernel only (kernel='few_rows')"
+            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # why the few-row kernel cannot take this layer (where it is wanted)
         why = few_rows.refusal(self.in_features, weight.dtype) if kernel != "onednn" else None
@@ -120,7 +137,7 @@ class PackedLinear(nn.Module):
         product = few_rows.step_product(
             self.packed,
             self.out_features,
-            None,
+            self.scales,
             self.bias,
             float_rows=not self.bf16_rows,
             bias_in_float=True,
@@ -131,7 +148,7 @@ class PackedLinear(nn.Module):
     def _few_rows(self, rows: Tensor) -> Tensor:
         """``rows`` [M, in] (contiguous) times the weight through the few-row kernel, in the model's dtype: float32
         sums; float32 rows but a bfloat16 model's where the CPU takes them (as :meth:`step_product` does)."""
-        out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features)
+        out = few_rows.matmul(rows if self.bf16_rows else rows.float(), self.packed, self.out_features, self.scales)
         if self.bias is not None:
             out += self.bias
         return out.to(self.dtype)
@@ -143,6 +160,7 @@ class PackedLinear(nn.Module):
             if self.packed.dtype != self.dtype
             else ""
         )
+        rounded += " (a scale per output row)" if self.scales is not None else ""
         return f"{shape}, packed for {'the few-row kernel' if self.kernel == 'few_rows' else 'oneDNN'}{rounded}"
 
 
@@ -204,6 +222,11 @@ def layout_name(dtype: str, prepack: bool | str = True) -> str:
     if prepack == "int4":
         rest = layout_name(dtype, "bfloat16" if dtype == "float32" else True)
         return f"layers on 4-bit grids in 4 bits for the few-row kernel, the rest's {rest}"
+    if prepack == "int4-int8":
+        return (
+            "layers on 4-bit grids in 4 bits for the few-row kernel, the rest's weights in int8 (a scale per output "
+            "row) for the few-row kernel"
+        )
     if dtype != "float32":
         return (
             "weights laid out for the few-row kernel"
@@ -222,7 +245,7 @@ def prepack_linears(
 ) -> int:
     """Lay out every linear layer of ``model`` on a CPU (in place) for few-row products: a float32 one becomes a
     :class:`PackedLinear` (``kernel`` and ``weights`` as there: ``torch.bfloat16`` rounds its weight where the
-    few-row kernel takes the layer), a bfloat16 one
+    few-row kernel takes the layer; ``torch.int8`` rounds a float32 or bfloat16 one to int8 there), a bfloat16 one
     a :class:`PackedLinear` for the few-row kernel where it takes bfloat16 rows (AVX512-BF16; inputs a multiple of 8)
     and ``kernel`` is not ``"onednn"`` (a target that only scores batches of many rows), else a
     :class:`FewRowLinear`, whose products of more rows are oneDNN's; the model is frozen. ``packed``: layers' weights
@@ -233,6 +256,8 @@ def prepack_linears(
     def pack(linear: nn.Linear) -> nn.Module | None:
         if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
             return None
+        if weights == torch.int8 and not few_rows.refusal(linear.in_features, torch.int8):
+            return PackedLinear(linear, rows, "few_rows", torch.int8)
         if linear.weight.dtype == torch.float32:
             if weights is not None and not few_rows.refusal(linear.in_features, weights):
                 return PackedLinear(linear, rows, "few_rows", weights)
@@ -531,8 +556,7 @@ class Int8Linear(nn.Module):
         version loaded afresh. (Quantized from a trained draft's float32 weights instead, the bfloat16 0.5B Qwen
         draft's 4-bit steps were a mean TVD of 0.132 from its bfloat16 steps, against 0.088 loaded afresh.)"""
         weight = weight.to(device=self.weight.device, dtype=self.dtype).float()
-        scales = weight.abs().amax(1).clamp(min=1e-12) / 127
-        codes = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        codes, scales = int8_rows(weight)
         if self.holds_dense:
             self.weight.copy_(codes)
         self.scales.copy_(scales.to(self.dtype))
