@@ -628,8 +628,9 @@ class JobConfig:
         "activations in 7 bits too (a scale per token), at some cost in acceptance; int4: prompts as fbgemm, "
         "drafting steps through 4-bit weights (groups of 32; the project's few-row kernel on x86 CPUs with "
         "AVX2, torch's CPU kernel elsewhere), a step reading half of int8's "
-        "bytes again, at some further cost in acceptance; auto = int4 where torch's CPU kernels run AVX-512, else "
-        "true where the few-row kernel runs, else fbgemm (true where torch has no fbgemm), for a draft on a CPU that "
+        "bytes again, at some further cost in acceptance; auto = int4 where torch's CPU kernels run AVX-512 or the "
+        "few-row kernel's 4-bit products run (AVX2), else true where the few-row kernel runs, else fbgemm (true where "
+        "torch has no fbgemm), for a draft on a CPU that "
         "is large enough to be bound by reading its weights (250M parameters, 1 GB in float32, on), else false; "
         "false where a vLLM backend decodes. Speculative decoding stays exact",
     )

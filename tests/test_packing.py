@@ -746,9 +746,9 @@ def test_an_int8_drafts_fused_products_give_the_unfused_logits(monkeypatch, draf
 
 
 def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path, text_pair, tokenizer, monkeypatch):
-    """draft_int8=auto (the default): int8 for a draft of 250M parameters or more on a CPU: weight-only where the
-    few-row kernel runs, else fbgemm's (weight-only where torch has no fbgemm), its steps in int4 where torch's kernels
-    run AVX-512; the pair's dtype for a smaller
+    """draft_int8=auto (the default): int8 for a draft of 250M parameters or more on a CPU: its steps in int4 where
+    torch's kernels run AVX-512 or the few-row kernel's 4-bit products run, else weight-only where the few-row kernel
+    runs, else fbgemm's (weight-only where torch has no fbgemm); the pair's dtype for a smaller
     draft, a GPU's, or where vLLM decodes; prepare_models resolves it once and says why, and a draft that trains
     stays float."""
     from distillspec.config import load_config
@@ -760,6 +760,7 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     avx512 = loading.cpu_avx512() and "int4" in int8_kernels()
     kernel = "int4" if avx512 and fbgemm_available() else "fbgemm" if fbgemm_available() else True
     kernel = True if kernel == "fbgemm" and few_rows.available() else kernel  # weight-only through the few-row kernel
+    kernel = "int4" if few_rows.int4() and "int4" in int8_kernels() else kernel  # ... its 4-bit products (AVX2)
     assert resolve_draft_int8("auto", 630_000_000)[0] == kernel  # the Qwen2.5-Coder 0.5B
     assert resolve_draft_int8("auto", None)[0] == kernel  # a hub id: counted as large, as dtype=auto counts it
     assert resolve_draft_int8("auto", 135_000_000) == (False, "auto: 135M parameters, bound by per-call costs")
@@ -768,6 +769,8 @@ def test_draft_int8_auto_decodes_a_weight_bound_draft_on_a_cpu_in_int8(tmp_path,
     monkeypatch.setattr(loading, "cpu_avx512", lambda: True)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("int4" if fbgemm_available() else True)
     monkeypatch.setattr(loading, "cpu_avx512", lambda: False)
+    assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if kernel == "fbgemm" else kernel)
+    monkeypatch.setattr(loading.few_rows, "int4", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if kernel == "fbgemm" else True)
     monkeypatch.setattr(loading.few_rows, "available", lambda: False)
     assert resolve_draft_int8("auto", 630_000_000)[0] == ("fbgemm" if fbgemm_available() else True)

@@ -50,12 +50,14 @@ inline float hsum(__m256 v) {
 
 // From 2 rows on, the rows' products keep a core busy enough that the hardware prefetcher falls behind the weight's
 // stream: a software prefetch PREFETCH_BYTES ahead (a few weight rows of a chunk) keeps the reads in flight. At one
-// row it costs more than it gains.
+// row it costs a float32 weight more than it gains; a bfloat16 one, widened in registers, gains (on a Zen 3 VM the
+// 1.5B Qwen target's one-token step with its head and 6-bit layers in bfloat16 took 93-95 ms against 100-109 in one
+// pair of alternating runs, 121-135 against 132-182 in another).
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 template <int M, typename T>
 inline void prefetch_ahead(const T* p, int64_t bytes) {
-  if constexpr (M >= 2)
+  if constexpr (M >= 2 || sizeof(T) == 2)
     for (int64_t b = 0; b < bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES + b, _MM_HINT_T0);
 }
@@ -369,6 +371,11 @@ constexpr int64_t int4_bytes(int64_t N, int64_t K) {
 // The same products at AVX2 (int4_run_avx2): a unit's 16 bytes of 8 output rows widened to 16 bits, their nibbles
 // multiplied by a pair of an input row's values and summed in pairs (vpmaddwd) into 8 lanes of 32 bits: the same
 // integer sums as vpdpwssd's, and the same scaling, so both give the same product to the bit.
+// Each group's every line is prefetched INT4_PREFETCH_BYTES ahead: with the hardware's prefetcher alone the products
+// kept too few reads in flight (on a Zen 3 VM, 2 threads, a 4-bit step of the 0.5B Qwen draft took 31-40 ms against
+// 22-24 with it, and the 1.5B target's step 130-147 ms against 105-109; docs/MEASUREMENTS.md).
+constexpr int64_t INT4_PREFETCH_BYTES = 2048;
+
 template <int M, typename Y>
 void int4_run_avx2(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
                    int64_t K, int64_t N, int64_t n0) {
@@ -379,7 +386,8 @@ void int4_run_avx2(const uint8_t* run, const int16_t* xq, const float* xsum, con
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* group = run + g * INT4_RUN_GROUP;
     const uint16_t* sz = reinterpret_cast<const uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES);
-    _mm_prefetch(reinterpret_cast<const char*>(group) + 4096, _MM_HINT_T0);
+    for (int64_t l = 0; l < INT4_RUN_GROUP; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(group) + INT4_PREFETCH_BYTES + l, _MM_HINT_T0);
     for (int m = 0; m < M && M <= 2; ++m)
       for (int64_t u = 0; u < INT4_UNITS; ++u) {
         int32_t pair[2];
