@@ -262,11 +262,10 @@ def load_model(
             log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
     if prepack:
         # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 bits (the fewest bytes);
-        # int4-int8: those rounded to int8 instead, each process its own (no bfloat16 layout of them is shared)
-        weights = {"bfloat16": torch.bfloat16, "int4": torch.bfloat16, "int4-int8": torch.int8}.get(str(prepack))
-        weights = weights if kernel != "onednn" else None
+        # int4-int8: those rounded to int8 instead, each process its own (the sharer shares no layout of them)
+        rounded = {"bfloat16": torch.bfloat16, "int4": torch.bfloat16, "int4-int8": torch.int8}
+        weights = rounded.get(str(prepack)) if kernel != "onednn" else None
         laid_out = {k: _over(a, torch.bfloat16) for k, a in layouts.items() if a.dtype != np.uint8}
-        laid_out = laid_out if weights != torch.int8 else {}
         prepack_linears(model, kernel=kernel, weights=weights, packed=laid_out)
     release_memory()
     return model, tokenizer
