@@ -649,12 +649,13 @@ class JobConfig:
         "scoring actor keeps float32 weights); int4: the target's linear layers whose weights lie on 4-bit grids in "
         "groups of 32 (a 4-bit GGUF's, Q4_0, Q4_1 or Q4_K, as the pretrained models' import dequantizes them) held "
         "as those codes for the same kernel's 4-bit products, the rest laid out as above (a float32 target's in "
-        "bfloat16, as bfloat16 rounds them): a step reads a fraction of the bytes, its rows rounded to 16 bits, so "
-        "the target decodes a little differently (in float32 about as close to the file's model as bfloat16 "
-        "weights are; speculative decoding stays exact for the target as it runs); int4-int8: as int4, the rest in "
+        "bfloat16, as bfloat16 rounds them): a step reads a fraction of the bytes, its rows rounded to 16 bits "
+        "(AVX512-VNNI) or to 8 bits a group of 32 inputs (AVX2), so the target decodes a little differently (in "
+        "float32 a mean TVD of 0.002 from the file's model with 16-bit rows, 0.004 with 8-bit ones; speculative "
+        "decoding stays exact for the target as it runs); int4-int8: as int4, the rest in "
         "int8 with a scale per output row for the same kernel (half the bytes of bfloat16 again: on an AVX2 CPU a "
         "step of the 1.5B Qwen target took 0.7-0.8x int4's; its distributions a little further from the file's "
-        "model, mean TVD 0.005 against int4's 0.002). auto = int4 for such a target "
+        "model, mean TVD 0.006 against int4's 0.004 at AVX2). auto = int4 for such a target "
         "where the kernel runs (float32; bfloat16 with AVX512-BF16), else as above; a target that only scores (a "
         "learner's, a scoring actor's) keeps the layout above",
     )

@@ -6,8 +6,9 @@
 // (one scale per output row) is multiplied in integers: each row of the input is rounded to 16 bits (a scale per
 // row, its largest magnitude at 32767), 32 weights at a time sign-extended to 16 bits in registers and multiplied
 // in pairs (vpmaddwd) into 32-bit sums, which become float32 at the end of each chunk; the product is those sums
-// times the two scales. Where the CPU has AVX512-VNNI, the same sums take vpmovsxbw and vpdpwssd (chunk_int8_vnni),
-// and a 4-bit weight in groups of 32 inputs (an int4 draft's) takes a layout of its own (int4_run).
+// times the two scales. Where the CPU has AVX512-VNNI, the same sums take vpmovsxbw and vpdpwssd (chunk_int8_vnni).
+// A 4-bit weight in groups of 32 inputs (an int4 draft's, a 4-bit target's) takes a layout of its own: by rows in 16
+// bits through AVX512-VNNI (int4_run), by rows in 8 bits with a scale a group at AVX2 (int4_run_avx2).
 // Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
 // figures.
 //
@@ -32,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -347,10 +349,10 @@ VNNI_TARGET void chunk_rows(int64_t rows, const int8_t* w_chunk, const Natural16
 #endif
 
 // A 4-bit weight in groups of 32 inputs (each group of an output row with its own scale s and zero point z, a weight
-// (q - 8) s + z for its code q in 0-15: an int4 draft's) by rows in 16 bits (int4_run on a CPU with AVX512-VNNI,
-// int4_run_avx2 elsewhere). Output rows lie in the vectors' lanes, 16 to a vector: a unit of 32 bytes holds 16
-// output rows' codes for 4 inputs k to k + 3,
-// byte 2l + j the codes of row l for input k + j (low nibble) and k + 2 + j (high nibble). A unit widens to 16 bits
+// (q - 8) s + z for its code q in 0-15: an int4 draft's) by rows in 16 bits on a CPU with AVX512-VNNI (int4_run;
+// AVX2's products, int4_run_avx2 below, take rows in 8 bits and a layout of their own). Output rows lie in the
+// vectors' lanes, 16 to a vector: a unit of 32 bytes holds 16 output rows' codes for 4 inputs k to k + 3, byte 2l + j
+// the codes of row l for input k + j (low nibble) and k + 2 + j (high nibble). A unit widens to 16 bits
 // in one instruction, its low and high nibbles are masked and shifted apart, and vpdpwssd multiplies each by a pair
 // of an input row's values broadcast to every lane: 16 output rows by 4 inputs in three instructions for the weight
 // and two per input row. A group's integer sums D (at most 32 x 15 x 32767, exact in float32) then take the group's
@@ -368,64 +370,66 @@ constexpr int64_t int4_bytes(int64_t N, int64_t K) {
   return (N + INT4_RUN - 1) / INT4_RUN * (K / INT4_GROUP_SIZE) * INT4_RUN_GROUP;
 }
 
-// The same products at AVX2 (int4_run_avx2): a unit's 16 bytes of 8 output rows widened to 16 bits, their nibbles
-// multiplied by a pair of an input row's values and summed in pairs (vpmaddwd) into 8 lanes of 32 bits: the same
-// integer sums as vpdpwssd's, and the same scaling, so both give the same product to the bit.
+// At AVX2 (int4_run_avx2) the rows go in 8 bits, a scale for each group of 32 inputs (its largest magnitude at
+// 127), and the weight has a layout of its own: for each group, 8 eighths of the run (its output rows 8e to 8e + 7) of
+// 4 pieces (its inputs 8p to 8p + 7) of 32 bytes, byte 4j + i holding the codes of output row j for input i (low
+// nibble) and 4 + i (high nibble), then the same scales. A piece's nibbles, masked and shifted apart, are two vectors
+// of 8 output rows by 4 inputs as unsigned bytes; vpmaddubsw multiplies each by 4 of an input row's bytes broadcast
+// to every lane and sums them in pairs (at most 2 x 15 x 127, so 8 such sums hold in 16 bits), and one vpmaddwd by
+// ones per group sums each row's pairs into 32 bits: 32 products an instruction where vpmaddwd alone gave 16, which
+// was what bounded the products from 2 rows on (on a Zen 3 VM at 6 rows, 52 GMAC/s on one core, one vpmaddwd a
+// cycle). A group's sum D then takes the group's scales, 8 output rows at once: c (s D + (z - 8 s) X), c the group's
+// scale of the input row and X the sum of its bytes.
 // Each group's every line is prefetched INT4_PREFETCH_BYTES ahead: with the hardware's prefetcher alone the products
 // kept too few reads in flight (on a Zen 3 VM, 2 threads, a 4-bit step of the 0.5B Qwen draft took 31-40 ms against
 // 22-24 with it, and the 1.5B target's step 130-147 ms against 105-109; docs/MEASUREMENTS.md).
 constexpr int64_t INT4_PREFETCH_BYTES = 2048;
+constexpr int64_t INT4_EIGHTHS = INT4_RUN / 8, INT4_PIECES = INT4_GROUP_SIZE / 8;  // 8 output rows, 8 inputs
 
 template <int M, typename Y>
-void int4_run_avx2(const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
+void int4_run_avx2(const uint8_t* run, const int8_t* xq, const float* xsum, const float* x_scales, Y* ys,
                    int64_t K, int64_t N, int64_t n0) {
   const int64_t G = K / INT4_GROUP_SIZE;
-  const __m256i low = _mm256_set1_epi16(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   float sums[M][INT4_RUN] = {};
-  __m256i pairs[M][INT4_UNITS][2];  // each unit's inputs k, k + 1 and k + 2, k + 3 of each row, in every lane
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* group = run + g * INT4_RUN_GROUP;
     const uint16_t* sz = reinterpret_cast<const uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES);
     for (int64_t l = 0; l < INT4_RUN_GROUP; l += 64)
       _mm_prefetch(reinterpret_cast<const char*>(group) + INT4_PREFETCH_BYTES + l, _MM_HINT_T0);
-    for (int m = 0; m < M && M <= 2; ++m)
-      for (int64_t u = 0; u < INT4_UNITS; ++u) {
-        int32_t pair[2];
-        std::memcpy(pair, xq + m * K + g * INT4_GROUP_SIZE + 4 * u, sizeof(pair));
-        pairs[m][u][0] = _mm256_set1_epi32(pair[0]);
-        pairs[m][u][1] = _mm256_set1_epi32(pair[1]);
+    __m256i fours[M][INT4_PIECES][2];  // each row's inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7, in every lane
+    for (int m = 0; m < M; ++m)
+      for (int64_t p = 0; p < INT4_PIECES; ++p) {
+        int32_t four[2];
+        std::memcpy(four, xq + m * K + g * INT4_GROUP_SIZE + 8 * p, sizeof(four));
+        fours[m][p][0] = _mm256_set1_epi32(four[0]);
+        fours[m][p][1] = _mm256_set1_epi32(four[1]);
       }
-    for (int b = 0; b < INT4_BLOCKS; ++b)
-      for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of block b: bytes 16h .. 16h + 15 of its units
-        __m256i acc[M];
-        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
-        for (int64_t u = 0; u < INT4_UNITS; ++u) {
-          const __m256i wide = _mm256_cvtepu8_epi16(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + (u * INT4_BLOCKS + b) * INT4_UNIT + 16 * h)));
-          const __m256i lo = _mm256_and_si256(wide, low), hi = _mm256_srli_epi16(wide, 4);
-          for (int m = 0; m < M; ++m) {
-            if constexpr (M <= 2) {
-              acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, pairs[m][u][0]),
-                                                                 _mm256_madd_epi16(hi, pairs[m][u][1])));
-            } else {  // (more rows: broadcast as they are read, which ran faster at 4 rows)
-              int32_t pair[2];
-              std::memcpy(pair, xq + m * K + g * INT4_GROUP_SIZE + 4 * u, sizeof(pair));
-              acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi32(pair[0])),
-                                                                 _mm256_madd_epi16(hi, _mm256_set1_epi32(pair[1]))));
-            }
-          }
-        }
-        const __m256 s = load8(sz + 32 * b + 8 * h), z = load8(sz + 32 * b + 16 + 8 * h);
-        const __m256 zero_term = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);  // z - 8 s
+    for (int64_t e = 0; e < INT4_EIGHTHS; ++e) {
+      __m256i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+      for (int64_t p = 0; p < INT4_PIECES; ++p) {
+        const __m256i piece =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + (e * INT4_PIECES + p) * 32));
+        const __m256i lo = _mm256_and_si256(piece, low), hi = _mm256_and_si256(_mm256_srli_epi16(piece, 4), low);
         for (int m = 0; m < M; ++m) {
-          float* at = sums[m] + 16 * b + 8 * h;
-          _mm256_storeu_ps(at, _mm256_fmadd_ps(zero_term, _mm256_set1_ps(xsum[m * G + g]),
-                                               _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[m]), _mm256_loadu_ps(at))));
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(lo, fours[m][p][0]));
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_maddubs_epi16(hi, fours[m][p][1]));
+          asm("" : "+x"(acc[m]));  // a sum in a register: the compiler's reassociated tree spilled every product
         }
       }
+      const __m256 s = load8(sz + 32 * (e / 2) + 8 * (e % 2)), z = load8(sz + 32 * (e / 2) + 16 + 8 * (e % 2));
+      const __m256 zero_term = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z);  // z - 8 s
+      for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones));
+        const __m256 term = _mm256_fmadd_ps(s, d, _mm256_mul_ps(zero_term, _mm256_set1_ps(xsum[m * G + g])));
+        float* at = sums[m] + 8 * e;
+        _mm256_storeu_ps(at, _mm256_fmadd_ps(term, _mm256_set1_ps(x_scales[m * G + g]), _mm256_loadu_ps(at)));
+      }
+    }
   }
   for (int64_t r = 0; r < INT4_RUN && n0 + r < N; ++r)
-    for (int m = 0; m < M; ++m) ys[m * N + n0 + r] = static_cast<Y>(sums[m][r] * x_scales[m]);
+    for (int m = 0; m < M; ++m) ys[m * N + n0 + r] = static_cast<Y>(sums[m][r]);
 }
 
 #ifdef DISTILLSPEC_INT8_VNNI
@@ -502,47 +506,73 @@ VNNI_TARGET void int4_run(const uint8_t* run, const int16_t* xq, const float* xs
 
 #endif
 
-// A run's products for up to 4 rows through AVX512-VNNI, or up to 8 through AVX2 (the same sums).
-template <int M, typename Y>
-void int4_run_rows(bool vnni, const uint8_t* run, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys,
-                   int64_t K, int64_t N, int64_t n0) {
+// A run's products for up to 4 rows through AVX512-VNNI (rows in 16 bits), or up to 8 through AVX2 (in 8 bits).
+template <int M, typename X, typename Y>
+void int4_run_rows(const uint8_t* run, const X* xq, const float* xsum, const float* x_scales, Y* ys, int64_t K,
+                   int64_t N, int64_t n0) {
+  if constexpr (std::is_same_v<X, int8_t>) {
+    int4_run_avx2<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+  } else {
 #ifdef DISTILLSPEC_INT8_VNNI
-  if constexpr (M <= 4)
-    if (vnni) return int4_run<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+    if constexpr (M <= 4) int4_run<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
 #endif
-  int4_run_avx2<M, Y>(run, xq, xsum, x_scales, ys, K, N, n0);
+  }
 }
 
-// ys [M, N] = the rows (in 16 bits, with their groups' sums and their scales) times the 4-bit weight's transpose
-// (N a multiple of 16): a thread takes whole runs, and reads a run once for every 4 rows through AVX512-VNNI, every 8
-// at AVX2 (from its second-level cache after the first). At AVX2 a pass's cost was mostly the weight's: on an
-// 8960 x 1536 layer (Zen 3, one thread) 6 rows in passes of 4 and 2 took 1.71x the time of 4 rows, in one pass
-// 1.25-1.32x, and the 1.5B Qwen target's 6-token step 192-288 ms against 259-276 (docs/MEASUREMENTS.md).
-template <typename Y>
-void multiply_int4(const uint8_t* W, const int16_t* xq, const float* xsum, const float* x_scales, Y* ys, int64_t M,
-                   int64_t K, int64_t N, bool vnni) {
+// ys [M, N] = the rows (in 16 bits with a scale each through AVX512-VNNI, in 8 bits with a scale a group at AVX2, and
+// their groups' sums) times the 4-bit weight's transpose (N a multiple of 16): a thread takes whole runs, and reads a
+// run once for every 4 rows through AVX512-VNNI, every 8 at AVX2 (from its second-level cache after the first). At
+// AVX2 a pass's cost was mostly the weight's: on an 8960 x 1536 layer (Zen 3, one thread) 6 rows in passes of 4 and 2
+// took 1.71x the time of 4 rows, in one pass 1.25-1.32x, and the 1.5B Qwen target's 6-token step 192-288 ms against
+// 259-276 (docs/MEASUREMENTS.md).
+template <typename X, typename Y>
+void multiply_int4(const uint8_t* W, const X* xq, const float* xsum, const float* x_scales, Y* ys, int64_t M,
+                   int64_t K, int64_t N) {
   const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
-  const int64_t most = vnni ? 4 : 8;  // rows a pass over a run takes (AVX2: 8, whose 8 sums fit its 16 registers)
+  constexpr bool avx2 = std::is_same_v<X, int8_t>;
+  const int64_t most = avx2 ? 8 : 4;  // rows a pass over a run takes (AVX2: 8, whose 8 sums fit its 16 registers)
+  const int64_t scales_a_row = avx2 ? G : 1;
   at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* run = W + r * G * INT4_RUN_GROUP;
       for (int64_t m0 = 0; m0 < M; m0 += most) {
-        const int16_t* x = xq + m0 * K;
+        const X* x = xq + m0 * K;
         const float* sum = xsum + m0 * G;
+        const float* scale = x_scales + m0 * scales_a_row;
         Y* y = ys + m0 * N;
         switch (std::min<int64_t>(most, M - m0)) {
-          case 1: int4_run_rows<1, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 2: int4_run_rows<2, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 3: int4_run_rows<3, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 4: int4_run_rows<4, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 5: int4_run_rows<5, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 6: int4_run_rows<6, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          case 7: int4_run_rows<7, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
-          default: int4_run_rows<8, Y>(vnni, run, x, sum, x_scales + m0, y, K, N, r * INT4_RUN); break;
+          case 1: int4_run_rows<1, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 2: int4_run_rows<2, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 3: int4_run_rows<3, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 4: int4_run_rows<4, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 5: int4_run_rows<5, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 6: int4_run_rows<6, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 7: int4_run_rows<7, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          default: int4_run_rows<8, X, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
         }
       }
     }
   });
+}
+
+// Rows' groups of 32 inputs (count of them, one after another) in 8 bits, as int4_run_avx2 reads them: each group's
+// scale (its largest magnitude at 127) and the sum of its bytes.
+template <typename T>
+void round_groups(const T* x, int8_t* xq, float* scales, float* sums, int64_t count) {
+  for (int64_t c = 0; c < count; ++c) {
+    const T* group = x + c * INT4_GROUP_SIZE;
+    float peak = 0.0f;
+    for (int64_t k = 0; k < INT4_GROUP_SIZE; ++k) peak = std::max(peak, std::abs(static_cast<float>(group[k])));
+    const float scale = peak > 0.0f ? peak / 127.0f : 1.0f, inverse = 1.0f / scale;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < INT4_GROUP_SIZE; ++k) {
+      const int8_t q = static_cast<int8_t>(std::lrintf(static_cast<float>(group[k]) * inverse));
+      xq[c * INT4_GROUP_SIZE + k] = q;
+      sum += q;
+    }
+    scales[c] = scale;
+    sums[c] = static_cast<float>(sum);
+  }
 }
 
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved) or chunk_int8_vnni
@@ -669,16 +699,28 @@ at::Tensor pack_int4(const at::Tensor& codes, const at::Tensor& scales_zeros) {
   const uint8_t* src = q.data_ptr<uint8_t>();
   const uint16_t* sz_src = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   uint8_t* dst = packed.data_ptr<uint8_t>();
+  const bool vnni = int8_vnni_supported();  // the layout of the products that run here
   at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {  // block b: run b / 4, its (b % 4)th block
       for (int64_t g = 0; g < G; ++g) {
         uint8_t* group = dst + ((b / INT4_BLOCKS) * G + g) * INT4_RUN_GROUP;
-        for (int64_t u = 0; u < INT4_UNITS; ++u)
-          for (int64_t l = 0; l < 16; ++l) {
-            const uint8_t* row = src + (b * 16 + l) * K + g * INT4_GROUP_SIZE + 4 * u;
-            uint8_t* unit = group + (u * INT4_BLOCKS + b % INT4_BLOCKS) * INT4_UNIT;
-            for (int64_t j = 0; j < 2; ++j) unit[2 * l + j] = (row[j] & 0x0F) | ((row[2 + j] & 0x0F) << 4);
+        for (int64_t l = 0; l < 16; ++l) {
+          const uint8_t* row = src + (b * 16 + l) * K + g * INT4_GROUP_SIZE;
+          if (vnni) {
+            for (int64_t u = 0; u < INT4_UNITS; ++u) {
+              uint8_t* unit = group + (u * INT4_BLOCKS + b % INT4_BLOCKS) * INT4_UNIT;
+              for (int64_t j = 0; j < 2; ++j)
+                unit[2 * l + j] = (row[4 * u + j] & 0x0F) | ((row[4 * u + 2 + j] & 0x0F) << 4);
+            }
+          } else {  // eighth 2 (b % 4) + l / 8 of the run, its row l % 8
+            const int64_t e = 2 * (b % INT4_BLOCKS) + l / 8;
+            for (int64_t p = 0; p < INT4_PIECES; ++p) {
+              uint8_t* piece = group + (e * INT4_PIECES + p) * 32 + 4 * (l % 8);
+              for (int64_t i = 0; i < 4; ++i)
+                piece[i] = (row[8 * p + i] & 0x0F) | ((row[8 * p + 4 + i] & 0x0F) << 4);
+            }
           }
+        }
         uint16_t* scales = reinterpret_cast<uint16_t*>(group + INT4_RUN_GROUP - INT4_SCALES) + 32 * (b % INT4_BLOCKS);
         for (int64_t l = 0; l < 16; ++l)
           for (int64_t half = 0; half < 2; ++half) scales[16 * half + l] = sz_src[(g * N + b * 16 + l) * 2 + half];
@@ -710,24 +752,35 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   if (M == 0) return Y;
   if (int4) {
     const int64_t G = K / INT4_GROUP_SIZE;
-    std::vector<int16_t> xq(M * K);
-    std::vector<float> x_scales(M), xsum(M * G);
-    if (bf16_rows)
-      round_rows(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), M, K, false);
-    else
-      round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t sum = 0;
-        for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
-        xsum[m * G + g] = static_cast<float>(sum);
-      }
     const uint8_t* W = packed.data_ptr<uint8_t>();
-    const bool vnni = int8_vnni_supported();
-    if (bf16_rows)
-      multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N, vnni);
-    else
-      multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N, vnni);
+    std::vector<float> x_scales(M * G), xsum(M * G);  // a scale a row (AVX512-VNNI) or a group (AVX2); groups' sums
+    if (int8_vnni_supported()) {
+      std::vector<int16_t> xq(M * K);
+      if (bf16_rows)
+        round_rows(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), M, K, false);
+      else
+        round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t sum = 0;
+          for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
+          xsum[m * G + g] = static_cast<float>(sum);
+        }
+      if (bf16_rows)
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
+      else
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+    } else {
+      std::vector<int8_t> xq(M * K);
+      if (bf16_rows)
+        round_groups(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), xsum.data(), M * G);
+      else
+        round_groups(X.data_ptr<float>(), xq.data(), x_scales.data(), xsum.data(), M * G);
+      if (bf16_rows)
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
+      else
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
+    }
   } else if (int8) {
     auto S = scales->contiguous();
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");

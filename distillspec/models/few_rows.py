@@ -12,9 +12,12 @@ multiplied in integers, each input row rounded to 16 bits with a scale of its ow
 weight's product than fbgemm's 7-bit activations (the 0.5B Qwen draft's mean TVD from the float draft 0.0096 against
 0.0346), and a drafting step of that draft took 0.82x fbgemm's on a Zen 3 CPU. Where the CPU has AVX512-VNNI the
 same integer sums take two instructions per 32 weights (:func:`int8_vnni`): the draft's decoder layers at 1 / 2 / 6
-rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. A 4-bit weight in groups of 32 (an int4 draft's,
-:func:`int4`) is multiplied in integers with its output rows in the vectors' lanes, through AVX512-VNNI where the CPU
-has it and AVX2 elsewhere, the same sums either way.
+rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. A 4-bit weight in groups of 32 (an int4 draft's, a 4-bit
+target's: :func:`int4`) is multiplied in integers with its output rows in the vectors' lanes: through AVX512-VNNI
+where the CPU has it, the rows rounded to 16 bits as for an int8 weight; at AVX2, to 8 bits with a scale for each
+group of 32 inputs (as llama.cpp's AVX2 products take them), so that one instruction multiplies 32 pairs where it
+multiplied 16: the 1.5B Qwen target's 6-token verification took 98 ms against 125-129, its one-token step unchanged
+(57-62 ms), and its distributions moved from a mean TVD of 0.0016 from the file's model to 0.0040.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
@@ -168,13 +171,13 @@ INT4_SWITCH = "DISTILLSPEC_INT4_FEW_ROWS"
 def int4() -> bool:
     """Whether a 4-bit weight in groups of 32 (an int4 draft's, :func:`pack_int4`) takes the kernel's products here
     rather than torch's int4 kernel: wherever the kernel runs (built the first time) and ``DISTILLSPEC_INT4_FEW_ROWS``
-    is not ``0``. Output rows lie in the vectors' lanes, 16 to a vector (8 at AVX2), so a group's 4-bit codes take
-    their scales for 16 rows at once, and the rows are rounded to 16 bits as an int8 weight's; AVX512-VNNI and AVX2
-    give the same sums. With VNNI the 0.5B Qwen draft's decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 /
-    0.66 of torch's int4 kernel's time on an AMD EPYC; with AVX2's products its float32 step took 0.39x torch's
-    kernel's at AVX2 (one row), and, a step's layers in one call (only the kernel's products take it), 0.78x torch's
-    AVX-512 kernel's at one row and 1.01-1.07x at two and four, as a CPU with AVX-512 and no VNNI runs them
-    (docs/MEASUREMENTS.md)."""
+    is not ``0``. Output rows lie in the vectors' lanes, 16 to a vector (8 at AVX2), so a group's 4-bit codes take their
+    scales for 16 rows at once; the rows are rounded to 16 bits as an int8 weight's through AVX512-VNNI, to 8 bits with
+    a scale for each group of 32 inputs at AVX2 (each path with a layout of its own). With VNNI the 0.5B Qwen draft's
+    decoder layers at 1 / 2 / 4 rows took 0.75-0.81 / 0.73-0.77 / 0.66 of torch's int4 kernel's time on an AMD EPYC;
+    with AVX2's products its float32 step took 0.39x torch's kernel's at AVX2 (one row), and, a step's layers in one
+    call (only the kernel's products take it), 0.78x torch's AVX-512 kernel's at one row and 1.01-1.07x at two and four,
+    as a CPU with AVX-512 and no VNNI runs them (docs/MEASUREMENTS.md)."""
     if os.environ.get(INT4_SWITCH) == "0" or extension() is None:
         return False
     return extension().int4_supported()
@@ -183,8 +186,9 @@ def int4() -> bool:
 def pack_int4(codes: Tensor, scales_zeros: Tensor) -> Tensor:
     """A 4-bit weight's ``codes`` [out, in] (0-15; ``out`` a multiple of 16, ``in`` of 32) and its groups' scales and
     zero points [in / 32, out, 2] (bfloat16: :func:`~distillspec.models.packing.int4_groups`, each weight
-    ``(code - 8) * scale + zero``) in the kernel's layout for :func:`matmul`: one uint8 tensor, about ``out * in *
-    5 / 8`` bytes (runs of 64 output rows, each group's codes followed by its scales)."""
+    ``(code - 8) * scale + zero``) in the layout of the products that run here (AVX512-VNNI's or AVX2's) for
+    :func:`matmul`: one uint8 tensor, about ``out * in * 5 / 8`` bytes (runs of 64 output rows, each group's codes
+    followed by its scales)."""
     return extension().pack_int4(codes, scales_zeros)
 
 
@@ -200,7 +204,8 @@ def matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | Non
     laid out, transposed: [M, out_features] in float32 (but for a 4-bit weight, below).
     An int8 weight takes its output rows' ``scales`` [out_features] (float32); the rows are rounded to 16 bits, one
     scale each. A 4-bit weight (:func:`pack_int4`; float32 or bfloat16 rows, read in fours, in eights at AVX2) holds
-    its scales: the rows are rounded as for an int8 weight, and the product comes in the rows' dtype (bfloat16
+    its scales: the rows are rounded as for an int8 weight through AVX512-VNNI, to 8 bits with a scale for each group
+    of 32 inputs at AVX2, and the product comes in the rows' dtype (bfloat16
     rounded from the float32 sums as ``.to(torch.bfloat16)`` rounds them), which is a drafting model's own.
 
     Under ``torch.compile`` (a compiled decoding step, ``CachedLM(compile=True)``) the product is the custom operator

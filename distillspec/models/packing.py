@@ -393,17 +393,18 @@ def _grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
 
 
 class Int4Linear(nn.Module):
-    """A frozen target's linear layer whose weight lies on 4-bit grids (:func:`int4_grid`: a 4-bit GGUF's layers),
-    held as those codes in the few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int4`; ``packed``,
-    :meth:`layout`): a step reads about 0.31 of the bfloat16 weight's bytes, and every product (steps,
-    verifications, prompts) goes through the kernel's 4-bit products, the rows rounded to 16 bits with a scale each
-    and the sums float32. ``dtype`` (float32 or bfloat16, the model's) is its activations' in and out; the bias goes
-    into the float32 sums before they are rounded to it, as :class:`PackedLinear`'s does. Built with
-    ``prepack=int4`` (``auto`` where the kernel runs: :func:`~distillspec.models.loading.resolve_prepack`). The 1.5B
-    Qwen target of a Q4_K_M GGUF holds 168 of its 197 linear layers so, 1,111M weights (the file's 6-bit layers, the
-    head among them, stay in the dtype): its next-token distributions were a mean TVD of 0.0012 from the file's model
-    in float32 (0.0091 in bfloat16, where bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32
-    few-row target's and 0.55x the bfloat16 one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
+    """A frozen target's linear layer whose weight lies on 4-bit grids (:func:`int4_grid`: a 4-bit GGUF's layers), held
+    as those codes in the few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int4`; ``packed``,
+    :meth:`layout`): a step reads about 0.31 of the bfloat16 weight's bytes, and every product (steps, verifications,
+    prompts) goes through the kernel's 4-bit products, the rows rounded to 16 bits with a scale each through AVX512-VNNI
+    and to 8 bits with a scale for each group of 32 inputs at AVX2, the sums float32. ``dtype`` (float32 or bfloat16,
+    the model's) is its activations' in and out; the bias goes into the float32 sums before they are rounded to it, as
+    :class:`PackedLinear`'s does. Built with ``prepack=int4`` (``auto`` where the kernel runs:
+    :func:`~distillspec.models.loading.resolve_prepack`). The 1.5B Qwen target of a Q4_K_M GGUF holds 168 of its 197
+    linear layers so, 1,111M weights (the file's 6-bit layers, the head among them, stay in the dtype): its next-token
+    distributions (16-bit rows) were a mean TVD of 0.0012 from the file's model in float32 (0.0091 in bfloat16, where
+    bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32 few-row target's and 0.55x the bfloat16
+    one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
 
     def __init__(self, linear: nn.Linear, packed: Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -505,7 +506,8 @@ class Int8Linear(nn.Module):
     its own scale and zero point (:func:`int4_groups`): a step reads half the int8 bytes. Where the few-row kernel takes
     them (:func:`~distillspec.models.few_rows.int4`: wherever it runs) up to :data:`INT4_FEW_ROWS` rows
     (drafting steps) go through its 4-bit products
-    (:func:`~distillspec.models.few_rows.int4`; the rows rounded to 16 bits), elsewhere up to :data:`INT4_ROWS` through
+    (:func:`~distillspec.models.few_rows.int4`; the rows rounded to 16 bits through AVX512-VNNI, to 8 bits a group of
+    32 inputs at AVX2), elsewhere up to :data:`INT4_ROWS` through
     torch's CPU kernel (``_weight_int4pack_mm_for_cpu``; a float32 model's activations in bfloat16, as the weight-only
     kernel's: in float32 the 0.5B Qwen draft's step took 1,031 ms against fbgemm's 69). More rows (a prompt) take the
     int8 path above. With fbgemm beside it, the 0.5B Qwen draft's step
