@@ -266,15 +266,14 @@ def test_the_few_row_kernel_multiplies_an_int8_weight_in_exact_integer_sums():
 
 @needs_compiler
 @pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
-def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized(tmp_path):
+def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized():
     """Codes 0-15 in groups of 32 inputs, each group of an output row with its scale and zero point (``(code - 8) *
     scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded as the path that runs rounds them (through
-    AVX512-VNNI to 16 bits, a scale a row; at AVX2 to 8 bits, a scale for each group of 32 inputs): the float64
-    product of those rows and the dequantized weight to float32's precision, at every row count (the kernel reads a
-    run of 64 output rows once per 4 rows through AVX512-VNNI, per 8 at AVX2), past a run's padding (80 outputs),
-    float32 and bfloat16 rows (a bfloat16 product: the float32 one rounded); torch's own int4 kernel within 1% of the
-    unrounded rows' product. Both paths where the CPU has AVX512-VNNI, the second with it switched off in a process of its
-    own."""
+    AVX512-VNNI to 16 bits, a scale a row; at AVX2 to 8 bits, a scale for each group of 32 inputs): the float64 product
+    of those rows and the dequantized weight to float32's precision, at every row count (the kernel reads a run of 64
+    output rows once per 4 rows through AVX512-VNNI, per 8 at AVX2), past a run's padding (80 outputs), float32 and
+    bfloat16 rows (a bfloat16 product: the float32 one rounded); torch's own int4 kernel within 1% of the unrounded
+    rows' product. Both paths where the CPU has AVX512-VNNI, the second with it switched off in a process of its own."""
     int4_products()
     if few_rows.int8_vnni():
         env = dict(os.environ, **{few_rows.INT8_VNNI_SWITCH: "0"})
