@@ -754,33 +754,27 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     const int64_t G = K / INT4_GROUP_SIZE;
     const uint8_t* W = packed.data_ptr<uint8_t>();
     std::vector<float> x_scales(M * G), xsum(M * G);  // a scale a row (AVX512-VNNI) or a group (AVX2); groups' sums
-    if (int8_vnni_supported()) {
-      std::vector<int16_t> xq(M * K);
-      if (bf16_rows)
-        round_rows(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), M, K, false);
-      else
-        round_rows(X.data_ptr<float>(), xq.data(), x_scales.data(), M, K, false);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t sum = 0;
-          for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
-          xsum[m * G + g] = static_cast<float>(sum);
-        }
-      if (bf16_rows)
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
-      else
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
-    } else {
-      std::vector<int8_t> xq(M * K);
-      if (bf16_rows)
-        round_groups(X.data_ptr<at::BFloat16>(), xq.data(), x_scales.data(), xsum.data(), M * G);
-      else
-        round_groups(X.data_ptr<float>(), xq.data(), x_scales.data(), xsum.data(), M * G);
-      if (bf16_rows)
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<at::BFloat16>(), M, K, N);
-      else
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), Y.data_ptr<float>(), M, K, N);
-    }
+    auto product = [&](const auto* rows, auto* out) {
+      if (int8_vnni_supported()) {
+        std::vector<int16_t> xq(M * K);
+        round_rows(rows, xq.data(), x_scales.data(), M, K, false);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t g = 0; g < G; ++g) {
+            int32_t sum = 0;
+            for (int64_t k = g * INT4_GROUP_SIZE; k < (g + 1) * INT4_GROUP_SIZE; ++k) sum += xq[m * K + k];
+            xsum[m * G + g] = static_cast<float>(sum);
+          }
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), out, M, K, N);
+      } else {
+        std::vector<int8_t> xq(M * K);
+        round_groups(rows, xq.data(), x_scales.data(), xsum.data(), M * G);
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), out, M, K, N);
+      }
+    };
+    if (bf16_rows)
+      product(X.data_ptr<at::BFloat16>(), Y.data_ptr<at::BFloat16>());
+    else
+      product(X.data_ptr<float>(), Y.data_ptr<float>());
   } else if (int8) {
     auto S = scales->contiguous();
     TORCH_CHECK(S.scalar_type() == at::kFloat && S.numel() == N, "few_rows.matmul takes N float32 scales");
