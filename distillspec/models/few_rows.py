@@ -16,8 +16,9 @@ rows in 0.91 / 0.80 / 0.76 of AVX2's time on an AMD EPYC. A 4-bit weight in grou
 target's: :func:`int4`) is multiplied in integers with its output rows in the vectors' lanes: through AVX512-VNNI
 where the CPU has it, the rows rounded to 16 bits as for an int8 weight; at AVX2, to 8 bits with a scale for each
 group of 32 inputs (as llama.cpp's AVX2 products take them), so that one instruction multiplies 32 pairs where it
-multiplied 16: the 1.5B Qwen target's 6-token verification took 98 ms against 125-129, its one-token step unchanged
-(57-62 ms), and its distributions moved from a mean TVD of 0.0016 from the file's model to 0.0040.
+multiplied 16: on a 2-core Zen 3 CPU the 1.5B Qwen target's 6-token verification took 98 ms against 125-129, its
+one-token step unchanged (57-62 ms), and its distributions moved from a mean TVD of 0.0016 from the file's model to
+0.0040.
 
 At batch 1 such a product is bound by reading the weight, yet oneDNN's GEMM on its prepacked layout costs 1.3-1.6x
 as much for six rows as for one on an AVX2-only CPU: the rows' inputs do not stay in the first-level cache while the
