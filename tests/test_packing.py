@@ -322,9 +322,9 @@ def rounded_for_4_bits(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` [..., K] (float32) as the few-row kernel's 4-bit products round them, in float64: through AVX512-VNNI
     to 16 bits with a scale a row, at AVX2 to 8 bits with a scale for each group of 32 inputs (largest magnitude
     32767 or 127, each value times the scale's reciprocal rounded to nearest, ties to even)."""
-    peak = 32767 if few_rows.int8_vnni() else 127
-    groups = rows.unflatten(-1, (1, -1) if few_rows.int8_vnni() else (-1, 32))
-    scales = groups.abs().amax(-1, keepdim=True) / peak
+    vnni = few_rows.int8_vnni()
+    groups = rows.unflatten(-1, (1, -1) if vnni else (-1, 32))
+    scales = groups.abs().amax(-1, keepdim=True) / (32767 if vnni else 127)
     return (torch.round(groups * (1 / scales)).double() * scales.double()).flatten(-2)
 
 

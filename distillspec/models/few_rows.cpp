@@ -378,8 +378,8 @@ constexpr int64_t int4_bytes(int64_t N, int64_t K) {
 // to every lane and sums them in pairs (at most 2 x 15 x 127, so 8 such sums hold in 16 bits), and one vpmaddwd by
 // ones per group sums each row's pairs into 32 bits: 32 products an instruction where vpmaddwd alone gave 16 (on a
 // Zen 3 VM, one core, a layer's products of 6 rows ran at 51 GMAC/s with 16-bit rows and vpmaddwd, at 78 with these;
-// docs/MEASUREMENTS.md). A group's sum D then takes the group's scales, 8 output rows at once: c (s D + (z - 8 s) X), c the group's
-// scale of the input row and X the sum of its bytes.
+// docs/MEASUREMENTS.md). A group's sum D then takes the group's scales, 8 output rows at once: c (s D + (z - 8 s) X),
+// c the group's scale of the input row and X the sum of its bytes.
 // Each group's every line is prefetched INT4_PREFETCH_BYTES ahead: with the hardware's prefetcher alone the products
 // kept too few reads in flight (on a Zen 3 VM, 2 threads, a 4-bit step of the 0.5B Qwen draft took 31-40 ms against
 // 22-24 with it, and the 1.5B target's step 130-147 ms against 105-109; docs/MEASUREMENTS.md).
