@@ -27,7 +27,7 @@ from distillspec.models.loading import (
     resolve_prepack,
     share_weights,
 )
-from distillspec.models.packing import int4_layouts
+from distillspec.models.packing import grid_layouts
 
 
 @ray.remote(num_cpus=0, max_calls=1)  # its process goes when it returns, and the memory it loaded with
@@ -37,7 +37,7 @@ def _load_shared(models: Models) -> SharedWeights:
     prepack = resolve_prepack(models.prepack, dtype, models.target, models.device)[0]
     model, _ = load_model(models.target, device=models.device, dtype=dtype)
     # with prepack=int4 its layers on 4-bit grids, found on the file's values, are shared in 4 bits beside the weights
-    int4 = int4_layouts(model, file_weights(models.target)) if prepack in INT4_PREPACKS else {}
+    int4 = grid_layouts(model, file_weights(models.target)) if prepack in INT4_PREPACKS else {}
     # a bfloat16 target that decodes through the few-row kernel: its layout is shared too, once a node
     layouts = dtype == "bfloat16" and prepack in (True, "int4")
     return share_weights(model, models.target, layouts=layouts, int4=int4)

@@ -152,7 +152,7 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkey
     several tokens, and a batch whose rows exceed what the 4-bit kernel takes (the layer's forward, layer by
     layer)."""
     from distillspec.models.loading import int8_kernels, quantize_decoding_draft
-    from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, int4_layouts, int4_linears, prepack_linears
+    from distillspec.models.packing import INT4_FEW_ROWS, INT8_ROWS, grid_layouts, grid_linears, prepack_linears
 
     target = draft_int8 in (None, "target-int4", "target-int8")
     if draft_int8 in (True, "int4") and draft_int8 not in int8_kernels().values():
@@ -167,7 +167,7 @@ def test_a_kernel_steps_layer_products_are_its_modules(draft_int8, dtype, monkey
             if name.endswith(".bias"):  # (the model's own start at zero)
                 bias.normal_(0, 0.5)
     if draft_int8 == "target-int4":  # its decoder layers on 4-bit grids, held in 4 bits
-        assert int4_linears(model, dtype, int4_layouts(on_4_bit_grids(model))) == 2 * 7
+        assert grid_linears(model, dtype, grid_layouts(on_4_bit_grids(model))) == 2 * 7
     model.to(dtype)
     if target:
         prepack_linears(model, kernel="few_rows", weights=torch.int8 if draft_int8 == "target-int8" else None)

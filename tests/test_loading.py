@@ -9,7 +9,7 @@ import torch
 
 from distillspec.models import few_rows
 from distillspec.models.loading import SharedWeights, file_weights, load_model, share_weights
-from distillspec.models.packing import FewRowLinear, Int4Linear, PackedLinear, int4_layouts
+from distillspec.models.packing import FewRowLinear, Int4Linear, PackedLinear, grid_layouts
 
 from .conftest import needs_compiler, on_4_bit_grids, tiny_llama
 
@@ -105,8 +105,8 @@ def test_a_target_on_4_bit_grids_shares_its_4_bit_layers_with_the_processes_that
     name = str(tmp_path)
     own, _ = load_model(name, dtype="bfloat16", prepack="int4")
     model, _ = load_model(name, dtype="bfloat16")
-    int4 = int4_layouts(model, file_weights(name))  # as the run's sharing task finds them: on the file's values
-    assert not int4_layouts(model)  # (the bfloat16 weights lie on no grid)
+    int4 = grid_layouts(model, file_weights(name))  # as the run's sharing task finds them: on the file's values
+    assert not grid_layouts(model)  # (the bfloat16 weights lie on no grid)
     shared = _through_pickle(share_weights(model, name, layouts=True, int4=int4))
     assert len(int4) == 2 * 7 and len(shared.layouts) == 2 * 7 + 1  # the decoder layers in 4 bits; the head not
     built, _ = load_model(name, dtype="bfloat16", prepack="int4", shared=shared)

@@ -318,11 +318,12 @@ def int4_products() -> None:
         few_rows.matmul(torch.randn(1, 96), packed, 64)
 
 
-def rounded_for_4_bits(rows: torch.Tensor) -> torch.Tensor:
+def rounded_for_4_bits(rows: torch.Tensor, vnni: bool | None = None) -> torch.Tensor:
     """``rows`` [..., K] (float32) as the few-row kernel's 4-bit products round them, in float64: through AVX512-VNNI
-    to 16 bits with a scale a row, at AVX2 to 8 bits with a scale for each group of 32 inputs (largest magnitude
-    32767 or 127, each value times the scale's reciprocal rounded to nearest, ties to even)."""
-    vnni = few_rows.int8_vnni()
+    to 16 bits with a scale a row, at AVX2 (and for 6-bit products: ``vnni=False``) to 8 bits with a scale for each
+    group of 32 inputs (largest magnitude 32767 or 127, each value times the scale's reciprocal rounded to nearest,
+    ties to even)."""
+    vnni = few_rows.int8_vnni() if vnni is None else vnni
     groups = rows.unflatten(-1, (1, -1) if vnni else (-1, 32))
     scales = groups.abs().amax(-1, keepdim=True) / (32767 if vnni else 127)
     return (torch.round(groups * (1 / scales)).double() * scales.double()).flatten(-2)
@@ -448,6 +449,109 @@ def gguf_4_bit(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return (d * codes - m).reshape(rows, cols)
 
 
+def gguf_6_bit(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A weight [rows, cols] as a GGUF's Q6_K layer dequantizes to float32: codes -32 to 31 in groups of 16 inputs,
+    each group's step a row's float16 scale times an 8-bit one of its own (of either sign); one group spans even codes
+    alone, one is all zero."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-32, 32, (rows, cols // 16, 16), generator=generator)
+    codes[0, 1] = codes[0, 1] // 2 * 2
+    d = (torch.rand(rows, 1, 1, generator=generator) * 1e-3 + 1e-5).half().float()
+    scales = torch.randint(-128, 128, (rows, cols // 16, 1), generator=generator).float()
+    scales[1, 0] = 0
+    return (d * scales * codes).reshape(rows, cols)
+
+
+def test_a_weight_on_6_bit_grids_is_held_as_its_codes():
+    """A GGUF's Q6_K layer (each group of 16 on a grid of codes -32 to 31, steps of either sign) comes back from its
+    codes and steps exactly; a float weight, a 4-bit GGUF's one and a 6-bit one with one weight off its grid (past the
+    rows checked first) lie on no such grid."""
+    from distillspec.models.packing import int6_grid
+
+    weight = gguf_6_bit(128, 96)
+    codes, steps = int6_grid(weight)
+    assert codes.dtype == torch.uint8 and codes.shape == (128, 96) and codes.max() <= 63
+    assert steps.dtype == torch.float32 and steps.shape == (128, 6)
+    assert torch.equal((codes.float() - 32) * steps.repeat_interleave(16, 1), weight)
+    assert int6_grid(torch.randn(128, 96)) is None
+    assert int6_grid(gguf_4_bit(128, 96)) is None
+    off = weight.clone()
+    off[100, 40] += steps[100, 2].abs() / 10
+    assert int6_grid(off) is None
+    assert int6_grid(weight[:, :80]) is None  # inputs not in whole groups of 32
+
+
+@needs_compiler
+@pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 6-bit products need x86 AVX2")
+def test_the_few_row_kernel_multiplies_a_6_bit_weight_as_its_groups_dequantized():
+    """Codes 0-63 a byte each, a step for each 16 inputs of an output row (``(code - 32) * step``, float32), by rows
+    rounded to 8 bits with a scale for each group of 32 inputs: the float64 product of those rows and the weight to
+    float32's precision at every row count (a run of 64 output rows read once per 8 rows), past a run's padding (80
+    outputs; any number of them), float32 and bfloat16 rows (a bfloat16 product: the float32 one rounded); the largest
+    codes by the largest rows, whose pairs' sums fill 16 bits, exact."""
+    from distillspec.models.packing import int6_grid
+
+    torch.manual_seed(0)
+    codes, steps = int6_grid(gguf_6_bit(80, 96))
+    packed = few_rows.pack_int6(codes, steps)
+    assert packed.dtype == torch.uint8 and packed.shape == (2 * 3, 8 * 320)  # 2 runs x 3 groups, 8 eighths each
+    weight = (codes.double() - 32) * steps.double().repeat_interleave(16, 1)
+    for rows in (1, 2, 3, 6, 8, 9, 12):
+        x = torch.randn(rows, 96)
+        x[:, 3] = 30.0  # an outlier, as the attention sink's activations
+        for dtype in (torch.float32, torch.bfloat16):
+            exact = rounded_for_4_bits(x.to(dtype).float(), vnni=False) @ weight.T
+            out = few_rows.matmul(x.to(dtype), packed, 80)
+            assert out.dtype == dtype and out.shape == (rows, 80)
+            if dtype == torch.bfloat16:
+                out = few_rows.matmul(x.to(dtype).float(), packed, 80)
+                assert torch.equal(few_rows.matmul(x.to(dtype), packed, 80), out.bfloat16())
+            assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max().item())
+    top = torch.full((16, 64), 63, dtype=torch.uint8)
+    ones = torch.ones(16, 4)
+    extreme = torch.full((2, 64), 1.0)
+    extreme[1] = -1.0
+    out = few_rows.matmul(extreme, few_rows.pack_int6(top, ones), 16)
+    assert torch.equal(out, torch.tensor([[31.0 * 64], [-31.0 * 64]]).expand(2, 16))
+    x = torch.randn(3, 96)
+    assert torch.equal(
+        few_rows.matmul(x, few_rows.pack_int6(codes[:7], steps[:7]), 7), few_rows.matmul(x, packed, 80)[:, :7]
+    )
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        few_rows.pack_int6(codes[:, :80], steps[:, :5])
+    with pytest.raises(RuntimeError, match="other shapes"):
+        few_rows.matmul(torch.randn(1, 96), packed, 64)
+
+
+@needs_compiler
+@pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 6-bit products need x86 AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_target_layer_on_6_bit_grids_multiplies_as_its_weight(dtype):
+    """An :class:`Int6Linear` (a target's layer on 6-bit grids) gives the product of its weight, exact, and its bias
+    at any row count, the rows rounded to 8 bits a group; through the one call's product the same bits; a layer off
+    the grids is not taken, and :func:`grid_layouts` takes it only when asked for 6 bits."""
+    from distillspec.models.packing import Int6Linear, grid_layouts, grid_linears
+
+    linear = torch.nn.Linear(96, 48)
+    with torch.no_grad():
+        linear.weight.copy_(gguf_6_bit(48, 96))
+        linear.bias.normal_()
+    layer = Int6Linear(linear, Int6Linear.layout(linear), dtype)
+    product, _ = layer.step_product()
+    for rows in (1, 6, 40):
+        x = torch.randn(2, rows, 96).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (2, rows, 48)
+        want = rounded_for_4_bits(x.float(), vnni=False) @ linear.weight.double().T + linear.bias.double()
+        tol = 1e-5 if dtype == torch.float32 else 2**-7  # a bfloat16 output rounded once
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+        assert torch.equal(product(x), out)
+    assert Int6Linear.layout(torch.nn.Linear(96, 48)) is None
+    model = torch.nn.Sequential(linear)
+    assert not grid_layouts(model)
+    assert grid_linears(model, dtype, grid_layouts(model, six_bits=True)) == 1 and isinstance(model[0], Int6Linear)
+
+
 def on_grids(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (float32) as :func:`~distillspec.models.packing.int4_grid` holds it: its codes and its groups'
     scales and zero points rounded to bfloat16, as the kernel takes them."""
@@ -515,27 +619,35 @@ def test_a_target_layer_on_4_bit_grids_multiplies_as_its_weight(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prepack", ["int4", "int4-int8"])
 def test_prepack_int4_holds_a_targets_4_bit_layers_in_4_bits_and_sd_stays_exact(tmp_path, tokenizer, dtype, prepack):
-    """prepack=int4: a target saved with its decoder layers on 4-bit grids (a 4-bit GGUF's, dequantized) loads with
-    those layers in 4 bits and the rest (its head) laid out for the few-row kernel, in bfloat16 (a float32 target's
-    rounded to it, as prepack=bfloat16 rounds them; with prepack=int4-int8 in int8, a scale per output row); its
-    logits are the float model's within the rounding of its rows and scales, and greedy speculative decoding over it
-    is its own greedy decoding. A target that only scores (``kernel="onednn"``) keeps the dtype's layout."""
+    """prepack=int4: a target saved with its decoder layers on 4-bit grids (a 4-bit GGUF's, dequantized) and its head
+    on 6-bit ones (a Q6_K layer's) loads with those layers in 4 bits and the head in 6 bits where the target is
+    float32; a bfloat16 target's head is laid out for the few-row kernel in bfloat16, and with prepack=int4-int8 the
+    head is in int8, a scale per output row. Its logits are the float model's within the rounding of its rows and
+    scales, and greedy speculative decoding over it is its own greedy decoding. A target that only scores
+    (``kernel="onednn"``) keeps the dtype's layout."""
     from distillspec.models.loading import load_model
-    from distillspec.models.packing import Int4Linear, int8_rows
+    from distillspec.models.packing import Int4Linear, Int6Linear, int8_rows
 
     if dtype == "bfloat16" and not few_rows.bf16_rows() and prepack == "int4":
         pytest.skip("a bfloat16 target's other layers take the few-row kernel with AVX512-BF16")
     snapped = on_4_bit_grids(tiny_llama(len(tokenizer), d=64, layers=2, seed=1, sharpness=30.0))
+    with torch.no_grad():  # the head on 6-bit grids, its largest weights about the random head's
+        head_weight = gguf_6_bit(*snapped.lm_head.weight.shape)
+        snapped.lm_head.weight.copy_(head_weight * (snapped.lm_head.weight.abs().max() / head_weight.abs().max()))
     snapped.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     loaded = load_model(str(tmp_path / "target"), dtype=dtype, prepack=prepack)[0]
-    layers = [name for name, m in loaded.named_modules() if isinstance(m, Int4Linear)]
+    layers = [name for name, m in loaded.named_modules() if type(m) is Int4Linear]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down of both decoder layers; not the head
-    assert isinstance(loaded.lm_head, PackedLinear) and next(loaded.parameters()).dtype == getattr(torch, dtype)
+    assert next(loaded.parameters()).dtype == getattr(torch, dtype)
+    six_bits = prepack == "int4" and dtype == "float32"
     rest = torch.int8 if prepack == "int4-int8" else torch.bfloat16
-    assert loaded.lm_head.packed.dtype == rest and loaded.lm_head.kernel == "few_rows"
+    assert isinstance(loaded.lm_head, Int6Linear if six_bits else PackedLinear)
+    assert six_bits or (loaded.lm_head.packed.dtype == rest and loaded.lm_head.kernel == "few_rows")
 
     def head(weight: torch.Tensor) -> torch.Tensor:  # the head's weight as the kernel holds it
+        if six_bits:
+            return weight
         if rest == torch.bfloat16:
             return weight.bfloat16().float()
         codes, scales = int8_rows(weight.to(getattr(torch, dtype)).float())

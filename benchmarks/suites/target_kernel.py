@@ -4,13 +4,13 @@
 bfloat16 target: the few-row kernel (``bf16-few-rows``: bfloat16 rows where the CPU has AVX512-BF16, else float32
 ones), matrix-vector products (``bf16-matrix-vector``), and oneDNN's products as the model comes (``bf16-plain``).
 Either dtype with its layers on 4-bit grids held in 4 bits, the rest through the few-row kernel (``int4``,
-``bf16-int4``: ``prepack=int4``, the default where the kernel runs), a float32 one with that rest in int8
-(``int4-int8``: ``prepack=int4-int8``); a float32 one with every other linear layer
-rounded to such grids as well and held in 4 bits (``int4-all``: a 4-bit quantization of the target, for comparison;
-no ``prepack`` value does it). The target is loaded once with each of
-``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB the bfloat16 ones, with its float32 embedding 4.5
-GB; 3.4 and 2.0 GB with its 4-bit layers in 4 bits). The last layout named is the baseline, whose dtype the draft
-takes.
+``bf16-int4``: ``prepack=int4``, the default where the kernel runs; a float32 one's layers on 6-bit grids in 6 bits), a
+float32 one with that rest in int8 (``int4-int8``: ``prepack=int4-int8``) or rounded to bfloat16 (``int4-bf16-rest``:
+``prepack=int4`` before it held 6-bit layers in 6 bits); a float32 one with every other linear layer rounded to such
+grids as well and held in 4 bits (``int4-all``: a 4-bit quantization of the target, for comparison; no ``prepack`` value
+does it). The target is loaded once with each of ``--layouts`` (the 1.5B Qwen target: 7.1 GB a float32 layout, 3.6 GB
+the bfloat16 ones, with its float32 embedding 4.5 GB; 3.4 and 2.0 GB with its 4-bit layers in 4 bits). The last layout
+named is the baseline, whose dtype the draft takes.
 
 1. Milliseconds of one cached step of k new tokens for each k of ``--ks`` (a decoding step, a verification of
    ``gamma + 1`` positions, a prompt's products), the targets in turn (:func:`benchmarks.suites.speed.suite_step_ms`).
@@ -64,6 +64,8 @@ from distillspec.models.packing import (
     FewRowLinear,
     Int4Linear,
     PackedLinear,
+    grid_layouts,
+    grid_linears,
     int4_grid,
     int4_groups,
     prepack_linears,
@@ -88,6 +90,15 @@ def every_layer_in_4_bits(model: nn.Module) -> int:
     return replace_linears(model, make)
 
 
+def rest_in_bfloat16(model: nn.Module) -> int:
+    """``model``'s linear layers on 4-bit grids held in 4 bits, every other one (the 6-bit layers among them) rounded
+    to bfloat16 for the few-row kernel: how ``prepack=int4`` held a float32 target before it held the 6-bit layers in
+    6 bits. Returns how many were laid out."""
+    return grid_linears(model, torch.float32, grid_layouts(model)) + prepack_linears(
+        model, kernel="few_rows", weights=torch.bfloat16
+    )
+
+
 #: A layout's name -> the target's dtype, what lays its linear layers out after loading (None: as they come), and
 #: the ``prepack`` it is loaded with (False: none).
 LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None, bool | str]] = {
@@ -96,6 +107,7 @@ LAYOUTS: dict[str, tuple[torch.dtype, Callable[[nn.Module], int] | None, bool | 
     "bfloat16": (torch.float32, partial(prepack_linears, kernel="few_rows", weights=torch.bfloat16), False),
     "int4": (torch.float32, None, "int4"),
     "int4-int8": (torch.float32, None, "int4-int8"),
+    "int4-bf16-rest": (torch.float32, rest_in_bfloat16, False),
     "int4-all": (torch.float32, every_layer_in_4_bits, False),
     "bf16-few-rows": (torch.bfloat16, partial(replace_linears, make=partial(PackedLinear, kernel="few_rows")), False),
     "bf16-matrix-vector": (torch.bfloat16, partial(replace_linears, make=FewRowLinear), False),

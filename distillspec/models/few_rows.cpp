@@ -8,7 +8,8 @@
 // in pairs (vpmaddwd) into 32-bit sums, which become float32 at the end of each chunk; the product is those sums
 // times the two scales. Where the CPU has AVX512-VNNI, the same sums take vpmovsxbw and vpdpwssd (chunk_int8_vnni).
 // A 4-bit weight in groups of 32 inputs (an int4 draft's, a 4-bit target's) takes a layout of its own: by rows in 16
-// bits through AVX512-VNNI (int4_run), by rows in 8 bits with a scale a group at AVX2 (int4_run_avx2).
+// bits through AVX512-VNNI (int4_run), by rows in 8 bits with a scale a group at AVX2 (int4_run_avx2). A 6-bit one
+// (a step for each 16 inputs: a GGUF's Q6_K layers) takes AVX2's products by rows in 8 bits too (int6_run_avx2).
 // Built once by distillspec/models/few_rows.py (torch.utils.cpp_extension), which documents the layout and the
 // figures.
 //
@@ -575,6 +576,107 @@ void round_groups(const T* x, int8_t* xq, float* scales, float* sums, int64_t co
   }
 }
 
+// A weight on 6-bit grids of 16 inputs (each 16 inputs of an output row with a step s of their own, a weight
+// (q - 32) s for its code q in 0-63: llama.cpp's Q6_K layers, dequantized, lie on such grids) takes AVX2's products
+// with its codes a byte each: rows in 8 bits with a scale for each group of 32 inputs (round_groups), as a 4-bit
+// weight's at AVX2. Per run of 64 output rows and group of 32 inputs, each eighth of the run (output rows 8e to
+// 8e + 7) holds 8 pieces (inputs 4p to 4p + 3) of 32 bytes, byte 4j + i the code of output row j for input 4p + i,
+// then the eighth's steps (float32, exact: the file's d times its 8-bit scale), 8 output rows for inputs 0-15, 8 for
+// 16-31. vpmaddubsw multiplies a piece by 4 of an input row's bytes broadcast to every lane and sums them in pairs (at
+// most 2 x 63 x 127, so two pieces' sums hold in 16 bits); vpmaddwd by ones sums two pieces' pairs into 32 bits. A
+// half's sum D then takes its step, 8 output rows at once: c s (D - 32 X), c the group's scale of the input row and X
+// the sum of its bytes over the 16 inputs.
+constexpr int64_t INT6_PIECES = INT4_GROUP_SIZE / 4;                 // a group's pieces of 4 inputs
+constexpr int64_t INT6_EIGHTH = INT6_PIECES * 32 + 2 * 8 * 4;        // an eighth's codes, then its 2 x 8 steps
+constexpr int64_t INT6_RUN_GROUP = INT4_EIGHTHS * INT6_EIGHTH;       // bytes of a run's group
+constexpr int64_t INT6_PREFETCH_BYTES = 2048;
+
+// Bytes of a 6-bit weight [N, K] in this layout (its output rows padded to a multiple of 64).
+constexpr int64_t int6_bytes(int64_t N, int64_t K) {
+  return (N + INT4_RUN - 1) / INT4_RUN * (K / INT4_GROUP_SIZE) * INT6_RUN_GROUP;
+}
+
+// ys[m * N + n] for the run's 64 output rows (those below N) and up to 8 input rows m (in 8 bits, xq; each group's
+// scale x_scales [M, K / 32] and each 16 inputs' sum of bytes times 32, x32 [M, K / 16]): the run's stream read once.
+template <int M, typename Y>
+void int6_run_avx2(const uint8_t* run, const int8_t* xq, const int32_t* x32, const float* x_scales, Y* ys, int64_t K,
+                   int64_t N, int64_t n0) {
+  const int64_t G = K / INT4_GROUP_SIZE;
+  const __m256i ones = _mm256_set1_epi16(1);
+  float sums[M][INT4_RUN] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* group = run + g * INT6_RUN_GROUP;
+    __m256i fours[M][INT6_PIECES];  // each row's inputs 4p .. 4p + 3, in every lane
+    for (int m = 0; m < M; ++m)
+      for (int64_t p = 0; p < INT6_PIECES; ++p) {
+        int32_t four;
+        std::memcpy(&four, xq + m * K + g * INT4_GROUP_SIZE + 4 * p, sizeof(four));
+        fours[m][p] = _mm256_set1_epi32(four);
+      }
+    for (int64_t e = 0; e < INT4_EIGHTHS; ++e) {
+      const uint8_t* eighth = group + e * INT6_EIGHTH;
+      for (int64_t l = 0; l < INT6_EIGHTH; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(eighth) + INT6_PREFETCH_BYTES + l, _MM_HINT_T0);
+      const float* steps = reinterpret_cast<const float*>(eighth + INT6_PIECES * 32);
+      __m256i acc[2][M];
+      for (int h = 0; h < 2; ++h) {
+        for (int64_t q = 0; q < 2; ++q) {
+          const int64_t p = 4 * h + 2 * q;
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eighth + p * 32));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eighth + (p + 1) * 32));
+          for (int m = 0; m < M; ++m) {
+            const __m256i pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(a, fours[m][p]), _mm256_maddubs_epi16(b, fours[m][p + 1]));
+            const __m256i wide = _mm256_madd_epi16(pairs, ones);
+            acc[h][m] = q ? _mm256_add_epi32(acc[h][m], wide) : wide;
+            asm("" : "+x"(acc[h][m]));  // a sum in a register, as int4_run_avx2's
+          }
+        }
+      }
+      const __m256 s0 = _mm256_loadu_ps(steps), s1 = _mm256_loadu_ps(steps + 8);
+      for (int m = 0; m < M; ++m) {
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[0][m], _mm256_set1_epi32(x32[m * 2 * G + 2 * g])));
+        const __m256 d1 =
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[1][m], _mm256_set1_epi32(x32[m * 2 * G + 2 * g + 1])));
+        const __m256 term = _mm256_fmadd_ps(s1, d1, _mm256_mul_ps(s0, d0));
+        float* at = sums[m] + 8 * e;
+        _mm256_storeu_ps(at, _mm256_fmadd_ps(term, _mm256_set1_ps(x_scales[m * G + g]), _mm256_loadu_ps(at)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < INT4_RUN && n0 + r < N; ++r)
+    for (int m = 0; m < M; ++m) ys[m * N + n0 + r] = static_cast<Y>(sums[m][r]);
+}
+
+// ys [M, N] = the rows (in 8 bits, a scale a group of 32 inputs) times the 6-bit weight's transpose: a thread takes
+// whole runs, and reads a run once for every 8 rows (from its second-level cache after the first).
+template <typename Y>
+void multiply_int6(const uint8_t* W, const int8_t* xq, const int32_t* x32, const float* x_scales, Y* ys, int64_t M,
+                   int64_t K, int64_t N) {
+  const int64_t runs = (N + INT4_RUN - 1) / INT4_RUN, G = K / INT4_GROUP_SIZE;
+  at::parallel_for(0, runs, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* run = W + r * G * INT6_RUN_GROUP;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int8_t* x = xq + m0 * K;
+        const int32_t* sum = x32 + m0 * 2 * G;
+        const float* scale = x_scales + m0 * G;
+        Y* y = ys + m0 * N;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: int6_run_avx2<1, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 2: int6_run_avx2<2, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 3: int6_run_avx2<3, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 4: int6_run_avx2<4, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 5: int6_run_avx2<5, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 6: int6_run_avx2<6, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          case 7: int6_run_avx2<7, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+          default: int6_run_avx2<8, Y>(run, x, sum, scale, y, K, N, r * INT4_RUN); break;
+        }
+      }
+    }
+  });
+}
+
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved) or chunk_int8_vnni
 // (natural), and each row's scale.
 template <typename T>
@@ -730,6 +832,39 @@ at::Tensor pack_int4(const at::Tensor& codes, const at::Tensor& scales_zeros) {
   return packed;
 }
 
+// A 6-bit weight's codes [N, K] (0-63, any integer type; K a multiple of 32) and its steps [N, K / 16] (float32; each
+// weight (code - 32) step) in the layout of int6_run_avx2: a uint8 tensor [runs x groups, INT6_RUN_GROUP] (a 4-bit
+// weight's is flat: matmul tells them apart so), its padding zero.
+at::Tensor pack_int6(const at::Tensor& codes, const at::Tensor& steps) {
+  TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu(), "few_rows.pack_int6 takes 2-d CPU codes");
+  const int64_t N = codes.size(0), K = codes.size(1), G = K / INT4_GROUP_SIZE;
+  TORCH_CHECK(K % INT4_GROUP_SIZE == 0, "few_rows.pack_int6 takes inputs in multiples of ", INT4_GROUP_SIZE, ", not ",
+              K);
+  TORCH_CHECK(steps.scalar_type() == at::kFloat && steps.dim() == 2 && steps.size(0) == N && steps.size(1) == 2 * G,
+              "few_rows.pack_int6 takes float32 steps [N, K / 16]");
+  auto q = codes.to(at::kByte).contiguous();
+  auto s = steps.contiguous();
+  auto packed = at::zeros({int6_bytes(N, K) / INT6_RUN_GROUP, INT6_RUN_GROUP}, codes.options().dtype(at::kByte));
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  const float* step = s.data_ptr<float>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {  // run n / 64, its eighth (n % 64) / 8, row n % 8 of it
+      const int64_t e = (n % INT4_RUN) / 8, j = n % 8;
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* eighth = dst + ((n / INT4_RUN) * G + g) * INT6_RUN_GROUP + e * INT6_EIGHTH;
+        const uint8_t* row = src + n * K + g * INT4_GROUP_SIZE;
+        for (int64_t p = 0; p < INT6_PIECES; ++p)
+          for (int64_t i = 0; i < 4; ++i) eighth[p * 32 + 4 * j + i] = row[4 * p + i];
+        float* steps_at = reinterpret_cast<float*>(eighth + INT6_PIECES * 32);
+        steps_at[j] = step[n * 2 * G + 2 * g];
+        steps_at[8 + j] = step[n * 2 * G + 2 * g + 1];
+      }
+    }
+  });
+  return packed;
+}
+
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
 // takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -740,17 +875,40 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(!bf16_rows || packed.scalar_type() == at::kByte ||
                   (packed.scalar_type() == at::kBFloat16 && bf16_rows_supported()),
               "few_rows.matmul takes bfloat16 rows with a bfloat16 weight on a CPU with AVX512-BF16 only, or with a "
-              "4-bit one");
+              "4- or 6-bit one");
   auto X = x.contiguous();
   const int64_t M = X.size(0), K = X.size(1);
-  const bool int4 = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(!int4 || (N % 16 == 0 && K % INT4_GROUP_SIZE == 0 && packed.numel() == int4_bytes(N, K)),
+  // a uint8 layout holds 4-bit codes (flat) or 6-bit ones (a row of bytes a run's group)
+  const bool codes = packed.scalar_type() == at::kByte, int8 = packed.scalar_type() == at::kChar;
+  const bool int6 = codes && packed.dim() == 2, int4 = codes && !int6, groups = K % INT4_GROUP_SIZE == 0;
+  TORCH_CHECK(!int4 || (N % 16 == 0 && groups && packed.numel() == int4_bytes(N, K)),
               "few_rows.matmul: a 4-bit weight packed for other shapes");
-  TORCH_CHECK(int4 || packed.numel() == (N + NB - 1) / NB * NB * K, "few_rows.matmul: a weight packed for other shapes");
+  TORCH_CHECK(!int6 || (groups && packed.size(1) == INT6_RUN_GROUP && packed.numel() == int6_bytes(N, K)),
+              "few_rows.matmul: a 6-bit weight packed for other shapes");
+  TORCH_CHECK(codes || packed.numel() == (N + NB - 1) / NB * NB * K,
+              "few_rows.matmul: a weight packed for other shapes");
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
-  auto Y = at::empty({M, N}, X.options().dtype(int4 ? X.scalar_type() : at::kFloat));  // 4-bit: the rows' dtype
+  auto Y = at::empty({M, N}, X.options().dtype(codes ? X.scalar_type() : at::kFloat));  // 4-, 6-bit: the rows' dtype
   if (M == 0) return Y;
-  if (int4) {
+  if (int6) {
+    const int64_t G = K / INT4_GROUP_SIZE;
+    std::vector<float> x_scales(M * G), xsum(M * G);
+    std::vector<int8_t> xq(M * K);
+    std::vector<int32_t> x32(M * 2 * G);  // each 16 inputs' sum of bytes, times 32
+    auto product = [&](const auto* rows, auto* out) {
+      round_groups(rows, xq.data(), x_scales.data(), xsum.data(), M * G);
+      for (int64_t h = 0; h < M * 2 * G; ++h) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < 16; ++k) sum += xq[16 * h + k];
+        x32[h] = 32 * sum;
+      }
+      multiply_int6(packed.data_ptr<uint8_t>(), xq.data(), x32.data(), x_scales.data(), out, M, K, N);
+    };
+    if (bf16_rows)
+      product(X.data_ptr<at::BFloat16>(), Y.data_ptr<at::BFloat16>());
+    else
+      product(X.data_ptr<float>(), Y.data_ptr<float>());
+  } else if (int4) {
     const int64_t G = K / INT4_GROUP_SIZE;
     const uint8_t* W = packed.data_ptr<uint8_t>();
     std::vector<float> x_scales(M * G), xsum(M * G);  // a scale a row (AVX512-VNNI) or a group (AVX2); groups' sums
@@ -813,6 +971,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_supported", &int4_supported, "whether 4-bit weights run here (AVX2; AVX512-VNNI where the CPU has it)");
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
   m.def("pack_int4", &pack_int4, "a 4-bit weight's codes and scales in the layout of its products");
+  m.def("pack_int6", &pack_int6, "a 6-bit weight's codes and steps in the layout of its products");
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("scales") = py::none());
   m.def("cached_attention", &cached_attention, "a few new queries' attention over a cache, q and k rotated",

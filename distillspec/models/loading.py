@@ -27,13 +27,14 @@ from distillspec.errors import DistillSpecError
 from distillspec.models import draft_vocab, few_rows, hub
 from distillspec.models.packing import (
     FusedLinear,
+    Int6Linear,
     Int8Linear,
     can_prepack,
     fbgemm_available,
     few_rows_layouts,
+    grid_layouts,
+    grid_linears,
     int4_available,
-    int4_layouts,
-    int4_linears,
     prepack_linears,
     quantize_int8,
 )
@@ -147,7 +148,7 @@ class SharedWeights:
     dtypes: dict[str, str]  #: each tensor's torch dtype, by name
     #: a bfloat16 target's linear weights in the few-row kernel's layout (raw 16-bit words; uint8, its 4-bit layout,
     #: for a layer on 4-bit grids with ``prepack=int4``), by module name, for the processes that decode with it
-    #: (:func:`~distillspec.models.packing.few_rows_layouts`, :func:`~distillspec.models.packing.int4_layouts`);
+    #: (:func:`~distillspec.models.packing.few_rows_layouts`, :func:`~distillspec.models.packing.grid_layouts`);
     #: empty where none is
     layouts: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -162,7 +163,7 @@ def share_weights(
     """``model``'s parameters and buffers (rotary tables included) as numpy arrays over its own memory (no copy), each
     tied tensor once; with ``layouts``, also its bfloat16 linear weights laid out for the few-row kernel where
     :func:`~distillspec.models.packing.prepack_linears` would lay them out (as much memory again), but for those
-    ``int4`` lays out in 4 bits (:func:`~distillspec.models.packing.int4_layouts`, by module name: ``prepack=int4``;
+    ``int4`` lays out in 4 bits (:func:`~distillspec.models.packing.grid_layouts`, by module name: ``prepack=int4``;
     about a third of it)."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     arrays = {k: t.detach().view(_WORDS.get(t.dtype, t.dtype)).numpy() for k, t in tensors.items()}
@@ -219,9 +220,10 @@ def load_model(
     (:func:`~distillspec.models.packing.prepack_linears`): for a target, which only scores and verifies (``auto``:
     :func:`resolve_prepack`; ``kernel``: a float32 one's layout, as
     :class:`~distillspec.models.packing.PackedLinear` takes it; ``int4``: its layers on 4-bit grids found on the
-    file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.int4_linears`, the
-    others as ``true`` lays them out (a float32 target's rounded to bfloat16, as ``bfloat16`` rounds them; with
-    ``int4-int8`` rounded to int8, a scale per output row), but for a target that only scores,
+    file's values (:func:`file_weights`) and held in 4 bits, :func:`~distillspec.models.packing.grid_linears`, a
+    float32 target's on 6-bit grids in 6 bits, the others as ``true`` lays them out (a float32 target's rounded to
+    bfloat16, as ``bfloat16`` rounds them; with ``int4-int8`` the 6-bit ones too, rounded to int8, a scale per output
+    row), but for a target that only scores,
     ``kernel="onednn"``, which keeps ``true``'s layout). ``shared``: the weights of this
     model in this dtype, shared with other processes (:class:`SharedWeights`; on a CPU): the model is built over them,
     frozen, instead of read from files, and over the layouts they hold where it is laid out for the few-row kernel
@@ -254,14 +256,16 @@ def load_model(
     model = model.to(device).eval()
     layouts = shared.layouts if shared is not None else {}
     if prepack in INT4_PREPACKS and shared is not None:  # the 4-bit layers found by the process that shares them
-        int4_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
+        grid_linears(model, dtype, {k: _over(a, torch.uint8) for k, a in layouts.items() if a.dtype == np.uint8})
     elif prepack in INT4_PREPACKS:  # found on the file's values, a layer at a time
-        if layers := int4_linears(model, dtype, int4_layouts(model, file_weights(name))):
-            log.info("%s: %d linear layers in 4 bits (their weights lie on 4-bit grids)", name, layers)
+        six_bits = prepack == "int4" and dtype == torch.float32  # the file's 6-bit layers in 6 bits, not bfloat16
+        if layers := grid_linears(model, dtype, grid_layouts(model, file_weights(name), six_bits=six_bits)):
+            six = sum(isinstance(m, Int6Linear) for m in model.modules())
+            log.info("%s: %d linear layers in 4 bits, %d in 6 (they lie on such grids)", name, layers - six, six)
         else:
             log.info("%s: none of its linear layers lies on 4-bit grids: laid out as prepack=true lays them", name)
     if prepack:
-        # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 bits (the fewest bytes);
+        # bfloat16: a float32 target's weights rounded to bfloat16; int4: those not held in 4 or 6 bits;
         # int4-int8: those rounded to int8 instead, each process its own (the sharer shares no layout of them)
         rounded = {"bfloat16": torch.bfloat16, "int4": torch.bfloat16, "int4-int8": torch.int8}
         weights = rounded.get(str(prepack)) if kernel != "onednn" else None
@@ -441,10 +445,11 @@ def resolve_prepack(prepack: bool | str, dtype: str, target: str, device: str = 
     float32 target on a CPU where the few-row kernel runs, else an error) comes back as it is: the weights rounded to
     bfloat16 for that kernel; so does ``int4`` (a float32 or bfloat16 target where the 4-bit products run, else an
     error): :func:`load_model` holds its layers on 4-bit grids in 4 bits
-    (:class:`~distillspec.models.packing.Int4Linear`), the rest as ``true`` lays them out, a float32 target's in
-    bfloat16 as ``bfloat16`` rounds them; so does ``int4-int8``, which holds the rest in int8 (a scale per output
-    row: :class:`~distillspec.models.packing.PackedLinear`), fewer bytes again, the target a little further from
-    its file's model."""
+    (:class:`~distillspec.models.packing.Int4Linear`), a float32 target's on 6-bit grids in 6 bits
+    (:class:`~distillspec.models.packing.Int6Linear`), the rest as ``true`` lays them out, a float32 target's in
+    bfloat16 as ``bfloat16`` rounds them; so does ``int4-int8``, which holds every layer off the 4-bit grids in int8
+    (a scale per output row: :class:`~distillspec.models.packing.PackedLinear`), the target further from its file's
+    model."""
     if prepack is False:
         return False, "set by prepack"
     kind = torch.device(device).type

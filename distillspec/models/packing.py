@@ -221,7 +221,8 @@ def layout_name(dtype: str, prepack: bool | str = True) -> str:
         return "weights rounded to bfloat16 for the few-row kernel"
     if prepack == "int4":
         rest = layout_name(dtype, "bfloat16" if dtype == "float32" else True)
-        return f"layers on 4-bit grids in 4 bits for the few-row kernel, the rest's {rest}"
+        six = ", on 6-bit grids in 6 bits" if dtype == "float32" else ""
+        return f"layers on 4-bit grids in 4 bits{six} for the few-row kernel, the rest's {rest}"
     if prepack == "int4-int8":
         return (
             "layers on 4-bit grids in 4 bits for the few-row kernel, the rest's weights in int8 (a scale per output "
@@ -277,8 +278,8 @@ def bf16_few_rows(linear: nn.Linear, kernel: str = "auto") -> bool:
 
 
 def few_rows_layouts(model: nn.Module, but: Container[str] = ()) -> dict[str, Tensor]:
-    """The few-row kernel's layout of each bfloat16 linear weight of ``model`` that :func:`prepack_linears` lays out
-    for it, by module name, but for the modules named in ``but`` (those held in 4 bits: :func:`int4_layouts`): what a
+    """The few-row kernel's layout of each bfloat16 linear weight of ``model`` that :func:`prepack_linears` lays out for
+    it, by module name, but for the modules named in ``but`` (those held in 4 or 6 bits: :func:`grid_layouts`): what a
     process that shares the model shares with it (the layout is as large as the weight), so that the processes that
     decode with it do not each lay out their own."""
     return {
@@ -392,6 +393,65 @@ def _grid(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
     return codes, scales_zeros.contiguous()
 
 
+#: Weights per step of a 6-bit grid (:func:`int6_grid`): the granularity of llama.cpp's Q6_K scales.
+INT6_GROUP = 16
+
+
+@torch.no_grad()
+def int6_grid(weight: Tensor, group: int = INT6_GROUP) -> tuple[Tensor, Tensor] | None:
+    """``weight`` [out, in] as 6-bit codes [out, in] (uint8, 0-63) and ``steps`` [out, in / group] (float32) that hold
+    it as it is, ``(code - 32) * step``, where each group of ``group`` inputs of a row lies on such a grid: the 6-bit
+    layers of a GGUF (Q6_K: codes -32 to 31 in groups of 16, each group's step the block's scale times its own 8-bit
+    one, of either sign), dequantized to float, whose steps float32 holds exactly. Each group's step is its largest
+    magnitude over the most levels (32, 31, ... 1) that put every value of the group on the grid. None where a group
+    lies on no such grid (a float layer, a 4- or 8-bit one); a layer's first rows are checked first, so most such layers
+    cost little."""
+    rows, cols = weight.shape
+    if cols % (2 * group) or rows == 0:  # whole groups of 32 inputs, as the kernel rounds its rows
+        return None
+    head = min(rows, 64)
+    if rows > head and _grid6(weight[:head], group) is None:
+        return None
+    parts = [_grid6(chunk, group) for chunk in weight.split(4096)]  # bounds the float copies (a head's rows)
+    if any(part is None for part in parts):
+        return None
+    return torch.cat([codes for codes, _ in parts]), torch.cat([steps for _, steps in parts])
+
+
+def _grid6(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
+    """:func:`int6_grid` of a chunk of rows: every group tried on its largest magnitude over 32 levels in one pass
+    (where a Q6_K group's code -32 lies: its step is negative where that weight is positive), the rest on fewer."""
+    rows, cols = weight.shape
+    w = weight.float().reshape(-1, group)  # [groups, group]
+    peak = w.abs().amax(-1, keepdim=True)
+    peak = torch.where(peak > 0, peak, torch.ones_like(peak))  # a group of zeros: any step, code 32
+    step, codes, on = _on_levels(w, peak, 32)
+    left = (~on).nonzero().squeeze(-1)
+    for levels in range(31, 0, -1):  # the groups left (a Q6_K layer's whose largest code is 31 or less) on fewer
+        if len(left) == 0:
+            break
+        trial, rounded, found = _on_levels(w[left], peak[left], levels)
+        step[left[found]], codes[left[found]] = trial[found], rounded[found]
+        left = left[~found]
+    if len(left):
+        return None
+    flip = codes.amax(-1, keepdim=True) == 32
+    codes = torch.where(flip, -codes, codes).add_(32).to(torch.uint8)
+    step = torch.where(flip, -step, step)
+    return codes.reshape(rows, cols), step.reshape(rows, cols // group)
+
+
+def _on_levels(w: Tensor, peak: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Groups ``w`` [groups, group] on the steps ``peak / levels``: the steps, the codes (rounded, -32 to 32) and
+    whether each group lies on its grid with codes -32 to 31 on a step of either sign."""
+    step = peak / levels
+    codes = w / step
+    rounded = codes.round()
+    on = codes.sub_(rounded).abs_().amax(-1) < GRID_TOLERANCE
+    low, high = rounded.aminmax(dim=-1)
+    return step, rounded, on & (high <= 32) & (low >= -32) & (high - low <= 63)
+
+
 class Int4Linear(nn.Module):
     """A frozen target's linear layer whose weight lies on 4-bit grids (:func:`int4_grid`: a 4-bit GGUF's layers), held
     as those codes in the few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int4`; ``packed``,
@@ -401,10 +461,10 @@ class Int4Linear(nn.Module):
     the model's) is its activations' in and out; the bias goes into the float32 sums before they are rounded to it, as
     :class:`PackedLinear`'s does. Built with ``prepack=int4`` (``auto`` where the kernel runs:
     :func:`~distillspec.models.loading.resolve_prepack`). The 1.5B Qwen target of a Q4_K_M GGUF holds 168 of its 197
-    linear layers so, 1,111M weights (the file's 6-bit layers, the head among them, stay in the dtype): its next-token
-    distributions (16-bit rows) were a mean TVD of 0.0012 from the file's model in float32 (0.0091 in bfloat16, where
-    bfloat16 weights gave 0.0081), and its cached step took 0.41x the float32 few-row target's and 0.55x the bfloat16
-    one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
+    linear layers so, 1,111M weights (the file's 6-bit layers, the head among them, are :class:`Int6Linear` layers in a
+    float32 target, else in the dtype): its next-token distributions (16-bit rows) were a mean TVD of 0.0012 from the
+    file's model in float32 (0.0091 in bfloat16, where bfloat16 weights gave 0.0081), and its cached step took 0.41x the
+    float32 few-row target's and 0.55x the bfloat16 one's on a 2-core AMD EPYC (docs/MEASUREMENTS.md)."""
 
     def __init__(self, linear: nn.Linear, packed: Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -446,28 +506,60 @@ class Int4Linear(nn.Module):
         return f"{shape}, 4-bit codes in groups of {INT4_GROUP} for the few-row kernel"
 
 
-def int4_layouts(model: nn.Module, weights: Callable[[str], Tensor | None] | None = None) -> dict[str, Tensor]:
+class Int6Linear(Int4Linear):
+    """A frozen target's linear layer whose weight lies on 6-bit grids (:func:`int6_grid`: a GGUF's Q6_K layers, the
+    head of a Q4_K_M file among them), held as those codes, a byte each, and their steps (float32, exact) in the
+    few-row kernel's layout (:func:`~distillspec.models.few_rows.pack_int6`; ``packed``, :meth:`layout`): a step reads
+    0.625 of the bfloat16 weight's bytes, and every product goes through the kernel's 6-bit products (AVX2), the rows
+    rounded to 8 bits with a scale for each group of 32 inputs, the sums float32; in and out as :class:`Int4Linear`'s.
+    Built with ``prepack=int4`` for a float32 target (:func:`~distillspec.models.loading.load_model`), where the
+    layers of its file that lie on no 4-bit grid would otherwise be rounded to bfloat16 and widened in registers."""
+
+    @staticmethod
+    def layout(linear: nn.Linear, weight: Tensor | None = None) -> Tensor | None:
+        """``linear``'s weight as its file holds it (``weight``, float32: the file's values; default its own) in the
+        kernel's 6-bit layout where it lies on 6-bit grids, else None."""
+        if linear.weight.device.type != "cpu":
+            return None
+        grid = int6_grid(linear.weight if weight is None else weight)
+        return None if grid is None else few_rows.pack_int6(*grid)
+
+    def extra_repr(self) -> str:
+        shape = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"{shape}, 6-bit codes, a step for each {INT6_GROUP} inputs, for the few-row kernel"
+
+
+def grid_layouts(
+    model: nn.Module, weights: Callable[[str], Tensor | None] | None = None, six_bits: bool = False
+) -> dict[str, Tensor]:
     """:meth:`Int4Linear.layout` of each linear layer of ``model`` that lies on 4-bit grids, by module name, found on
     the weights its files hold (``weights``: a parameter's name -> its float32 values, or None: the model's own, as
-    a float32 model holds them), one layer at a time."""
+    a float32 model holds them), one layer at a time; with ``six_bits``, :meth:`Int6Linear.layout` of each that lies
+    on 6-bit grids instead."""
     layouts = {}
+    kinds = (Int4Linear, Int6Linear) if six_bits else (Int4Linear,)
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             weight = weights(f"{name}.weight") if weights is not None else None
-            if (layout := Int4Linear.layout(module, weight)) is not None:
-                layouts[name] = layout
+            for kind in kinds:
+                if (layout := kind.layout(module, weight)) is not None:
+                    layouts[name] = layout
+                    break
     return layouts
 
 
-def int4_linears(model: nn.Module, dtype: torch.dtype, layouts: dict[str, Tensor]) -> int:
-    """Replace each linear layer of ``model`` (in place) that ``layouts`` holds (:func:`int4_layouts`, by module name,
-    found here or shared by another process) by an :class:`Int4Linear` in ``dtype``; the others stay as they are,
-    for :func:`prepack_linears`. Returns how many were replaced (the model is frozen)."""
+def grid_linears(model: nn.Module, dtype: torch.dtype, layouts: dict[str, Tensor]) -> int:
+    """Replace each linear layer of ``model`` (in place) that ``layouts`` holds (:func:`grid_layouts`, by module name,
+    found here or shared by another process) by an :class:`Int4Linear` or an :class:`Int6Linear` in ``dtype``, as its
+    layout's shape says (a 6-bit one's has two dimensions); the others stay as they are, for :func:`prepack_linears`.
+    Returns how many were replaced (the model is frozen)."""
     names = {id(module): name for name, module in model.named_modules()}
 
     def make(linear: nn.Linear) -> Int4Linear | None:
         layout = layouts.get(names[id(linear)])
-        return None if layout is None else Int4Linear(linear, layout, dtype)
+        if layout is None:
+            return None
+        return (Int6Linear if layout.dim() == 2 else Int4Linear)(linear, layout, dtype)
 
     return replace_linears(model, make)
 
