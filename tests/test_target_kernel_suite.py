@@ -21,8 +21,8 @@ def test_the_suite_steps_compares_and_races_the_target_in_each_layout(tiny_garde
     hold them in 4 bits."""
     if few_rows.unavailable_reason() is not None:
         pytest.skip(few_rows.unavailable_reason())
-    layouts = ["few_rows", "bfloat16", "int4", "int4-int8", "int4-all", "bf16-few-rows", "bf16-matrix-vector"]
-    layouts.append("bf16-plain")
+    layouts = ["few_rows", "bfloat16", "int4", "int4-int8", "int4-bf16-rest", "int4-all", "bf16-few-rows"]
+    layouts += ["bf16-matrix-vector", "bf16-plain"]
     layouts.append("bf16-int4")
     layouts.append("onednn")
     assert set(layouts) == set(LAYOUTS)
@@ -48,6 +48,7 @@ def test_the_suite_steps_compares_and_races_the_target_in_each_layout(tiny_garde
     assert near["few_rows"]["tvd"] < 1e-4 < near["bfloat16"]["tvd"] < 0.05  # float32 sums; weights rounded
     assert 1e-6 < near["int4"]["tvd"] < 0.01  # the rows in 16 bits, the scales in bfloat16
     assert near["int4"]["tvd"] < near["int4-int8"]["tvd"] < 0.05  # the head in int8, not bfloat16
+    assert near["int4-bf16-rest"]["tvd"] == near["int4"]["tvd"]  # the garden's head lies on no 6-bit grid: bfloat16
     assert 1e-6 < near["int4-all"]["tvd"] < 0.01  # the same layers in 4 bits (the head's 300 outputs: not in 16s)
     assert all(1e-4 < near[name]["tvd"] < 0.05 for name in layouts if name.startswith("bf16"))  # bfloat16 targets
     assert len(result["races"]) == 2 * 2 * len(layouts)  # temperatures x passes x layouts
