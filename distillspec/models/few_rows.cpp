@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -865,6 +866,54 @@ at::Tensor pack_int6(const at::Tensor& codes, const at::Tensor& steps) {
   return packed;
 }
 
+// A weight [N, K] (float32; K a multiple of 32) on 6-bit grids of 16 inputs, as packing.int6_grid defines them: its
+// codes [N, K] (uint8, 0-63) and steps [N, K / 16] (float32), each weight (code - 32) step; nothing where a group lies
+// on no such grid. Each group is tried on its largest magnitude over 32 levels, then 31, ... 1 (a weight counts as on
+// a grid within tolerance of a step), its codes -32 to 31 on a step of either sign.
+std::optional<std::tuple<at::Tensor, at::Tensor>> int6_grid(const at::Tensor& weight, double tolerance) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "few_rows.int6_grid takes a 2-d float32 CPU weight");
+  const int64_t N = weight.size(0), K = weight.size(1), groups = N * K / 16;
+  if (K % INT4_GROUP_SIZE || N == 0) return std::nullopt;
+  auto w = weight.contiguous();
+  auto codes = at::empty({N, K}, w.options().dtype(at::kByte));
+  auto steps = at::empty({N, K / 16}, w.options());
+  const float* x = w.data_ptr<float>();
+  uint8_t* q = codes.data_ptr<uint8_t>();
+  float* s = steps.data_ptr<float>();
+  const float tol = static_cast<float>(tolerance);
+  std::atomic<bool> on_grids{true};
+  at::parallel_for(0, groups, 4096, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1 && on_grids.load(std::memory_order_relaxed); ++g) {
+      const float* v = x + 16 * g;
+      float peak = 0.0f;
+      for (int i = 0; i < 16; ++i) peak = std::max(peak, std::abs(v[i]));
+      if (peak == 0.0f) peak = 1.0f;  // a group of zeros: any step, code 32
+      bool found = false;
+      for (int levels = 32; levels >= 1 && !found; --levels) {
+        const float step = peak / static_cast<float>(levels);
+        int k[16], low = 0, high = 0;
+        bool on = true;
+        for (int i = 0; i < 16 && on; ++i) {
+          const float rel = v[i] / step, rounded = std::nearbyint(rel);
+          on = std::abs(rel - rounded) < tol;
+          k[i] = static_cast<int>(rounded);
+          low = std::min(low, k[i]);
+          high = std::max(high, k[i]);
+        }
+        if (!on || high > 32 || low < -32 || high - low > 63) continue;
+        const int sign = high == 32 ? -1 : 1;  // codes -32 to 31: the step's sign flipped where +32 is reached
+        s[g] = sign * step;
+        for (int i = 0; i < 16; ++i) q[16 * g + i] = static_cast<uint8_t>(sign * k[i] + 32);
+        found = true;
+      }
+      if (!found) on_grids.store(false, std::memory_order_relaxed);
+    }
+  });
+  if (!on_grids.load()) return std::nullopt;
+  return std::make_tuple(codes, steps);
+}
+
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
 // takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -972,6 +1021,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "the weight [N, K] in the blocked layout");
   m.def("pack_int4", &pack_int4, "a 4-bit weight's codes and scales in the layout of its products");
   m.def("pack_int6", &pack_int6, "a 6-bit weight's codes and steps in the layout of its products");
+  m.def("int6_grid", &int6_grid, "a weight's 6-bit codes and steps where it lies on 6-bit grids of 16 inputs",
+        py::arg("weight"), py::arg("tolerance"));
   m.def("matmul", &matmul, "x [M, K] times the packed weight's transpose", py::arg("x"), py::arg("packed"),
         py::arg("N"), py::arg("scales") = py::none());
   m.def("cached_attention", &cached_attention, "a few new queries' attention over a cache, q and k rotated",

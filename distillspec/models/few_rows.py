@@ -213,12 +213,13 @@ def pack(weight: Tensor) -> Tensor:
 
 def matmul(rows: Tensor, packed: Tensor, out_features: int, scales: Tensor | None = None) -> Tensor:
     """``rows`` [M, in] (float32; bfloat16 by a bfloat16 weight where :func:`bf16_rows`) times the weight :func:`pack`
-    laid out, transposed: [M, out_features] in float32 (but for a 4-bit weight, below).
+    laid out, transposed: [M, out_features] in float32 (but for a 4- or 6-bit weight, below).
     An int8 weight takes its output rows' ``scales`` [out_features] (float32); the rows are rounded to 16 bits, one
     scale each. A 4-bit weight (:func:`pack_int4`; float32 or bfloat16 rows, read in fours, in eights at AVX2) holds
     its scales: the rows are rounded as for an int8 weight through AVX512-VNNI, to 8 bits with a scale for each group
-    of 32 inputs at AVX2, and the product comes in the rows' dtype (bfloat16
-    rounded from the float32 sums as ``.to(torch.bfloat16)`` rounds them), which is a drafting model's own.
+    of 32 inputs at AVX2 (and for a 6-bit weight, :func:`pack_int6`, which holds its steps), and the product comes in
+    the rows' dtype (bfloat16 rounded from the float32 sums as ``.to(torch.bfloat16)`` rounds them), which is a
+    drafting model's own.
 
     Under ``torch.compile`` (a compiled decoding step, ``CachedLM(compile=True)``) the product is the custom operator
     ``torch.ops.distillspec.few_rows_matmul``, which the compiled graph calls as it is, so that the rest of the step

@@ -398,58 +398,16 @@ INT6_GROUP = 16
 
 
 @torch.no_grad()
-def int6_grid(weight: Tensor, group: int = INT6_GROUP) -> tuple[Tensor, Tensor] | None:
-    """``weight`` [out, in] as 6-bit codes [out, in] (uint8, 0-63) and ``steps`` [out, in / group] (float32) that hold
-    it as it is, ``(code - 32) * step``, where each group of ``group`` inputs of a row lies on such a grid: the 6-bit
-    layers of a GGUF (Q6_K: codes -32 to 31 in groups of 16, each group's step the block's scale times its own 8-bit
-    one, of either sign), dequantized to float, whose steps float32 holds exactly. Each group's step is its largest
-    magnitude over the most levels (32, 31, ... 1) that put every value of the group on the grid. None where a group
-    lies on no such grid (a float layer, a 4- or 8-bit one); a layer's first rows are checked first, so most such layers
-    cost little."""
-    rows, cols = weight.shape
-    if cols % (2 * group) or rows == 0:  # whole groups of 32 inputs, as the kernel rounds its rows
-        return None
-    head = min(rows, 64)
-    if rows > head and _grid6(weight[:head], group) is None:
-        return None
-    parts = [_grid6(chunk, group) for chunk in weight.split(4096)]  # bounds the float copies (a head's rows)
-    if any(part is None for part in parts):
-        return None
-    return torch.cat([codes for codes, _ in parts]), torch.cat([steps for _, steps in parts])
-
-
-def _grid6(weight: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
-    """:func:`int6_grid` of a chunk of rows: every group tried on its largest magnitude over 32 levels in one pass
-    (where a Q6_K group's code -32 lies: its step is negative where that weight is positive), the rest on fewer."""
-    rows, cols = weight.shape
-    w = weight.float().reshape(-1, group)  # [groups, group]
-    peak = w.abs().amax(-1, keepdim=True)
-    peak = torch.where(peak > 0, peak, torch.ones_like(peak))  # a group of zeros: any step, code 32
-    step, codes, on = _on_levels(w, peak, 32)
-    left = (~on).nonzero().squeeze(-1)
-    for levels in range(31, 0, -1):  # the groups left (a Q6_K layer's whose largest code is 31 or less) on fewer
-        if len(left) == 0:
-            break
-        trial, rounded, found = _on_levels(w[left], peak[left], levels)
-        step[left[found]], codes[left[found]] = trial[found], rounded[found]
-        left = left[~found]
-    if len(left):
-        return None
-    flip = codes.amax(-1, keepdim=True) == 32
-    codes = torch.where(flip, -codes, codes).add_(32).to(torch.uint8)
-    step = torch.where(flip, -step, step)
-    return codes.reshape(rows, cols), step.reshape(rows, cols // group)
-
-
-def _on_levels(w: Tensor, peak: Tensor, levels: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Groups ``w`` [groups, group] on the steps ``peak / levels``: the steps, the codes (rounded, -32 to 32) and
-    whether each group lies on its grid with codes -32 to 31 on a step of either sign."""
-    step = peak / levels
-    codes = w / step
-    rounded = codes.round()
-    on = codes.sub_(rounded).abs_().amax(-1) < GRID_TOLERANCE
-    low, high = rounded.aminmax(dim=-1)
-    return step, rounded, on & (high <= 32) & (low >= -32) & (high - low <= 63)
+def int6_grid(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``weight`` [out, in] as 6-bit codes [out, in] (uint8, 0-63) and ``steps`` [out, in / 16] (float32) that hold it
+    as it is, ``(code - 32) * step``, where each group of 16 inputs of a row lies on such a grid: the 6-bit layers of a
+    GGUF (Q6_K: codes -32 to 31 in groups of 16, each group's step the block's scale times its own 8-bit one, of
+    either sign), dequantized to float, whose steps float32 holds exactly. Each group's step is its largest magnitude
+    over the most levels (32, 31, ... 1) that put every value of the group on the grid (within
+    :data:`GRID_TOLERANCE` of a step). None where a group lies on no such grid (a float layer, a 4- or 8-bit one) or
+    the inputs are not whole groups of 32 (as the kernel rounds its rows). Found by the few-row kernel's module (its
+    6-bit products are where such a layout is used), in parallel, stopping at the first group off its grid."""
+    return few_rows.extension().int6_grid(weight.float(), GRID_TOLERANCE)
 
 
 class Int4Linear(nn.Module):
