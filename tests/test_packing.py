@@ -466,8 +466,8 @@ def gguf_6_bit(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 @pytest.mark.skipif(not few_rows.int4(), reason="the few-row kernel's 6-bit products need x86 AVX2")
 def test_a_weight_on_6_bit_grids_is_held_as_its_codes():
     """A GGUF's Q6_K layer (each group of 16 on a grid of codes -32 to 31, steps of either sign) comes back from its
-    codes and steps exactly; a float weight, a 4-bit GGUF's one and a 6-bit one with one weight off its grid (past the
-    rows checked first) lie on no such grid."""
+    codes and steps exactly; a float weight, a 4-bit GGUF's one and a 6-bit one with one weight off its grid by a tenth
+    of a step lie on no such grid."""
     from distillspec.models.packing import int6_grid
 
     weight = gguf_6_bit(128, 96)
