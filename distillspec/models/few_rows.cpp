@@ -915,7 +915,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> int6_grid(const at::Tensor& we
 }
 
 // x [M, K] (float32) times the packed weight's transpose: [M, N] in float32, the sums in float32. An int8 weight
-// takes its rows' scales ([N], float32); a 4-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
+// takes its rows' scales ([N], float32); a 4- or 6-bit one gives the rows' dtype (float32 or bfloat16, rounded once).
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                   const std::optional<at::Tensor>& scales) {
   const bool bf16_rows = x.scalar_type() == at::kBFloat16;
@@ -939,30 +939,12 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(int8 == scales.has_value(), "few_rows.matmul takes scales with an int8 weight, and only then");
   auto Y = at::empty({M, N}, X.options().dtype(codes ? X.scalar_type() : at::kFloat));  // 4-, 6-bit: the rows' dtype
   if (M == 0) return Y;
-  if (int6) {
-    const int64_t G = K / INT4_GROUP_SIZE;
-    std::vector<float> x_scales(M * G), xsum(M * G);
-    std::vector<int8_t> xq(M * K);
-    std::vector<int32_t> x32(M * 2 * G);  // each 16 inputs' sum of bytes, times 32
-    auto product = [&](const auto* rows, auto* out) {
-      round_groups(rows, xq.data(), x_scales.data(), xsum.data(), M * G);
-      for (int64_t h = 0; h < M * 2 * G; ++h) {
-        int32_t sum = 0;
-        for (int64_t k = 0; k < 16; ++k) sum += xq[16 * h + k];
-        x32[h] = 32 * sum;
-      }
-      multiply_int6(packed.data_ptr<uint8_t>(), xq.data(), x32.data(), x_scales.data(), out, M, K, N);
-    };
-    if (bf16_rows)
-      product(X.data_ptr<at::BFloat16>(), Y.data_ptr<at::BFloat16>());
-    else
-      product(X.data_ptr<float>(), Y.data_ptr<float>());
-  } else if (int4) {
+  if (codes) {
     const int64_t G = K / INT4_GROUP_SIZE;
     const uint8_t* W = packed.data_ptr<uint8_t>();
     std::vector<float> x_scales(M * G), xsum(M * G);  // a scale a row (AVX512-VNNI) or a group (AVX2); groups' sums
     auto product = [&](const auto* rows, auto* out) {
-      if (int8_vnni_supported()) {
+      if (int4 && int8_vnni_supported()) {
         std::vector<int16_t> xq(M * K);
         round_rows(rows, xq.data(), x_scales.data(), M, K, false);
         for (int64_t m = 0; m < M; ++m)
@@ -972,11 +954,21 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
             xsum[m * G + g] = static_cast<float>(sum);
           }
         multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), out, M, K, N);
-      } else {
-        std::vector<int8_t> xq(M * K);
-        round_groups(rows, xq.data(), x_scales.data(), xsum.data(), M * G);
-        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), out, M, K, N);
+        return;
       }
+      std::vector<int8_t> xq(M * K);  // AVX2's rows, and a 6-bit weight's: 8 bits, a scale a group
+      round_groups(rows, xq.data(), x_scales.data(), xsum.data(), M * G);
+      if (int4) {
+        multiply_int4(W, xq.data(), xsum.data(), x_scales.data(), out, M, K, N);
+        return;
+      }
+      std::vector<int32_t> x32(M * 2 * G);  // each 16 inputs' sum of bytes, times 32
+      for (int64_t h = 0; h < M * 2 * G; ++h) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < 16; ++k) sum += xq[16 * h + k];
+        x32[h] = 32 * sum;
+      }
+      multiply_int6(W, xq.data(), x32.data(), x_scales.data(), out, M, K, N);
     };
     if (bf16_rows)
       product(X.data_ptr<at::BFloat16>(), Y.data_ptr<at::BFloat16>());
