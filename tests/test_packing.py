@@ -266,6 +266,39 @@ def test_the_few_row_kernel_multiplies_an_int8_weight_in_exact_integer_sums():
 
 @needs_compiler
 @pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
+def test_the_few_row_kernel_rounds_its_rows_to_nearest_ties_to_even():
+    """The rows' rounding on its own, through identity weights: an int8 one (rows in 16 bits, a scale a row), a 4-bit
+    and a 6-bit one (through AVX512-VNNI a 4-bit weight's rows in 16 bits; at AVX2, and a 6-bit weight's always, in 8
+    bits with a scale for each group of 32 inputs). Each row's (or group's) largest magnitude is the largest integer of
+    its width, so its scale is 1 and the product is the rounded row itself: halves go to the even integer, both signs,
+    every position of a group of 32 (the rounding runs in vectors of 8 and reorders its bytes); a group of zeros stays
+    zero."""
+    torch.manual_seed(0)
+    K = 64
+    halves = torch.randint(-40, 40, (3, K)).float() + 0.5
+    halves[:, 5] = torch.tensor([2.5, -2.5, 0.5])
+    eye = torch.eye(K, dtype=torch.int64)
+
+    def rows(peak: float) -> torch.Tensor:
+        x = halves.clone()
+        x[:, 0], x[:, 33] = peak, -peak  # each group of 32 inputs peaks at the width's largest integer
+        x[2, 32:] = 0.0  # a group of zeros
+        x[2, 0] = peak
+        return x
+
+    x = rows(32767.0)
+    out = few_rows.matmul(x, few_rows.pack(eye.to(torch.int8)), K, torch.ones(K))
+    assert torch.equal(out, torch.round(x))
+    int4 = few_rows.pack_int4((eye + 8).to(torch.int32), torch.tensor([1.0, 0.0]).expand(K // 32, K, 2).bfloat16())
+    int6 = few_rows.pack_int6((eye + 32).to(torch.uint8), torch.ones(K, K // 16))
+    for packed, eight_bits in ((int4, not few_rows.int8_vnni()), (int6, True)):
+        x = rows(127.0 if eight_bits else 32767.0)
+        for dtype in (torch.float32, torch.bfloat16) if eight_bits else (torch.float32,):  # bfloat16 has no 32767
+            assert torch.equal(few_rows.matmul(x.to(dtype), packed, K), torch.round(x).to(dtype))
+
+
+@needs_compiler
+@pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
 def test_the_few_row_kernel_multiplies_a_4_bit_weight_as_its_groups_dequantized():
     """Codes 0-15 in groups of 32 inputs, each group of an output row with its scale and zero point (``(code - 8) *
     scale + zero``, bfloat16 as torch's kernel takes them), by rows rounded as the path that runs rounds them (through
