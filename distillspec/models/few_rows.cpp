@@ -583,7 +583,7 @@ inline __m256i rounded8(const T* x, __m256 inverse) {
 // scale (its largest magnitude at 127) and the sum of its bytes; where halves is given, also each 16 inputs' sum of
 // bytes times 32 (int6_run_avx2's). Vectors of 8 throughout: rounded by lrintf a value at a time (4.3 ns a value on a
 // Zen 3 VM, against 0.3), the 1.5B Qwen target's rows made its 6-token verification take 77-79 ms against 66-70 and a
-// 160-token prompt 2.0-2.3 s against 1.8 (docs/MEASUREMENTS.md).
+// forward pass of 160 tokens 2.0-2.3 s against 1.8 (docs/MEASUREMENTS.md).
 template <typename T>
 void round_groups(const T* x, int8_t* xq, float* scales, float* sums, int64_t count, int32_t* halves = nullptr) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the packs interleave 128-bit lanes
