@@ -713,11 +713,17 @@ void multiply_int6(const uint8_t* W, const int8_t* xq, const int32_t* x32, const
   });
 }
 
+// Lanes 0, 2, 4, 6 (IMM 0x88) or 1, 3, 5, 7 (IMM 0xDD) of a and then of b, in order.
+template <int IMM>
+inline __m256i alternate_lanes(__m256i a, __m256i b) {
+  const __m256 lanes = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), IMM);  // within 128 bits
+  return _mm256_permutevar8x32_epi32(_mm256_castps_si256(lanes), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
 // Rows [M, K] of float32 in 16 bits, as chunk_int8 reads them (K a multiple of 32; interleaved: each 32 inputs' even
 // ones, then their odd ones) or chunk_int8_vnni (natural), and each row's scale; vectors of 8, as round_groups.
 template <typename T>
 void round_rows(const T* x, int16_t* xq, float* scales, int64_t M, int64_t K, bool interleaved = true) {
-  const __m256i pairs = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   for (int64_t m = 0; m < M; ++m) {
     const T* row = x + m * K;
     const float peak = peak_of(row, K);
@@ -730,13 +736,8 @@ void round_rows(const T* x, int16_t* xq, float* scales, int64_t M, int64_t K, bo
       for (int i = 0; i < 4; ++i) q[i] = rounded8(row + k + 8 * i, inverse);
       __m256i first, second;  // inputs k .. k + 15 and k + 16 .. k + 31, or the even ones and the odd ones
       if (interleaved) {
-        auto take = [&](__m256i a, __m256i b, int imm) {  // a's and b's even (0x88) or odd (0xDD) lanes, in order
-          const __m256 lanes = imm == 0x88 ? _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0x88)
-                                           : _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), 0xDD);
-          return _mm256_permutevar8x32_epi32(_mm256_castps_si256(lanes), pairs);
-        };
-        first = _mm256_packs_epi32(take(q[0], q[1], 0x88), take(q[2], q[3], 0x88));
-        second = _mm256_packs_epi32(take(q[0], q[1], 0xDD), take(q[2], q[3], 0xDD));
+        first = _mm256_packs_epi32(alternate_lanes<0x88>(q[0], q[1]), alternate_lanes<0x88>(q[2], q[3]));
+        second = _mm256_packs_epi32(alternate_lanes<0xDD>(q[0], q[1]), alternate_lanes<0xDD>(q[2], q[3]));
       } else {
         first = _mm256_packs_epi32(q[0], q[1]);
         second = _mm256_packs_epi32(q[2], q[3]);
