@@ -52,6 +52,19 @@ def exclusive(folder: str | Path) -> Iterator[Path]:
         os.close(fd)
 
 
+@contextmanager
+def one_at_a_time(path: str | Path, waiting: str) -> Iterator[None]:
+    """Hold the lock file ``path`` while the block runs: a second process waits for the first to finish, saying so
+    once (``waiting``). The operating system releases the lock when the holder exits, however it exits."""
+    with open(path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(waiting, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` through a temporary file beside it, flushed to disk, then renamed into place."""
     path = Path(path)

@@ -7,6 +7,7 @@ import copy
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from distillspec import DistillSpecError, speculative_generate
 from distillspec.decoding import kvcache
 from distillspec.decoding.kvcache import CachedLM
+from distillspec.files import one_at_a_time
 from distillspec.models import few_rows
 from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft, resolve_prepack
 from distillspec.models.packing import (
@@ -125,6 +127,34 @@ def test_the_few_row_kernel_is_refused_where_it_cannot_run(monkeypatch):
         PackedLinear(copy.deepcopy(odd).bfloat16(), kernel="onednn")
     monkeypatch.setenv(few_rows.SWITCH, "0")
     assert few_rows.unavailable_reason() == f"{few_rows.SWITCH}=0"
+
+
+@pytest.mark.skipif(few_rows.unavailable_reason() is not None, reason="the few-row kernel needs x86 AVX2")
+def test_a_build_killed_before_it_finished_blocks_no_later_process(tmp_path):
+    """torch marks a build under way with a file that a killed build leaves behind, after which its loader waited
+    forever: a process that finds another building waits for it and says so, and then loads the kernel though the
+    mark is still there."""
+    build = Path(few_rows.extension().__file__).parent  # built here first (or found built), maybe in another cache
+    env = os.environ | {"DISTILLSPEC_CACHE": str(build.parents[1])}
+    assert few_rows.build_directory().name == build.name
+    (build / few_rows.TORCH_BATON).touch()
+    log = tmp_path / "out.txt"
+    code = "from distillspec.models import few_rows; print('loaded:', few_rows.extension() is not None)"
+    with one_at_a_time(build / few_rows.BUILD_LOCK, "unused"), open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env
+        )
+        for _ in range(600):
+            if "waiting for another process to build the kernel" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()  # waits while the lock is held
+    try:
+        assert proc.wait(timeout=120) == 0, log.read_text()
+    finally:
+        proc.kill()
+    assert log.read_text().splitlines()[-1] == "loaded: True"
+    assert not (build / few_rows.TORCH_BATON).exists()
 
 
 @needs_compiler

@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 from torch.utils import cpp_extension
 
-from distillspec.files import cache_root
+from distillspec.files import cache_root, one_at_a_time
 
 log = logging.getLogger(__name__)
 
@@ -84,31 +84,44 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def build_directory() -> Path:
+    """Where this version of the kernel's source is built for this Python and torch: the project cache's ``kernels``
+    folder (checkouts of other versions build their own)."""
+    version = torch.__version__.replace("+", "_")
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / "kernels" / f"few_rows-{source}-{python}-torch{version}"
+
+
+#: torch's own mark of a build under way in a build directory (``torch.utils.file_baton``): a file that a build
+#: killed before it finished (a stopped job, a killed actor) leaves behind, after which torch waits for it forever.
+TORCH_BATON = "lock"
+#: The lock file that lets one process at a time build or load the kernel in a build directory.
+BUILD_LOCK = "build.lock"
+
+
 @functools.cache
 def _built() -> tuple[ModuleType | None, str | None]:
     """The compiled kernel (built into the project cache the first time) and None, or None and why it cannot be had
     (warned once)."""
     reason = unavailable_reason()
     if reason is None:
-        version = torch.__version__.replace("+", "_")
-        # checkouts of other versions build their own
-        source = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
-        build = (
-            cache_root()
-            / "kernels"
-            / f"few_rows-{source}-py{sys.version_info.major}{sys.version_info.minor}-torch{version}"
-        )
+        build = build_directory()
         build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming (with the jobs'
-            print(f"building the few-row kernel into {build} (once, half a minute)", flush=True)  # progress lines)
         try:
-            module = cpp_extension.load(
-                "distillspec_few_rows",
-                sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build),
-            )
+            # One process builds at a time. Holding the lock (which the operating system releases however its holder
+            # ends), torch's own mark of a build under way can only be a dead build's: removed.
+            with one_at_a_time(build / BUILD_LOCK, f"waiting for another process to build the kernel in {build}"):
+                (build / TORCH_BATON).unlink(missing_ok=True)
+                if not any(build.glob("distillspec_few_rows*.so")):  # a first build: a pause worth naming (with the
+                    print(f"building the few-row kernel into {build} (once, half a minute)", flush=True)  # jobs' lines)
+                module = cpp_extension.load(
+                    "distillspec_few_rows",
+                    sources=[str(path) for path in SOURCES if path.suffix == ".cpp"],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build),
+                )
             return module, None
         except (OSError, RuntimeError, ImportError, SystemExit) as exc:  # no compiler, no ninja, a failed build
             reason = f"it did not build here ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
