@@ -5,6 +5,7 @@ version or the new one, never a mix. One job at a time writes into a folder (:fu
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -53,14 +54,15 @@ def exclusive(folder: str | Path) -> Iterator[Path]:
 
 
 @contextmanager
-def one_at_a_time(path: str | Path, waiting: str) -> Iterator[None]:
+def one_at_a_time(path: str | Path, waiting: str, log: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold the lock file ``path`` while the block runs: a second process waits for the first to finish, saying so
-    once (``waiting``). The operating system releases the lock when the holder exits, however it exits."""
+    once (``log(waiting)``; printed by default). The operating system releases the lock when the holder exits,
+    however it exits."""
     with open(path, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(waiting, flush=True)
+            (log or functools.partial(print, flush=True))(waiting)
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 

@@ -12,6 +12,8 @@ import copy
 import importlib.util
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from distillspec.config import DistillConfig
 from distillspec.errors import DistillSpecError
 from distillspec.models.loading import encode_prompts
-from distillspec.models.pretrained import DONE, draft_layers, is_draft_spec
+from distillspec.models.pretrained import DONE, cached, draft_layers, is_draft_spec
 from distillspec.tasks.data import Task, chat_prompts, chat_task, qa_example
 
 from .conftest import greedy_text, run_job
@@ -44,6 +46,29 @@ def test_draft_specs_name_layers_or_say_what_is_wrong():
     ):
         with pytest.raises(DistillSpecError, match=words):
             draft_layers(spec, 30)
+
+
+def test_processes_asking_together_for_a_cached_folder_make_it_once(tmp_path):
+    """Two asking at once for a folder of the cache (a job's actors importing one GGUF file): the second waits for the
+    first, says so, and takes its folder; nothing is made twice, no temporary folder is left."""
+    folder, made, lines, started = tmp_path / "models" / "m", [], [], threading.Event()
+
+    def make(tmp: Path) -> dict:
+        made.append(tmp)
+        started.set()
+        time.sleep(0.5)
+        (tmp / "weights").write_text("w")
+        return {"made": len(made)}
+
+    first = threading.Thread(target=cached, args=(folder, make, lines.append))
+    first.start()
+    assert started.wait(30)
+    assert cached(folder, make, lines.append) == folder
+    first.join()
+    assert len(made) == 1 and (folder / "weights").read_text() == "w"
+    assert json.loads((folder / DONE).read_text()) == {"made": 1}
+    assert lines == [f"waiting for another process to make {folder}", f"cached {folder}"]
+    assert sorted(p.name for p in folder.parent.iterdir()) == [".m.lock", "m"]
 
 
 def test_chat_prompts_make_questions_user_messages(tokenizer, task):

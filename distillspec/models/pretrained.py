@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from distillspec.decoding.speculative import autoregressive_generate
 from distillspec.errors import DistillSpecError
-from distillspec.files import cache_root
+from distillspec.files import cache_root, one_at_a_time
 from distillspec.models import few_rows, split_gguf
 from distillspec.models.draft_vocab import CONFIG_KEY, frequent_tokens, restrict_head, whole_head
 from distillspec.models.garden import build_garden
@@ -68,19 +68,25 @@ def _key(**parts: object) -> str:
 
 def cached(folder: Path, make: Callable[[Path], dict], log: Callable[[str], None] = print) -> Path:
     """``folder``, made by ``make(tmp)`` into a temporary folder beside it and renamed into place (an interrupted
-    build leaves no half folder behind); ``make`` returns the record written to :data:`DONE`."""
+    build leaves no half folder behind); ``make`` returns the record written to :data:`DONE`. One process makes it at a
+    time: processes that ask for it together (a job's actors, two jobs) wait for the first, which they say, and take
+    its folder, rather than each making their own (the 1.5B Qwen target's import: 131 s and 7 GB) and replacing
+    a folder the others may be reading."""
     if (folder / DONE).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    try:
-        record = make(tmp)
-        (tmp / DONE).write_text(json.dumps(record, indent=2))
-        if folder.exists():  # a concurrent build finished first, or an old incomplete folder
-            shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with one_at_a_time(folder.parent / f".{folder.name}.lock", f"waiting for another process to make {folder}", log):
+        if (folder / DONE).exists():  # made while this one waited
+            return folder
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        try:
+            record = make(tmp)
+            (tmp / DONE).write_text(json.dumps(record, indent=2))
+            if folder.exists():  # an old incomplete folder
+                shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     log(f"cached {folder}")
     return folder
 
