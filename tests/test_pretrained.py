@@ -50,7 +50,8 @@ def test_draft_specs_name_layers_or_say_what_is_wrong():
 
 def test_processes_asking_together_for_a_cached_folder_make_it_once(tmp_path):
     """Two asking at once for a folder of the cache (a job's actors importing one GGUF file): the second waits for the
-    first, says so, and takes its folder; nothing is made twice, no temporary folder is left."""
+    first, says so, and takes its folder; nothing is made twice, and no temporary folder is left (nor one a killed
+    process left)."""
     folder, made, lines, started = tmp_path / "models" / "m", [], [], threading.Event()
 
     def make(tmp: Path) -> dict:
@@ -60,6 +61,7 @@ def test_processes_asking_together_for_a_cached_folder_make_it_once(tmp_path):
         (tmp / "weights").write_text("w")
         return {"made": len(made)}
 
+    (tmp_path / "models" / ".m.making-killed").mkdir(parents=True)  # what a process killed while making it left
     first = threading.Thread(target=cached, args=(folder, make, lines.append))
     first.start()
     assert started.wait(30)

