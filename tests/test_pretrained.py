@@ -68,7 +68,7 @@ def test_processes_asking_together_for_a_cached_folder_make_it_once(tmp_path):
     assert cached(folder, make, lines.append) == folder
     first.join()
     assert len(made) == 1 and (folder / "weights").read_text() == "w"
-    assert json.loads((folder / DONE).read_text()) == {"made": 1}
+    assert json.loads((folder / DONE).read_text()) == {"made": 1} and folder.stat().st_mode & 0o777 == 0o755
     assert lines == [f"waiting for another process to make {folder}", f"cached {folder}"]
     assert sorted(p.name for p in folder.parent.iterdir()) == [".m.lock", "m"]
 

@@ -84,6 +84,7 @@ def cached(folder: Path, make: Callable[[Path], dict], log: Callable[[str], None
         try:
             record = make(tmp)
             (tmp / DONE).write_text(json.dumps(record, indent=2))
+            tmp.chmod(0o755)  # readable as its files are (a temporary folder is its owner's alone), as a GGUF file is
             if folder.exists():  # an old incomplete folder
                 shutil.rmtree(folder, ignore_errors=True)
             tmp.rename(folder)
