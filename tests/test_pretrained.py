@@ -61,7 +61,7 @@ def test_processes_asking_together_for_a_cached_folder_make_it_once(tmp_path):
         (tmp / "weights").write_text("w")
         return {"made": len(made)}
 
-    (tmp_path / "models" / ".m.making-killed").mkdir(parents=True)  # what a process killed while making it left
+    (tmp_path / "models" / ".m.killed.tmp").mkdir(parents=True)  # what a process killed while making it left
     first = threading.Thread(target=cached, args=(folder, make, lines.append))
     first.start()
     assert started.wait(30)

@@ -18,7 +18,6 @@ import importlib.util
 import json
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from distillspec.decoding.speculative import autoregressive_generate
 from distillspec.errors import DistillSpecError
-from distillspec.files import cache_root, one_at_a_time
+from distillspec.files import cache_root, one_at_a_time, write_folder
 from distillspec.models import few_rows, split_gguf
 from distillspec.models.draft_vocab import CONFIG_KEY, frequent_tokens, restrict_head, whole_head
 from distillspec.models.garden import build_garden
@@ -78,18 +77,15 @@ def cached(folder: Path, make: Callable[[Path], dict], log: Callable[[str], None
     with one_at_a_time(folder.parent / f".{folder.name}.lock", f"waiting for another process to make {folder}", log):
         if (folder / DONE).exists():  # made while this one waited
             return folder
-        for unfinished in folder.parent.glob(f".{folder.name}.making-*"):  # of a process killed while making it
+        for unfinished in folder.parent.glob(f".{folder.name}.*.tmp"):  # write_folder's, of a process killed in it
             shutil.rmtree(unfinished, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.making-"))
-        try:
+
+        def fill(tmp: Path) -> None:
             record = make(tmp)
             (tmp / DONE).write_text(json.dumps(record, indent=2))
             tmp.chmod(0o755)  # readable as its files are (a temporary folder is its owner's alone), as a GGUF file is
-            if folder.exists():  # an old incomplete folder
-                shutil.rmtree(folder, ignore_errors=True)
-            tmp.rename(folder)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        write_folder(folder, fill)
     log(f"cached {folder}")
     return folder
 
