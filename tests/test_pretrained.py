@@ -88,6 +88,8 @@ def test_chat_prompts_make_questions_user_messages(tokenizer, task):
     assert chat_prompts(small, tok, enabled=False) is small
     ids, _ = encode_prompts(tok, [chat.train[0].prompt])  # the template wrote the BOS: it is not doubled
     assert ids[0, 0] == tok.bos_token_id and ids[0, 1] != tok.bos_token_id
+    ids, _ = encode_prompts(tok, ["What is 2 + 3?"])  # the garden's tokenizer adds its BOS itself
+    assert ids[0, 0] == tok.bos_token_id and ids[0, 1] != tok.bos_token_id
 
 
 # ---------------------------------------------------------------------------------------------- the real model
@@ -123,6 +125,10 @@ def test_gguf_imports_once_with_its_tokenizer_and_chat_template(real):
     stamp = (folder / DONE).stat().st_mtime_ns
     assert resolve_model(REAL) == str(folder) == resolve_model(str(packaged_file(REAL)))  # cached: not made again
     assert (folder / DONE).stat().st_mtime_ns == stamp
+    # The file's tokenizer declares a BOS token (<|im_start|>) and does not add it (tokenizer.ggml.add_bos_token):
+    # a raw prompt is read without it, as llama.cpp and transformers read it; a chat prompt starts with it once.
+    raw = encode_prompts(tokenizer, ["The capital of France"])[0][0].tolist()
+    assert raw == tokenizer("The capital of France", add_special_tokens=False)["input_ids"]
     question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     prompt = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
     assert greedy_text(target, tokenizer, prompt, 12) == "The capital of France is Paris."

@@ -31,7 +31,8 @@ SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with one token per digit, saved as a transformers fast tokenizer."""
+    """Byte-level BPE with one token per digit, saved as a transformers fast tokenizer that starts every text it
+    encodes with its BOS token (the garden's models read their prompts so)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -44,7 +45,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, add_bos_token=True, **SPECIAL)
 
 
 def make_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, *, max_positions: int = 1024) -> LlamaForCausalLM:
@@ -102,7 +103,7 @@ def train_lm(
 
 
 def _key(**parts) -> str:
-    return hashlib.sha256(json.dumps({**parts, "version": 1}, sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps({**parts, "version": 2}, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def garden_bf16(cfg: GardenConfig) -> bool:

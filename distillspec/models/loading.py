@@ -661,11 +661,14 @@ def encode_prompts(
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """The token ids of ``prompt`` as the decoders read it: starting with the BOS token, unless its text already
-    does (a chat template that writes it)."""
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    """The token ids of ``prompt`` as the decoders read it: with the special tokens the model's own tokenizer adds
+    (a BOS token where it is configured to add one, as transformers and vLLM tokenize a prompt), the BOS token not
+    doubled where the text already starts with it (a chat template that writes it). A tokenizer that declares a BOS
+    token but does not add it (a GGUF file's ``tokenizer.ggml.add_bos_token`` false: Qwen2.5's, SmolLM2's) gets
+    none: the model reads its prompts as it was trained to."""
+    ids = tokenizer(prompt)["input_ids"]
     bos = tokenizer.bos_token_id
-    return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+    return ids[1:] if bos is not None and ids[:2] == [bos, bos] and prompt.startswith(tokenizer.bos_token) else ids
 
 
 def pad_prompts(ids: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
