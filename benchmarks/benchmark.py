@@ -101,6 +101,8 @@ SUITES = {
     "sampler": Suite("sampler", "main", "command"),
     "rollout-draft": Suite("rollout_draft", "main", "command"),
     "target-kernel": Suite("target_kernel", "main", "command"),
+    "long-prompts": Suite("long_prompts", "main", "command"),
+    "prompt-cache": Suite("prompt_cache", "main", "command"),
 }
 #: Suite groups: the results page at each scale (``report`` then writes docs/RESULTS.md from the JSON).
 GROUPS = {

@@ -105,6 +105,7 @@ class Completions:
                 max_gamma=s.max_gamma,
                 compile=s.compile,
                 draft_context=s.draft_context,
+                prompt_cache_bytes=s.prompt_cache_mb << 20,
             )
             log.info("replica warmed up in %.1f s", completer.warm_up(s.batching.max_batch_size))
             self.completer = completer
@@ -190,6 +191,7 @@ class Completions:
             **self.follower.stats(),
             **({"auto_gamma": summary} if (summary := self.completer.gamma_summary()) else {}),
             **({} if self.vllm else {"batch_sizes": {str(b): n for b, n in sorted(self.batcher.sizes.items())}}),
+            **({} if (cache := getattr(self.completer, "prompts", None)) is None else {"prompt_cache": cache.stats()}),
             "cpu_s": await asyncio.to_thread(cpu_seconds),  # it reads every process's parent: not on the loop
         }
 
@@ -275,7 +277,7 @@ class Completions:
 
     def _observe(self, done: list[Completion]) -> None:
         self.follower.judge(done)
-        self.metrics.observe(done, self.completer.gamma_summary)
+        self.metrics.observe(done, self.completer.gamma_summary, getattr(self.completer, "prompts", None))
 
     async def _stream(self, jobs: list[CompletionJob], start: float, chat: bool):
         """Server-sent events: each sample's text deltas as its tokens are accepted (``index``: its choice), then its

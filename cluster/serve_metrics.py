@@ -1,5 +1,5 @@
 """The endpoint's metrics on the Ray dashboard (Prometheus: ``ray_<name>``): requests by outcome, latency, alpha,
-tau, tokens/s, the draft version, rollbacks, the gammas chosen live and the batch sizes."""
+tau, tokens/s, the draft version, rollbacks, the gammas chosen live, the batch sizes and the prompt cache's hits."""
 
 import time
 from collections.abc import Callable
@@ -7,6 +7,7 @@ from collections.abc import Callable
 import psutil
 from ray.serve import metrics
 
+from distillspec.decoding.prompt_cache import PromptCache
 from distillspec.serving.completer import Completion, merge_stats
 
 #: name -> (kind, description, tag keys) of the endpoint's metrics (Prometheus: ``ray_<name>``)
@@ -30,6 +31,16 @@ SERVE_SPECS: dict[str, tuple[type, str, tuple[str, ...]]] = {
         "gamma=auto: tokens/s the blocks reached (moving average over blocks)",
         (),
     ),
+    "distillspec_serve_prompt_tokens_looked_up": (
+        metrics.Counter,
+        "prompt tokens the models looked up in the prompt cache (serve.prompt_cache_mb; the target's and the draft's)",
+        (),
+    ),
+    "distillspec_serve_prompt_tokens_reused": (
+        metrics.Counter,
+        "prompt tokens found there, whose keys and values were not computed again",
+        (),
+    ),
 }
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
@@ -51,6 +62,7 @@ class ServeMetrics:
         }
         self.gamma_counted: dict[str, int] = {}  #: gamma=auto: the choices already on the dashboard, by gamma
         self.gamma_polled = 0.0  #: when they were last brought to the dashboard (at most once a second)
+        self.prompts_counted = (0, 0)  #: the prompt cache's counts (looked up, reused) already on the dashboard
 
     def __getitem__(self, name: str):
         return self.metrics[name]
@@ -58,8 +70,11 @@ class ServeMetrics:
     def count(self, status: str) -> None:
         self.metrics["distillspec_serve_requests"].inc(tags={"status": status})
 
-    def observe(self, done: list[Completion], gamma_summary: Callable[[], dict | None]) -> None:
-        """Alpha, tau and tokens/s of completions ``done``, and gamma=auto's choices (at most once a second)."""
+    def observe(
+        self, done: list[Completion], gamma_summary: Callable[[], dict | None], prompts: PromptCache | None = None
+    ) -> None:
+        """Alpha, tau and tokens/s of completions ``done``, gamma=auto's choices (at most once a second), and what the
+        prompt cache ``prompts`` found since the last call."""
         sd = merge_stats([c.stats for c in done])
         if sd["alpha"] is not None:
             self.metrics["distillspec_serve_acceptance_rate"].set(sd["alpha"])
@@ -67,6 +82,16 @@ class ServeMetrics:
             self.metrics["distillspec_serve_block_efficiency"].set(sd["tau"])
         seconds = max(c.seconds for c in done)
         self.metrics["distillspec_serve_tokens_per_s"].set(sum(c.completion_tokens for c in done) / max(seconds, 1e-9))
+        if prompts is not None:
+            asked, hits = prompts.asked, prompts.hits
+            for name, now, before in zip(
+                ("distillspec_serve_prompt_tokens_looked_up", "distillspec_serve_prompt_tokens_reused"),
+                (asked, hits),
+                self.prompts_counted,
+            ):
+                if now > before:
+                    self.metrics[name].inc(now - before)
+            self.prompts_counted = (asked, hits)
         if time.monotonic() - self.gamma_polled >= 1.0:  # the choices' running counts: nothing is lost between
             self.gamma_polled = time.monotonic()
             if (summary := gamma_summary()) is not None:

@@ -521,6 +521,13 @@ class ServeConfig:
         "1.27-1.78x reading 512); auto: on a CPU the last max(512, 5 x the request's max_tokens), elsewhere all; "
         "none: the whole prompt",
     )
+    prompt_cache_mb: NonNegInt = knob(
+        256,
+        "backend hf: keep the keys and values of served prompts' blocks of 16 tokens (this many MiB, the least "
+        "recently used out first; 0: none), so that a prompt that starts as an earlier one did (a system prompt, a "
+        "conversation's earlier turns) is read only after them, by the target and by the draft; seeded requests read "
+        "their prompts whole. vLLM's automatic prefix caching, for this project's decoder",
+    )
     limits: LimitsConfig = knob(help="request and replica limits", factory=LimitsConfig)
     batching: BatchingConfig = knob(help="batching concurrent requests", factory=BatchingConfig)
     autoscaling: AutoscalingConfig = knob(help="the replicas' autoscaling", factory=AutoscalingConfig)

@@ -443,6 +443,8 @@ def test_concurrent_load_and_a_live_draft_swap(endpoint, client, tiny_garden):
     assert sum(stats["auto_gamma"]["chosen"].values()) > 0 and stats["auto_gamma"]["measured_tokens_per_s"] > 0
     batches = {int(b): n for b, n in stats["batch_sizes"].items()}  # every prompt decoded in one batch or another
     assert sum(b * n for b, n in batches.items()) >= len(results) and max(batches) > 1  # 8 clients: some batched
+    assert stats["prompt_cache"]["tokens_looked_up"] > 0  # serve.prompt_cache_mb: on by default (prompts this short
+    # hold no whole block of 16 tokens)
     ray.kill(store)
 
 

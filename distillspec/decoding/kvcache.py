@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from distillspec.decoding.prompt_cache import PromptCache
 from distillspec.errors import DistillSpecError
 from distillspec.files import cache_root
 from distillspec.models import few_rows
@@ -402,7 +403,13 @@ class CachedLM:
     """
 
     def __init__(
-        self, model: PreTrainedModel, *, lean: bool | None = None, compile: bool = False, capacity: int = 64
+        self,
+        model: PreTrainedModel,
+        *,
+        lean: bool | None = None,
+        compile: bool = False,
+        capacity: int = 64,
+        prompts: PromptCache | None = None,
     ) -> None:
         if (lean or compile) and not supports_lean(model):
             raise DistillSpecError(
@@ -432,11 +439,19 @@ class CachedLM:
         self.mask: Tensor | None = None
         self.next_pos: Tensor | None = None
         self.calls = 0
+        #: a lean model's first read (its prompts) takes the blocks this cache holds of them, and leaves theirs
+        self.prompts = prompts if self.lean else None
 
     @torch.inference_mode()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, every: bool = False) -> Tensor:
         """Run the (left-padded) prompt; return the logits of its last position, [B, V] (``every``: of all its
-        positions, [B, P, V])."""
+        positions, [B, P, V]). With a prompt cache (and not ``every``), as a first :meth:`step`."""
+        if self.prompts is not None and not every:
+            self.mask, self.next_pos = (
+                attention_mask.new_zeros(len(input_ids), 0),
+                attention_mask.new_zeros(len(input_ids)),
+            )
+            return self.step(input_ids, attention_mask, last_only=True)[:, -1]
         self.mask = attention_mask.long()
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.next_pos = self.mask.sum(-1)
@@ -448,10 +463,50 @@ class CachedLM:
         """Append ``tokens`` [B, k] (``valid`` marks real ones; others become holes); return logits [B, k, V] (with
         ``last_only``, [B, 1, V]: the output layer runs for the last column alone)."""
         valid = torch.ones_like(tokens) if valid is None else valid.long()
+        if self.prompts is not None and last_only and self.mask is not None and self.mask.shape[1] == 0:
+            return self._first_read(tokens, valid)
         positions = self.next_pos[:, None] + (valid.cumsum(-1) - 1).clamp(min=0)
         self.mask = valid if self.mask is None else torch.cat([self.mask, valid], dim=-1)
         self.next_pos = self.next_pos + valid.sum(-1)
         return self._forward(tokens, positions, last_only)
+
+    def _first_read(self, tokens: Tensor, valid: Tensor) -> Tensor:
+        """A first read (nothing in the cache yet) through the prompt cache: each row's first blocks that the cache
+        holds are copied into its cache's first columns (a row that holds fewer: holes after them), the rest of each
+        row is read as one step (right-aligned, holes before it), and the whole blocks read are left in the prompt
+        cache. Returns the last position's logits [B, 1, V]."""
+        cache, layers = self.prompts, self.model.model.layers
+        rows = [row[ok.bool()].tolist() for row, ok in zip(tokens, valid)]
+        found = [cache.find(self.model, row) for row in rows]
+        held = [len(blocks) * cache.block for blocks in found]
+        width = max(held)
+        if width:
+            self._reserve(width, len(rows), layers[0])
+            for i, blocks in enumerate(found):
+                if blocks:
+                    keys, values = (torch.cat(parts, 2) for parts in zip(*blocks))
+                    for layer in range(len(layers)):
+                        self.keys[layer][i, :, : held[i]] = keys[layer]
+                        self.values[layer][i, :, : held[i]] = values[layer]
+            self.mask = torch.tensor([[1] * h + [0] * (width - h) for h in held], device=tokens.device)
+            self.next_pos = torch.tensor(held, device=tokens.device)
+            rest = [row[h:] for row, h in zip(rows, held)]
+            span = max(len(r) for r in rest)
+            tokens = torch.tensor([[0] * (span - len(r)) + r for r in rest], device=tokens.device)
+            valid = torch.tensor([[0] * (span - len(r)) + [1] * len(r) for r in rest], device=tokens.device)
+        cached, self.prompts = self.prompts, None  # (the step below reads as any step)
+        try:
+            logits = self.step(tokens, valid, last_only=True)
+        finally:
+            self.prompts = cached
+        for i, row in enumerate(rows):
+            whole = len(row) // cache.block * cache.block
+            if whole > held[i]:
+                columns = self.mask[i].nonzero().squeeze(1)[:whole]
+                keys = torch.stack([k[i][:, columns] for k in self.keys])
+                values = torch.stack([v[i][:, columns] for v in self.values])
+                cache.add(self.model, row[:whole], keys, values, held=len(found[i]))
+        return logits
 
     @torch.inference_mode()
     def reject_tail(self, n_rejected: Tensor) -> None:

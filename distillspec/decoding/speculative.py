@@ -21,6 +21,7 @@ from distillspec.config import Compile, DraftContext, Lenience
 from distillspec.decoding.auto_gamma import acceptance_by_position
 from distillspec.decoding.kvcache import CachedLM, bucketed_capacity
 from distillspec.decoding.metrics import AcceptanceCounts
+from distillspec.decoding.prompt_cache import PromptCache
 from distillspec.decoding.sampling import History, SamplingControls
 from distillspec.errors import DistillSpecError
 from distillspec.models.draft_vocab import d2t, expand_logits, full_probs, vocab_size
@@ -319,17 +320,23 @@ def _prepare(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
 
 
 def cached_lm(
-    model: PreTrainedModel, input_ids: Tensor, max_new_tokens: int | Sequence[int], gamma: int, compile: bool
+    model: PreTrainedModel,
+    input_ids: Tensor,
+    max_new_tokens: int | Sequence[int],
+    gamma: int,
+    compile: bool,
+    prompts: PromptCache | None = None,
 ) -> CachedLM:
     """The decoder's :class:`CachedLM` for ``model``. With ``compile``, its decoding steps run through
     ``torch.compile`` (a Llama, Mistral or Qwen2 model; see :mod:`distillspec.decoding.kvcache`): on a GPU each new
     batch size or cache capacity compiles once, on a CPU a batch of one and a larger one, and later calls reuse them.
     The capacity is the prompt, the budget and one block, rounded up to 128 columns so that calls with similar prompts
-    share it."""
+    share it. ``prompts``: the prompt cache its first read takes blocks from and leaves its own in."""
     if not compile:
-        return CachedLM(model)
+        return CachedLM(model, prompts=prompts)
     limit = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-    return CachedLM(model, compile=True, capacity=bucketed_capacity(input_ids.shape[1] + limit + gamma + 1))
+    capacity = bucketed_capacity(input_ids.shape[1] + limit + gamma + 1)
+    return CachedLM(model, compile=True, capacity=capacity, prompts=prompts)
 
 
 def generation_defaults(
@@ -363,17 +370,18 @@ def autoregressive_generate(
     controls: SamplingControls | None = None,
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
+    prompt_cache: PromptCache | None = None,
 ) -> GenerationOutput:
     """Plain one-token-per-call decoding with the same cache code as :func:`speculative_generate`
     (``max_new_tokens``: one budget, or one per row; ``on_block``: see :data:`BlockCallback`; ``compile``: see
     :func:`cached_lm`; ``seeds``: one per row, each row's sample keyed by its seed, see :class:`SeededNoise`;
-    ``controls``: see :mod:`distillspec.decoding.sampling`; ``logprobs`` and ``prompt_logprobs``: see
-    :func:`speculative_generate`)."""
+    ``controls``: see :mod:`distillspec.decoding.sampling`; ``logprobs``, ``prompt_logprobs`` and ``prompt_cache``:
+    see :func:`speculative_generate`)."""
     check_decoding_args(max_new_tokens=max_new_tokens, temperature=temperature, lenience=None, epsilon=1.0)
     mask = _prepare(input_ids, attention_mask)
     noise = _seeded(seeds, len(input_ids), temperature, None, model, input_ids.device)
     history = _history(controls, input_ids, mask, model)
-    lm = cached_lm(model, input_ids, max_new_tokens, 0, compile)
+    lm = cached_lm(model, input_ids, max_new_tokens, 0, compile, prompt_cache)
     eos, pad = generation_defaults(model, eos_token_id, pad_token_id)
     emitter = _Emitter(len(input_ids), max_new_tokens, eos, pad, input_ids.device, logprobs)
     rows = torch.arange(len(input_ids), device=input_ids.device)
@@ -723,6 +731,7 @@ def speculative_generate(
     logprobs: int | None = None,
     prompt_logprobs: bool = False,
     draft_context: DraftContext = None,
+    prompt_cache: PromptCache | None = None,
 ) -> GenerationOutput:
     """Sample from ``target`` with ``draft`` proposing ``gamma`` tokens per target call.
 
@@ -742,6 +751,9 @@ def speculative_generate(
     prompt's too. ``draft_context=N``: the draft reads only the last ``N`` tokens of each prompt (the target reads it
     all): on a long prompt the draft's own reading of it is a cost the target alone does not pay, and its proposals
     depend mostly on the recent tokens; the output stays the target's. ``"auto"``: :func:`auto_draft_context`.
+    ``prompt_cache`` (:class:`~distillspec.decoding.prompt_cache.PromptCache`): each model reads only the part of a
+    prompt after the blocks of it that the cache holds (a system prompt, a conversation's earlier turns), and leaves
+    the blocks it read there; not with ``prompt_logprobs``, whose prompt is read whole.
     """
     if draft_context == "auto":
         draft_context = auto_draft_context(draft, max_new_tokens)
@@ -755,8 +767,8 @@ def speculative_generate(
     dev, batch = input_ids.device, len(input_ids)
     noise = _seeded(seeds, batch, temperature, lenience, target, dev)
     history = _history(controls, input_ids, mask, target)
-    tgt = cached_lm(target, input_ids, max_new_tokens, gamma, compile is True)
-    drf = cached_lm(draft, input_ids, max_new_tokens, gamma, bool(compile))
+    tgt = cached_lm(target, input_ids, max_new_tokens, gamma, compile is True, prompt_cache)
+    drf = cached_lm(draft, input_ids, max_new_tokens, gamma, bool(compile), prompt_cache)
     first_logits, prompt = _start(tgt, drf, input_ids, mask, logprobs if prompt_logprobs else None)
     eos, pad = generation_defaults(target, eos_token_id, pad_token_id)
     emitter, tally = _Emitter(batch, max_new_tokens, eos, pad, dev, logprobs), _Tally(batch, gamma, dev)

@@ -30,6 +30,7 @@ from distillspec.config import Compile, DraftContext, Lenience
 from distillspec.decoding.auto_gamma import AutoGamma
 from distillspec.decoding.kvcache import CachedLM
 from distillspec.decoding.metrics import AcceptanceCounts
+from distillspec.decoding.prompt_cache import PromptCache
 from distillspec.decoding.sampling import SamplingControls
 from distillspec.decoding.speculative import (
     GenerationOutput,
@@ -294,7 +295,9 @@ class Completer:
     through ``torch.compile`` (see :func:`~distillspec.decoding.speculative.speculative_generate`; ``"draft"``: the
     draft's alone), the draft's compiled as the server warms up (:meth:`compile_draft_steps`); a new draft version is a
     copy of the draft and reuses them. ``draft_context``: the draft reads each prompt's last tokens alone (see
-    :func:`~distillspec.decoding.speculative.speculative_generate`)."""
+    :func:`~distillspec.decoding.speculative.speculative_generate`). ``prompt_cache_bytes``: the keys and values of
+    prompts' blocks kept for later prompts that start the same way (:class:`PromptCache`; 0: none); a seeded call
+    reads its prompts whole, so that its text depends on its seed alone and not on what the cache held."""
 
     def __init__(
         self,
@@ -308,6 +311,7 @@ class Completer:
         max_gamma: int = 7,
         compile: Compile = False,
         draft_context: DraftContext = None,
+        prompt_cache_bytes: int = 0,
     ) -> None:
         self.target, self.draft, self.tokenizer, self.version = target.eval(), draft.eval(), tokenizer, version
         self.compile = compile
@@ -316,6 +320,8 @@ class Completer:
         self.auto = AutoGamma(max_gamma)  #: chooses gamma per block for jobs with ``gamma="auto"``
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         self.previous: tuple[PreTrainedModel, int] | None = None  #: the draft the last swap replaced
+        #: prompts' blocks, the target's and each draft version's (a version's go when its model object does)
+        self.prompts = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
 
     def check(self, job: CompletionJob) -> None:
         """Raise :class:`DistillSpecError` for a job this server refuses (the endpoint turns it into a 400)."""
@@ -482,6 +488,7 @@ class Completer:
             controls=args.controls,
             logprobs=scored(jobs[0]),
             prompt_logprobs=jobs[0].echo,
+            prompt_cache=None if seeded else self.prompts,
         )
         if all(j.max_new_tokens == 0 for j in jobs):  # echo alone: the prompts scored, nothing generated
             prompt = score_prompts(self.target, ids, mask, jobs[0].logprobs or 0)
