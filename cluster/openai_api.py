@@ -141,8 +141,14 @@ def param_of(message: str) -> str | None:
 
 
 def usage(done: list[Completion]) -> dict:
+    """OpenAI's usage: tokens, and the prompt's tokens read from the prompt cache (``cached_tokens``)."""
     prompt, completion = sum(c.prompt_tokens for c in done), sum(c.completion_tokens for c in done)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_prompt_tokens for c in done)},
+    }
 
 
 def sd_stats(done: list[Completion]) -> dict:

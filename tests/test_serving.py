@@ -422,6 +422,8 @@ def test_a_request_is_checked_and_tokenised_once_per_prompt_whatever_n(completer
 def test_a_server_reads_a_prompts_held_blocks_once_but_for_seeded_requests(text_pair, tokenizer):
     """serve.prompt_cache_mb: a prompt that starts as an earlier one did is read after the blocks held of it, by the
     target and by the draft, to the same greedy text; a seeded request reads its prompt whole."""
+    from cluster.openai_api import usage
+
     target, draft = text_pair
     server = Completer(target, draft, tokenizer, max_prompt_tokens=128, prompt_cache_bytes=16 << 20)
     preamble = "12+7=19 3*4=12 100-1=99 9+9+9=27 " * 2
@@ -431,6 +433,8 @@ def test_a_server_reads_a_prompts_held_blocks_once_but_for_seeded_requests(text_
     again = server.complete([CompletionJob(preamble + p, 8, args) for p in PROMPTS[2:]])
     held = server.prompts.hits
     assert held >= 2 * 2 * 16  # both rows, both models, at least a block each
+    assert [c.cached_prompt_tokens for c in first] == [0, 0] and min(c.cached_prompt_tokens for c in again) >= 16
+    assert usage(again)["prompt_tokens_details"]["cached_tokens"] == sum(c.cached_prompt_tokens for c in again)
     for c, prompt in zip(first + again, PROMPTS, strict=True):
         assert c.text == greedy_text(target, tokenizer, preamble + prompt, 8)
     server.complete([CompletionJob(preamble + PROMPTS[0], 8, DecodingArgs(gamma=3, temperature=1.0), seed=3)])

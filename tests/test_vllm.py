@@ -417,6 +417,7 @@ def test_vllm_endpoint_openai_client_streams_and_refuses(vllm_endpoint, models, 
         expected = greedy_text(target, tokenizer, prompt, 20)
         r = client.completions.create(model="distillspec", prompt=prompt, max_tokens=20, temperature=0)
         assert r.choices[0].text == expected
+        assert 0 <= r.usage.prompt_tokens_details.cached_tokens <= r.usage.prompt_tokens  # vLLM's prefix cache's
         sd = r.model_extra["distillspec"]
         assert sd["gamma"] == "auto" and sd["target_calls"] > 0 and 1.0 <= sd["tau"] <= 5.0
         assert sd["draft_version"] == -1 and sd["drafted"] <= 4 * sd["target_calls"]

@@ -441,6 +441,7 @@ class CachedLM:
         self.calls = 0
         #: a lean model's first read (its prompts) takes the blocks this cache holds of them, and leaves theirs
         self.prompts = prompts if self.lean else None
+        self.reused: Tensor | None = None  #: [B] the tokens of each row's first read taken from ``prompts``
 
     @torch.inference_mode()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, every: bool = False) -> Tensor:
@@ -479,7 +480,7 @@ class CachedLM:
         rows = [row[ok.bool()].tolist() for row, ok in zip(tokens, valid)]
         found = [cache.find(self.model, row) for row in rows]
         held = [len(blocks) * cache.block for blocks in found]
-        width = max(held)
+        width, self.reused = max(held), torch.tensor(held, device=tokens.device)
         if width:
             self._reserve(width, len(rows), layers[0])
             for i, blocks in enumerate(found):

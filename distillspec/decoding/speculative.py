@@ -188,6 +188,7 @@ class GenerationOutput:
     stats: SpecStats | None = None
     logprobs: Logprobs | None = None  # of the new tokens, [B, max(num_new_tokens)] (``logprobs=k``)
     prompt_logprobs: Logprobs | None = None  # of the prompt's tokens after its first, [B, prompt_len - 1]
+    cached_prompt_tokens: Tensor | None = None  # [B]: the target's prompt tokens taken from a prompt cache
 
 
 class GammaSchedule(Protocol):
@@ -290,11 +291,19 @@ class _Emitter:
         """The prompts, then the new tokens, as wide as the longest row's (not the token budget)."""
         return torch.cat([input_ids, self.out[:, : int(self.count.max())]], 1)
 
-    def output(self, input_ids: Tensor, stats: SpecStats | None = None, prompt: Logprobs | None = None):
-        """The call's :class:`GenerationOutput`."""
+    def output(
+        self,
+        input_ids: Tensor,
+        stats: SpecStats | None = None,
+        prompt: Logprobs | None = None,
+        target: CachedLM | None = None,
+    ) -> GenerationOutput:
+        """The call's :class:`GenerationOutput` (``target``: the target's :class:`CachedLM`, for what it took from a
+        prompt cache)."""
         width = int(self.count.max())
         scores = None if self.scores is None else Logprobs(*(t[:, :width] for t in vars(self.scores).values()))
-        return GenerationOutput(self.sequences(input_ids), self.count.clone(), stats, scores, prompt)
+        cached = None if target is None else target.reused
+        return GenerationOutput(self.sequences(input_ids), self.count.clone(), stats, scores, prompt, cached)
 
 
 @torch.inference_mode()
@@ -407,7 +416,7 @@ def autoregressive_generate(
             rows, token = rows[keep], token[keep]
             lm.select_rows(keep)
         logits = lm.step(token[:, None])[:, -1]
-    return emitter.output(input_ids, prompt=prompt)
+    return emitter.output(input_ids, prompt=prompt, target=lm)
 
 
 def _prefill(lm: CachedLM, input_ids: Tensor, mask: Tensor, k: int | None) -> tuple[Tensor, Logprobs | None]:
@@ -806,4 +815,4 @@ def speculative_generate(
         if not first_block:
             blocks.observe(len(drafts), g, n)  # the whole block: drafting, then verifying and its bookkeeping
 
-    return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt)
+    return emitter.output(input_ids, tally.stats(gamma, emitter.count, tgt.calls, drf.calls), prompt, tgt)

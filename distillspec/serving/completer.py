@@ -155,6 +155,7 @@ class Completion:
     args: DecodingArgs = field(default_factory=DecodingArgs)  #: the decoding settings it was made with
     logprobs: TokenLogprobs | None = None  #: with the job's ``logprobs`` (its text starts with the prompt: ``echo``)
     sample: ServedSample | None = None  #: with the job's ``record``
+    cached_prompt_tokens: int = 0  #: prompt tokens the target took from a prompt cache (vLLM's: its prefix cache)
 
 
 def tokens_within(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: str) -> int:
@@ -536,6 +537,7 @@ class Completer:
                     args=args,
                     logprobs=scores,
                     sample=sample,
+                    cached_prompt_tokens=0 if out.cached_prompt_tokens is None else int(out.cached_prompt_tokens[row]),
                 )
             )
         return done

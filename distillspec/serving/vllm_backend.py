@@ -517,6 +517,7 @@ class VLLMCompleter:
             seconds=time.perf_counter() - start,
             args=job.args,
             logprobs=scores,
+            cached_prompt_tokens=out.num_cached_tokens or 0,
         )
 
     async def complete(self, job: CompletionJob) -> Completion:
