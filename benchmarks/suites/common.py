@@ -15,7 +15,14 @@ from distillspec.config import DraftInt8, JobConfig, cell_config, load_config
 from distillspec.errors import DistillSpecError
 from distillspec.evaluation.study import run_cell
 from distillspec.models import few_rows
-from distillspec.models.loading import INT8_KERNELS, int8_kernels, load_pair, quantize_decoding_draft
+from distillspec.models.loading import (
+    INT8_KERNELS,
+    encode_prompts,
+    int8_kernels,
+    load_decoding_pair,
+    load_pair,
+    quantize_decoding_draft,
+)
 from distillspec.models.pretrained import PACKAGED, RUN_CONFIG, packaged_file, prepare_pair, run_models
 from distillspec.tasks.data import Task, load_task
 
@@ -284,3 +291,27 @@ def quantize_kind(model, kernel: str, fuse: bool = True):
         return quantize_decoding_draft(model, INT8_KERNELS[kernel], fuse=fuse)
     with mock.patch.dict(os.environ, {few_rows.INT4_SWITCH: "0"}):
         return quantize_decoding_draft(model, INT8_KERNELS["int4"], fuse=fuse)
+
+
+@dataclass
+class FewShot:
+    """A decoding pair and held-out questions each after the same worked examples of the training split (GSM8K's
+    few-shot form), through the pair's prompt format: :func:`few_shot`."""
+
+    cfg: JobConfig
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: object
+    examples: torch.Tensor  #: the worked examples' ids alone [1, n]
+    prompts: list[torch.Tensor]  #: each question's ids after them [1, n_i]
+
+
+def few_shot(overrides: list[str], shots: int, prompts: int) -> FewShot:
+    """The job config of ``overrides``, its decoding pair, and ``prompts`` held-out questions after ``shots`` worked
+    examples (the long-prompt and prompt-cache suites' prompts)."""
+    cfg = load_config(None, overrides)
+    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
+    target, draft, tokenizer = load_decoding_pair(cfg.models)
+    examples = "".join(f"{e.prompt}{e.reference}\n\n" for e in task.train[:shots])
+    ids = [encode_prompts(tokenizer, [examples + e.prompt])[0] for e in task.test[:prompts]]
+    return FewShot(cfg, target, draft, tokenizer, encode_prompts(tokenizer, [examples])[0], ids)

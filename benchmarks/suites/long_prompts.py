@@ -29,14 +29,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suites.common import command
+from benchmarks.suites.common import command, few_shot
 from distillspec.cli import run_main
-from distillspec.config import DraftContext, load_config
+from distillspec.config import DraftContext
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
-from distillspec.models.loading import encode_prompts, load_decoding_pair
-from distillspec.models.pretrained import prepare_pair
-from distillspec.tasks.data import load_task
 
 
 def context_name(context: DraftContext) -> str:
@@ -59,11 +56,8 @@ def suite_long_prompts(
 ) -> dict:
     """The whole suite (see the module docstring); writes ``long_prompts.json`` and ``long_prompts.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(None, overrides)
-    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
-    target, draft, tokenizer = load_decoding_pair(cfg.models)
-    examples = "".join(f"{e.prompt}{e.reference}\n\n" for e in task.train[:shots])
-    ids = [encode_prompts(tokenizer, [examples + e.prompt])[0] for e in task.test[:prompts]]
+    pair = few_shot(overrides, shots, prompts)
+    cfg, target, draft, ids = pair.cfg, pair.target, pair.draft, pair.prompts
     lengths = [int(x.shape[1]) for x in ids]
     log(f"prompts of {lengths} tokens ({shots} worked examples before each question)")
     runs = [("target alone", None)] + [("SD", c) for c in draft_contexts]

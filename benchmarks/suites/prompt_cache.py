@@ -23,16 +23,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suites.common import command
+from benchmarks.suites.common import command, few_shot
 from distillspec.cli import run_main
-from distillspec.config import load_config
 from distillspec.decoding.metrics import AcceptanceCounts
 from distillspec.decoding.prompt_cache import PromptCache
 from distillspec.decoding.speculative import autoregressive_generate, speculative_generate
 from distillspec.evaluation.measure import FirstBlock
-from distillspec.models.loading import encode_prompts, load_decoding_pair
-from distillspec.models.pretrained import prepare_pair
-from distillspec.tasks.data import load_task
 
 #: The decoders, in the order each prompt meets them: (decoder, with a prompt cache).
 DECODERS = [("target alone", False), ("SD", False), ("target alone", True), ("SD", True)]
@@ -51,13 +47,10 @@ def suite_prompt_cache(
 ) -> dict:
     """The whole suite (see the module docstring); writes ``prompt_cache.json`` and ``prompt_cache.md`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(None, overrides)
-    cfg, task = prepare_pair(cfg, load_task(cfg.dataset, seed=cfg.seed))
-    target, draft, tokenizer = load_decoding_pair(cfg.models)
-    examples = "".join(f"{e.prompt}{e.reference}\n\n" for e in task.train[:shots])
-    ids = [encode_prompts(tokenizer, [examples + e.prompt])[0] for e in task.test[:prompts]]
+    pair = few_shot(overrides, shots, prompts)
+    cfg, target, draft, tokenizer, ids = pair.cfg, pair.target, pair.draft, pair.tokenizer, pair.prompts
     lengths = [int(x.shape[1]) for x in ids]
-    shared = int(encode_prompts(tokenizer, [examples])[0].shape[1])
+    shared = int(pair.examples.shape[1])
     log(f"prompts of {lengths} tokens, the first {shared} the same ({shots} worked examples before each question)")
     caches = {"target alone": PromptCache(1 << 30), "SD": PromptCache(1 << 30)}
 
@@ -69,10 +62,9 @@ def suite_prompt_cache(
         return speculative_generate(target, draft, prompt, gamma=gamma, **common, **timing)
 
     with torch.inference_mode():
-        examples_only = encode_prompts(tokenizer, [examples])[0]
         for decoder in caches:  # untimed: the caches hold the worked examples, and every path has run once
-            decode(decoder, True, examples_only, 0)
-            decode(decoder, False, examples_only[:, -32:], 0)
+            decode(decoder, True, pair.examples, 0)
+            decode(decoder, False, pair.examples[:, -32:], 0)
         timings = {d: FirstBlock() for d in DECODERS}
         counts = {d: AcceptanceCounts(0, 0, 0) for d in DECODERS if d[0] == "SD"}
         same = 0
