@@ -381,7 +381,9 @@ constexpr int64_t int4_bytes(int64_t N, int64_t K) {
 // ones per group sums each row's pairs into 32 bits: 32 products an instruction where vpmaddwd alone gave 16 (on a
 // Zen 3 VM, one core, a layer's products of 6 rows ran at 51 GMAC/s with 16-bit rows and vpmaddwd, at 78 with these;
 // docs/MEASUREMENTS.md). A group's sum D then takes the group's scales, 8 output rows at once: c (s D + (z - 8 s) X),
-// c the group's scale of the input row and X the sum of its bytes.
+// c the group's scale of the input row and X the sum of its bytes. (Integer scales of superblocks of 8 groups, as
+// Q4_K's, would do the float work once a superblock, but need the rows' scale a superblock: verifications 4-9% faster,
+// the target 1.3-1.6x as far from the file's model; docs/MEASUREMENTS.md.)
 // Each group's every line is prefetched INT4_PREFETCH_BYTES ahead: with the hardware's prefetcher alone the products
 // kept too few reads in flight (on a Zen 3 VM, 2 threads, a 4-bit step of the 0.5B Qwen draft took 31-40 ms against
 // 22-24 with it, and the 1.5B target's step 130-147 ms against 105-109; docs/MEASUREMENTS.md).
@@ -621,7 +623,8 @@ void round_groups(const T* x, int8_t* xq, float* scales, float* sums, int64_t co
 // 16-31. vpmaddubsw multiplies a piece by 4 of an input row's bytes broadcast to every lane and sums them in pairs (at
 // most 2 x 63 x 127, so two pieces' sums hold in 16 bits); vpmaddwd by ones sums two pieces' pairs into 32 bits. A
 // half's sum D then takes its step, 8 output rows at once: c s (D - 32 X), c the group's scale of the input row and X
-// the sum of its bytes over the 16 inputs.
+// the sum of its bytes over the 16 inputs. (Codes in 6 bits read a fifth less, but their unpacking made a
+// verification's 6-bit products 4-14% slower; docs/MEASUREMENTS.md.)
 constexpr int64_t INT6_PIECES = INT4_GROUP_SIZE / 4;                 // a group's pieces of 4 inputs
 constexpr int64_t INT6_EIGHTH = INT6_PIECES * 32 + 2 * 8 * 4;        // an eighth's codes, then its 2 x 8 steps
 constexpr int64_t INT6_RUN_GROUP = INT4_EIGHTHS * INT6_EIGHTH;       // bytes of a run's group
