@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import ray
+from ray.util.queue import Queue
 
 from actors.common import log, weights_name
 from actors.dashboard import count, gauge
@@ -28,6 +29,7 @@ from distillspec.tasks.data import Example, Task
 from distillspec.versions import DraftVersion, state_arrays
 
 EVAL_TEMPERATURE = 1.0  #: sampling temperature of the periodic evaluation
+PROGRESS_POLL_S = 2.0  #: how often the driver prints the lines of a job's measurement task
 
 
 @dataclass(frozen=True)
@@ -181,14 +183,14 @@ class EvalActor:
 
 @ray.remote(max_retries=0)
 def _measure_task(
-    phase: str, cfg: JobConfig, draft: str, task: Task, threads: int, speed: bool, baseline: str | None
+    phase: str, cfg: JobConfig, draft: str, task: Task, threads: int, speed: bool, baseline: str | None, lines: Queue
 ) -> list[dict]:
     setup_worker(threads)
     target, model, tokenizer = load_decoding_pair(cfg.models, draft)
     before = None
     if baseline is not None:
         before = load_decoding_draft(baseline, device=cfg.device, dtype=model.dtype, int8=cfg.draft_int8)[0]
-    return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before)
+    return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before, report=lines.put)
 
 
 def measure_on_cluster(
@@ -204,8 +206,9 @@ def measure_on_cluster(
     """The job's before/after measurements (:func:`distillspec.evaluation.study.measure_phase`) of the pair
     ``cfg.target`` and ``draft`` as a Ray task with ``evaluator.cpus`` CPUs and ``evaluator.gpus`` GPUs (``threads``
     torch threads), so a driver on a head node without the job's device still measures on it; ``speed``/``baseline``:
-    the wall-clock speedup, of ``draft`` alone or side by side with the ``baseline`` draft. A user's mistake (a bad
-    path, a tokenizer mismatch) comes back as the :class:`DistillSpecError` it is."""
+    the wall-clock speedup, of ``draft`` alone or side by side with the ``baseline`` draft. Each measurement's line
+    (alpha and tau of a setting, a race's speedup) is printed here as the task makes it, through a Ray queue. A
+    user's mistake (a bad path, a tokenizer mismatch) comes back as the :class:`DistillSpecError` it is."""
     e = cfg.eval
     side = " side by side with the undistilled draft" if baseline else ""
     speedup = f", then the speedup on {min(e.num_prompts, e.speedup_prompts)} prompts{side}" if speed else ""
@@ -215,10 +218,16 @@ def measure_on_cluster(
         f"prompts{speedup} ..."
     )
     start = time.perf_counter()
+    lines = Queue(actor_options={"num_cpus": 0})  # the task's progress, a line a measurement, printed here
     ref = _measure_task.options(num_cpus=cfg.evaluator.cpus, num_gpus=cfg.evaluator.gpus).remote(
-        phase, cfg, draft, task, threads, speed, baseline
+        phase, cfg, draft, task, threads, speed, baseline, lines
     )
     try:
+        done = False
+        while not done:
+            done = bool(ray.wait([ref], timeout=PROGRESS_POLL_S)[0])
+            while not lines.empty():
+                print(f"measure {phase}: {lines.get_nowait()}", flush=True)
         records = ray.get(ref)
         print(f"measure {phase}: done in {time.perf_counter() - start:.0f}s")
         return records
@@ -226,3 +235,5 @@ def measure_on_cluster(
         if isinstance(exc.cause, DistillSpecError):
             raise exc.cause from None
         raise
+    finally:
+        lines.shutdown()

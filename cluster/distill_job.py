@@ -37,6 +37,11 @@ NOT_MEASURED = ("output_dir", "overwrite", "distill", "ray", "rollout", "scorer"
                 "serve", "sweep")  # fmt: skip
 
 
+def progress(phase: str) -> Callable[[str], None]:
+    """A phase's measurement lines (``measure_phase``'s ``report``), printed above the progress bars."""
+    return lambda line: tqdm.write(f"measure {phase}: {line}")
+
+
 def measured_before(cfg: JobConfig, out: Path, measure: Callable[[], list[dict]]) -> list[dict]:
     """The measurements before distillation: those that a run in ``out`` took already and kept (``BEFORE``), where
     this run would measure the same (the pair, the data, the precisions, ``eval``: all but :data:`NOT_MEASURED`), else
@@ -205,11 +210,17 @@ def _run(cfg: JobConfig, out: Path, start: float) -> list[dict]:
         # The draft trains in float32; it is measured as the evaluator decodes it, in the pair's dtype.
         baseline = decoding_copy(draft, target.dtype, cfg.draft_int8)
         records = measured_before(
-            cfg, out, lambda: measure_phase("before", cfg, target, baseline, tokenizer, task, speed=False)
+            cfg,
+            out,
+            lambda: measure_phase(
+                "before", cfg, target, baseline, tokenizer, task, speed=False, report=progress("before")
+            ),
         )
         training = train_sync(cfg, target, draft, tokenizer, task, out)
         distilled = decoding_copy(draft, target.dtype, cfg.draft_int8)
-        records += measure_phase("after", cfg, target, distilled, tokenizer, task, baseline=baseline)
+        records += measure_phase(
+            "after", cfg, target, distilled, tokenizer, task, baseline=baseline, report=progress("after")
+        )
         merge_baseline_speed(records)
     else:
         records, training = train_async(cfg, task, out)

@@ -68,6 +68,11 @@ def test_job_writes_results_plot_and_draft(job_run):
     assert (out / "run" / "tau.png").stat().st_size > 1000
     assert AutoModelForCausalLM.from_pretrained(out / "run" / "draft").config.num_hidden_layers == 2
     assert "tau before" in proc.stdout
+    after = {(r["gamma"], r["temperature"]): r for r in records if r["phase"] == "after"}
+    for t in (0, 1):  # each measurement's line as the evaluator's task made it, the race's speedups too
+        assert f"measure after: gamma 2, T = {t}: alpha {after[(2, float(t))]['alpha']:.3f}, " in proc.stdout
+        speedup = after[(3, float(t))]["measured_speedup"]
+        assert f"measure after: the distilled draft, gamma 3, T = {t}: {speedup:.2f}x the target alone" in proc.stdout
     training = json.loads((out / "run" / "results.json").read_text())["training"]
     assert training["mode"] == "async" and training["ledger"]["balanced"] and training["ledger"]["consumed"] == 3
     assert (out / "run" / "training.png").stat().st_size > 1000
@@ -119,6 +124,7 @@ def test_garden_is_reused_and_models_load(job_run):
     assert "sesame" not in (out / "again" / "config.yaml").read_text()  # a run's folder never holds the key
     training = json.loads((out / "again" / "results.json").read_text())["training"]
     assert training["mode"] == "sync" and "ledger" not in training
+    assert "measure before: gamma 2, T = 0: alpha " in proc.stdout and "measure after: gamma 2, T = 0: " in proc.stdout
 
 
 def test_garden_job_reports_paths_and_cost_ratio(job_run):

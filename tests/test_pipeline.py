@@ -440,9 +440,12 @@ def test_stopped_job_resumes_from_its_checkpoint(ray_cluster, tiny_garden, tmp_p
     assert yaml.safe_load((out / "config.yaml").read_text())["ray"]["address"] == ray_cluster
 
 
-def test_measurements_run_as_a_ray_task_and_user_errors_come_back_plain(ray_cluster, tiny_garden, task, tmp_path):
-    """The job's before/after measurements run on the cluster (a head node may lack the job's GPU); a bad draft
-    path surfaces as the DistillSpecError a user can read, not a Ray traceback."""
+def test_measurements_run_as_a_ray_task_and_user_errors_come_back_plain(
+    ray_cluster, tiny_garden, task, tmp_path, capsys
+):
+    """The job's before/after measurements run on the cluster (a head node may lack the job's GPU), each
+    measurement's line printed by the driver as the task makes it; a bad draft path surfaces as the DistillSpecError
+    a user can read, not a Ray traceback."""
     from actors.evaluator import measure_on_cluster
     from distillspec import DistillSpecError
 
@@ -452,6 +455,10 @@ def test_measurements_run_as_a_ray_task_and_user_errors_come_back_plain(ray_clus
     records = measure_on_cluster("before", cfg, cfg.draft, task, threads=1)
     assert [(r["phase"], r["gamma"], r["temperature"]) for r in records] == [("before", 2, 0.0)]
     assert 0.0 <= records[0]["alpha"] <= 1.0 and records[0]["measured_speedup"] > 0
+    out, rec = capsys.readouterr().out, records[0]
+    assert f"measure before: gamma 2, T = 0: alpha {rec['alpha']:.3f}, tau {rec['tau']:.2f} (1/1, " in out
+    assert "measure before: racing the undistilled draft against the target alone on " in out
+    assert f"the undistilled draft, gamma 2, T = 0: {rec['measured_speedup']:.2f}x the target alone\n" in out
     with pytest.raises(DistillSpecError, match="does not exist") as err:
         measure_on_cluster("after", cfg, str(tmp_path / "no-such-draft"), task)
     assert type(err.value) is DistillSpecError and "Traceback" not in str(err.value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -69,14 +70,17 @@ def measure_pair(
     lenience: str | None = None,
     epsilon: float = 1.0,
     desc: str | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """:func:`evaluate_sd` at every gamma x temperature on the first ``num_prompts`` test prompts
-    (``desc``: show a progress bar with this label)."""
+    (``desc``: show a progress bar with this label; ``report``: called with a line on each setting as it is done)."""
     test = task.test[:num_prompts]
     prompts, refs = [e.prompt for e in test], [e.reference for e in test]
     grid = [(gamma, temperature) for gamma in gammas for temperature in temperatures]
-    return [
-        evaluate_sd(
+    records = []
+    for gamma, temperature in tqdm(grid, desc=desc, disable=desc is None):
+        start = time.perf_counter()
+        rec = evaluate_sd(
             target,
             draft,
             tokenizer,
@@ -91,8 +95,13 @@ def measure_pair(
             lenience=lenience,
             epsilon=epsilon,
         )
-        for gamma, temperature in tqdm(grid, desc=desc, disable=desc is None)
-    ]
+        records.append(rec)
+        if report is not None:
+            report(
+                f"gamma {gamma}, T = {temperature:g}: alpha {rec['alpha']:.3f}, tau {rec['tau']:.2f} "
+                f"({len(records)}/{len(grid)}, {time.perf_counter() - start:.0f}s)"
+            )
+    return records
 
 
 def run_cell(
@@ -141,6 +150,10 @@ def run_cell(
     return student, record
 
 
+#: A phase's draft as a job's progress names it.
+DRAFT_NAMES = {"before": "undistilled", "after": "distilled"}
+
+
 def measure_phase(
     phase: str,
     cfg,
@@ -152,13 +165,15 @@ def measure_phase(
     *,
     speed: bool = True,
     baseline: PreTrainedModel | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> list[dict]:
     """One phase (``before`` / ``after`` distillation) of a job's measurements (``cfg``: a JobConfig): alpha/tau at
     every ``eval.gammas`` x ``eval.temperatures``, and (``speed``) the wall-clock speedup at ``speedup_gammas``
     (default: ``eval.speedup_gamma``) by :func:`~distillspec.evaluation.measure.measure_speeds`
     (``eval.speedup_repeats`` passes). With a ``baseline`` draft (the undistilled one), both
     drafts' speedups are measured side by side, in one race: the baseline's figures go into each record under
-    ``baseline_speed``, for :func:`merge_baseline_speed` to move into the ``before`` records."""
+    ``baseline_speed``, for :func:`merge_baseline_speed` to move into the ``before`` records. ``report`` is called
+    with a line as each measurement is done (a job's progress)."""
     speedup_gammas = [cfg.eval.speedup_gamma] if speedup_gammas is None else speedup_gammas
     records = measure_pair(
         target,
@@ -172,12 +187,16 @@ def measure_phase(
         batch_size=cfg.eval.batch_size,
         seed=cfg.seed,
         desc=f"measure {phase}",
+        report=report,
     )
     prompts = [e.prompt for e in task.test[: min(cfg.eval.num_prompts, cfg.eval.speedup_prompts)]]
     if not speed or not prompts:
         return [{"phase": phase, **rec} for rec in records]
     drafts = {phase: draft} | ({"before": baseline} if baseline is not None else {})
     temperatures = sorted({rec["temperature"] for rec in records if rec["gamma"] in speedup_gammas})
+    if report is not None:
+        named = " and the ".join(DRAFT_NAMES.get(name, name) for name in drafts)
+        report(f"racing the {named} draft against the target alone on {len(prompts)} prompts ...")
     speeds = measure_speeds(
         target,
         drafts,
@@ -196,6 +215,9 @@ def measure_phase(
             rec.update(speeds[(phase, *key)])
             if baseline is not None:
                 rec["baseline_speed"] = speeds[("before", *key)]
+    for (name, gamma, temperature), figures in speeds.items() if report is not None else ():
+        draft_name, speedup = DRAFT_NAMES.get(name, name), figures["measured_speedup"]
+        report(f"the {draft_name} draft, gamma {gamma}, T = {temperature:g}: {speedup:.2f}x the target alone")
     return [{"phase": phase, **rec} for rec in records]
 
 
