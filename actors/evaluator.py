@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 from ray.util.queue import Queue
+from tqdm.auto import tqdm
 
 from actors.common import log, weights_name
 from actors.dashboard import count, gauge
@@ -193,6 +195,12 @@ def _measure_task(
     return measure_phase(phase, cfg, target, model, tokenizer, task, speed=speed, baseline=before, report=lines.put)
 
 
+def progress(phase: str) -> Callable[[str], None]:
+    """A phase's measurement lines (``measure_phase``'s ``report``) as the driver prints them, above any progress
+    bars."""
+    return lambda line: tqdm.write(f"measure {phase}: {line}")
+
+
 def measure_on_cluster(
     phase: str,
     cfg: JobConfig,
@@ -223,11 +231,11 @@ def measure_on_cluster(
         phase, cfg, draft, task, threads, speed, baseline, lines
     )
     try:
-        done = False
+        done, show = False, progress(phase)
         while not done:
             done = bool(ray.wait([ref], timeout=PROGRESS_POLL_S)[0])
             while not lines.empty():
-                print(f"measure {phase}: {lines.get_nowait()}", flush=True)
+                show(lines.get_nowait())
         records = ray.get(ref)
         print(f"measure {phase}: done in {time.perf_counter() - start:.0f}s")
         return records

@@ -14,7 +14,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from actors.evaluator import measure_on_cluster
+from actors.evaluator import measure_on_cluster, progress
 from actors.learner import RUN_DIR, checkpoint_steps
 from cluster.connect import connect, dashboard_url, logs_dir, metrics_url
 from cluster.pipeline import EVALUATIONS, Pipeline, check_devices
@@ -35,11 +35,6 @@ BEFORE = "before.json"
 #: The config's knobs and sections that do not change what the measurements before distillation measure
 NOT_MEASURED = ("output_dir", "overwrite", "distill", "ray", "rollout", "scorer", "buffer", "learner", "evaluator",
                 "serve", "sweep")  # fmt: skip
-
-
-def progress(phase: str) -> Callable[[str], None]:
-    """A phase's measurement lines (``measure_phase``'s ``report``), printed above the progress bars."""
-    return lambda line: tqdm.write(f"measure {phase}: {line}")
 
 
 def measured_before(cfg: JobConfig, out: Path, measure: Callable[[], list[dict]]) -> list[dict]:
