@@ -112,8 +112,9 @@ def learner_loop(config: dict) -> None:
     if rank == 0 and records is None:
         records = RecordLog(config["log"])
 
-    # A LoRA trains no weight of the draft's for DDP to average: its factors' gradients are averaged in the step.
-    strategy = None if learner.lora is not None else "ddp"
+    # An adapter (LoRA, the grids' scales) trains no weight of the draft's for DDP to average: its gradients are
+    # averaged in the step.
+    strategy = None if learner.adapter is not None else "ddp"
     learner.model = ray.train.torch.prepare_model(draft, move_to_device=device, parallel_strategy=strategy)
     dtype = s.learner.version_dtype
     # The store numbers versions: this learner's are its steps shifted by a constant (not 0 after a restart:

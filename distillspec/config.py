@@ -167,14 +167,16 @@ class DistillConfig:
         "computes bfloat16 (AMX or AVX512-BF16 CPUs, GPUs), about 18x slower where it is emulated; unset = on where "
         "the pair runs in bfloat16 (dtype), else off",
     )
-    train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*|lora:[1-9][0-9]*|head)$")] = knob(
+    train: Annotated[str, Field(pattern=r"^(all|layers|top:[1-9][0-9]*|lora:[1-9][0-9]*|scales|head)$")] = knob(
         "all",
         "which of the draft's weights train: all | layers (its decoder layers only; the embeddings, final norm and "
         "head stay as they are, e.g. as copied from the target by --draft first:K) | top:K (its last K decoder "
         "layers only: the backward pass stops below them, and the optimizer holds a state for them alone) | lora:R "
         "(a rank-R LoRA of every linear weight in its decoder layers, kept merged into them: the optimizer holds the "
-        "low-rank factors alone) | head (its output layer alone: the cheapest step, no backward pass through the "
-        "layers)",
+        "low-rank factors alone) | scales (the draft rounded once to 4-bit groups, as its 4-bit decoding copy holds "
+        "it, and only each group's scale and zero point train: the trained draft decodes by 4-bit steps as it "
+        "trained, where a float-trained one is rounded anew) | head (its output layer alone: the cheapest step, no "
+        "backward pass through the layers)",
     )
 
 

@@ -96,7 +96,7 @@ else:
         assert read_json(target / "step.json") == {"step": 3}
 
 
-@pytest.mark.parametrize("train", ["all", "lora:2"])
+@pytest.mark.parametrize("train", ["all", "lora:2", "scales"])
 def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, text_pair, tokenizer, task, train):
     """The learner's state (weights, optimizer, scheduler, step; LoRA's factors) comes back as saved, through
     ``torch.load`` with ``weights_only=True`` (a checkpoint cannot run code when a run resumes from it)."""
@@ -121,8 +121,8 @@ def test_a_checkpoint_round_trips_and_loads_without_unpickling_code(tmp_path, te
         RecordLog(log.path, 5)
     for a, b in zip(learner.draft.parameters(), other.draft.parameters(), strict=True):
         assert torch.equal(a, b)
-    if learner.lora is not None:
-        for a, b in zip(learner.lora.params, other.lora.params, strict=True):
+    if learner.adapter is not None:
+        for a, b in zip(learner.adapter.params, other.adapter.params, strict=True):
             assert torch.equal(a, b) and torch.count_nonzero(b) > 0
     assert read_json(tmp_path / "ckpt" / "ledger.json") == {"a": 1}
 

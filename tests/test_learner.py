@@ -221,37 +221,38 @@ def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tok
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     cfg = DistillConfig(recipe="supkd", divergence="fkl", train="lora:2", lr=1e-2, warmup_steps=0, steps=10)
     learner = Learner(draft, target, cfg, bf16=False)
-    assert len(learner.lora.weights) == 7  # q, k, v, o, gate, up, down of the one decoder layer
+    assert len(learner.adapter.weights) == 7  # q, k, v, o, gate, up, down of the one decoder layer
     batch = encode_examples(tokenizer, task.train[:4], max_len=64)
     with torch.no_grad():  # B starts at 0: the draft is as it was; give B a value so dA is not 0 either
-        for b in learner.lora.b:
+        for b in learner.adapter.b:
             b.normal_(0, 0.01)
-        learner.lora.merge()
+        learner.adapter.merge()
     names = {id(w): n for n, w in draft.named_parameters()}
     recipe = resolve_recipe(cfg)
 
     def explicit_loss(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+        lora = learner.adapter
         weights = {names[id(w)]: w0 + bi @ ai for w, (a0, b0), ai, bi in
-                   zip(learner.lora.weights, learner.lora.merged, a, b) for w0 in [w.detach() - b0 @ a0]}  # fmt: skip
+                   zip(lora.weights, lora.merged, a, b) for w0 in [w.detach() - b0 @ a0]}  # fmt: skip
         model = lambda **kw: functional_call(draft, weights, args=(), kwargs=kw)
         model.config = draft.config
         return kd_loss(model, target, batch, recipe)
 
-    a = [x.detach().clone().requires_grad_() for x in learner.lora.a]
-    b = [x.detach().clone().requires_grad_() for x in learner.lora.b]
+    a = [x.detach().clone().requires_grad_() for x in learner.adapter.a]
+    b = [x.detach().clone().requires_grad_() for x in learner.adapter.b]
     explicit_loss(a, b).backward()
     learner.optimizer.zero_grad(set_to_none=True)  # the adapted layers' hooks saw that pass too
     kd_loss(draft, target, batch, recipe).backward()
-    learner.lora.gradients()
-    for mine, theirs in zip(learner.lora.params, [*a, *b]):
+    learner.adapter.gradients()
+    for mine, theirs in zip(learner.adapter.params, [*a, *b]):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
-    assert all(w.grad is None for w in learner.lora.weights)
+    assert all(w.grad is None for w in learner.adapter.weights)
     learner.optimizer.zero_grad(set_to_none=True)
 
     start = {k: v.clone() for k, v in draft.state_dict().items()}
     record = learner.step(batch)
     assert set(draft.state_dict()) == set(before)
-    adapted = {names[id(w)] for w in learner.lora.weights}
+    adapted = {names[id(w)] for w in learner.adapter.weights}
     for name, value in draft.state_dict().items():
         moved = value - before[name]  # W0 + B A: B A of rank 2 at most, and this step moved it
         if name in adapted:
@@ -278,3 +279,84 @@ def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tok
         load_config(None, ["distill.train=lora:0"])
     with pytest.raises(DistillSpecError, match="float32"):
         Learner(copy.deepcopy(base).to(torch.bfloat16), target, cfg)
+
+
+def test_scales_train_the_draft_on_the_grids_its_4bit_decoding_copy_holds(text_pair, tokenizer, task):
+    """``distill.train=scales``: the draft starts as its 4-bit rounding (``int4_groups``, as a 4-bit decoding copy
+    rounds it), the gradients of the groups' scales and zero points are those of an explicit forward through
+    ``(code - 8) * scale + zero``, the steps move the scales and zero points alone (the codes stay, and rounding the
+    trained weights to 4 bits again gives them back exactly: what a 4-bit decoding copy holds is what trained), the
+    loss falls, and a resumed learner carries on as the one that never stopped."""
+    import copy
+
+    from torch.func import functional_call
+
+    from distillspec.config import load_config
+    from distillspec.models.packing import INT4_GROUP, int4_groups
+
+    target, base = text_pair
+    draft = copy.deepcopy(base)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    cfg = DistillConfig(recipe="supkd", divergence="fkl", train="scales", lr=1e-3, warmup_steps=0, steps=10)
+    learner = Learner(draft, target, cfg, bf16=False)
+    grids = learner.adapter
+    names = {id(w): n for n, w in draft.named_parameters()}
+    rounded = {names[id(w)] for w in grids.weights}
+    tied = draft.get_output_embeddings().weight is draft.get_input_embeddings().weight
+    assert len(grids.weights) == 7 + (not tied)  # q, k, v, o, gate, up, down of the one decoder layer (and the head)
+
+    def dequantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scales_zeros = int4_groups(weight)
+        rows, cols = weight.shape
+        scale, zero = scales_zeros.transpose(0, 1).reshape(rows, cols // INT4_GROUP, 1, 2).unbind(-1)
+        groups = (codes.reshape(rows, -1, INT4_GROUP) - 8) * scale + zero
+        return groups.reshape(rows, cols), codes
+
+    for name, value in draft.state_dict().items():  # the draft as its 4-bit decoding copy holds it
+        if name in rounded:
+            torch.testing.assert_close(value, dequantized(before[name])[0], rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(value, before[name])
+
+    batch = encode_examples(tokenizer, task.train[:4], max_len=64)
+    recipe = resolve_recipe(cfg)
+
+    def explicit_loss(scale: list[torch.Tensor], zero: list[torch.Tensor]) -> torch.Tensor:
+        weights = {names[id(w)]: (codes.float() * s[..., None] + z[..., None]).reshape(w.shape)
+                   for w, codes, s, z in zip(grids.weights, grids.codes, scale, zero)}  # fmt: skip
+        model = lambda **kw: functional_call(draft, weights, args=(), kwargs=kw)
+        model.config = draft.config
+        return kd_loss(model, target, batch, recipe)
+
+    scale = [x.detach().clone().requires_grad_() for x in grids.scale]
+    zero = [x.detach().clone().requires_grad_() for x in grids.zero]
+    explicit_loss(scale, zero).backward()
+    learner.optimizer.zero_grad(set_to_none=True)
+    kd_loss(draft, target, batch, recipe).backward()
+    grids.gradients()
+    for mine, theirs in zip(grids.params, [*scale, *zero]):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6)
+    assert all(w.grad is None for w in grids.weights)
+    learner.optimizer.zero_grad(set_to_none=True)
+
+    start = {k: v.clone() for k, v in draft.state_dict().items()}
+    losses = [learner.step(batch)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+    assert set(draft.state_dict()) == set(before)
+    for name, value in draft.state_dict().items():
+        if name in rounded:  # moved, on the grids of the same codes
+            again, codes = dequantized(value)
+            assert not torch.equal(value, start[name])
+            groups, first = codes.view(len(codes), -1, INT4_GROUP), dequantized(start[name])[1].view(len(codes), -1, 32)
+            # a group whose scale crossed 0 is found with its codes the other way up (a grid of positive steps)
+            assert ((groups == first).all(-1) | (groups == 15 - first).all(-1)).all()
+            torch.testing.assert_close(again, value, rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(value, start[name])
+
+    resumed = Learner(copy.deepcopy(draft), target, cfg, bf16=False)
+    resumed.load_state_dict(copy.deepcopy(learner.state_dict()))
+    learner.step(batch), resumed.step(batch)
+    for (name, mine), theirs in zip(draft.state_dict().items(), resumed.draft.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+    assert load_config(None, ["distill.train=scales"]).distill.train == "scales"

@@ -25,6 +25,7 @@ from distillspec.config import DistillConfig, resolve_recipe
 from distillspec.errors import DistillSpecError
 from distillspec.files import RecordLog, write_folder
 from distillspec.models.loading import load_model
+from distillspec.models.packing import INT4_GROUP, int4_groups
 from distillspec.tasks.data import Example
 from distillspec.training.batches import Batch
 from distillspec.training.divergences import TopKLogprobs
@@ -117,6 +118,8 @@ class LoRA:
     frozen. Under DDP the model is not wrapped (none of its weights train): :meth:`gradients` averages the factors'
     gradients over the workers."""
 
+    name = "lora"  #: its key in a learner's state
+
     def __init__(self, model: torch.nn.Module, rank: int) -> None:
         pattern = re.compile(r"(?:^|\.)layers\.\d+\.")
         layers = [
@@ -155,11 +158,7 @@ class LoRA:
 
     def gradients(self) -> None:
         """Under DDP, the factors' gradients averaged over the workers (after the backward pass)."""
-        if torch.distributed.is_initialized() and (world := torch.distributed.get_world_size()) > 1:
-            for p in self.params:
-                if p.grad is not None:
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad /= world
+        average_gradients(self.params)
 
     @torch.no_grad()
     def merge(self) -> None:
@@ -177,6 +176,144 @@ class LoRA:
         for p, saved in zip([*self.a, *self.b], [*state["a"], *state["b"]]):
             p.copy_(saved)
         self.merged = self.factors()
+
+
+class ScaleGradients(torch.autograd.Function):
+    """The identity on a linear layer's output ``y``, whose backward pass adds the gradients of its 4-bit groups'
+    scales and zero points (:class:`GridScales`) from ``g = dL/dy`` and the layer's input ``x``: with the weight's
+    ``dW = g^T x`` [out, in] in groups of :data:`~distillspec.models.packing.INT4_GROUP` inputs, ``d scale`` is each
+    group's sum of ``dW * (code - 8)`` and ``d zero`` its sum of ``dW``, formed a chunk of rows at a time (a head's
+    ``dW`` is as large as its weight). ``g`` goes on to ``x`` through the weight, which holds the grids."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, codes: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+        ctx.save_for_backward(x, codes, scale, zero)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, Tensor, Tensor]:
+        x, codes, scale, zero = ctx.saved_tensors
+        x2, g2 = x.reshape(-1, x.shape[-1]).float(), g.reshape(-1, g.shape[-1]).float()
+        d_scale, d_zero = torch.empty_like(scale), torch.empty_like(zero)
+        for start in range(0, codes.shape[0], GRID_CHUNK_ROWS):
+            rows = slice(start, start + GRID_CHUNK_ROWS)
+            dw = (g2[:, rows].T @ x2).view(*codes[rows].shape)  # [rows, groups, INT4_GROUP]
+            d_zero[rows] = dw.sum(-1)
+            d_scale[rows] = dw.mul_(codes[rows]).sum(-1)
+        return g, None, None, d_scale, d_zero
+
+
+class ScaleHook:
+    """The forward hook of one layer on 4-bit grids: :class:`ScaleGradients` on its output while gradients are on; a
+    copy of the draft holds no grids and passes the output through (as :class:`LoRAHook`)."""
+
+    def __init__(self, codes: Tensor | None = None, scale: Tensor | None = None, zero: Tensor | None = None) -> None:
+        self.codes, self.scale, self.zero = codes, scale, zero
+
+    def __call__(self, layer: torch.nn.Module, inputs: tuple[Tensor, ...], y: Tensor) -> Tensor | None:
+        if self.codes is None or not torch.is_grad_enabled():
+            return None
+        return ScaleGradients.apply(y, inputs[0].detach(), self.codes, self.scale, self.zero)
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return ScaleHook, ()
+
+
+#: Rows of a layer's ``dW`` that :class:`ScaleGradients` forms at a time.
+GRID_CHUNK_ROWS = 8192
+
+
+class GridScales:
+    """The draft as its 4-bit decoding copy holds it, only each group's scale and zero point training
+    (``distill.train=scales``; PEQA, Kim et al., 2023, arXiv 2305.14152): every linear weight of its decoder layers
+    and its head whose inputs are whole groups of :data:`~distillspec.models.packing.INT4_GROUP` is rounded once by
+    :func:`~distillspec.models.packing.int4_groups` (each group of a row on 16 levels, ``(code - 8) * scale + zero``),
+    its codes fixed (a head tied to the input embeddings stays as it is); ``scale`` and ``zero`` [out, groups] are the
+    only weights the optimizer holds. The weight stays merged (``(code - 8) * scale + zero`` after every step), so the
+    draft is an ordinary model on 4-bit grids whose groups span codes 0 to 15: a 4-bit decoding copy
+    (``draft_int8=int4``, the default for a large draft on a CPU) finds the same grids and holds the weights that
+    trained, where a draft trained in float32 is rounded anew and a short distillation's change is a hundredth of that
+    rounding (docs/MEASUREMENTS.md). The draft starts as its decoding copy, not as its file. The optimizer's state is
+    two numbers a group of 32 weights; the backward pass forms each layer's ``dW`` a chunk at a time
+    (:class:`ScaleGradients`) and keeps none. Under DDP as :class:`LoRA`."""
+
+    name = "scales"  #: its key in a learner's state
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        pattern = re.compile(r"(?:^|\.)layers\.\d+\.")
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None):
+            head = None  # tied to the input embeddings, which rounding it would round: it stays as it is
+        layers = [
+            m
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+            and (pattern.search(name + ".") or m is head)
+            and m.in_features % INT4_GROUP == 0
+        ]
+        if not layers:
+            raise DistillSpecError(
+                f"distill.train=scales: the draft has no linear weights in '...layers.N...' or its head whose inputs "
+                f"are whole groups of {INT4_GROUP}"
+            )
+        self.weights = [m.weight for m in layers]
+        if (dtype := self.weights[0].dtype) != torch.float32:
+            raise DistillSpecError(f"distill.train=scales: the draft's weights are {dtype}; load it in float32")
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.codes: list[Tensor] = []
+        self.scale: list[Tensor] = []
+        self.zero: list[Tensor] = []
+        for layer, w in zip(layers, self.weights):
+            codes, scales_zeros = int4_groups(w.detach())
+            rows, cols = w.shape
+            self.codes.append(codes.sub_(8).to(torch.int8).view(rows, cols // INT4_GROUP, INT4_GROUP))
+            self.scale.append(torch.nn.Parameter(scales_zeros[..., 0].T.contiguous()))
+            self.zero.append(torch.nn.Parameter(scales_zeros[..., 1].T.contiguous()))
+            layer.register_forward_hook(ScaleHook(self.codes[-1], self.scale[-1], self.zero[-1]))
+        self.merge()
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [*self.scale, *self.zero]
+
+    def gradients(self) -> None:
+        """Under DDP, the gradients averaged over the workers (after the backward pass)."""
+        average_gradients(self.params)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Each weight from its codes, scales and zero points (after an optimizer step), a chunk of rows at a time."""
+        for w, codes, scale, zero in zip(self.weights, self.codes, self.scale, self.zero):
+            for start in range(0, len(w), GRID_CHUNK_ROWS):
+                rows = slice(start, start + GRID_CHUNK_ROWS)
+                grid = codes[rows].float().mul_(scale[rows, :, None]).add_(zero[rows, :, None])
+                w[rows] = grid.view(w[rows].shape)
+
+    def state_dict(self) -> dict[str, list[Tensor]]:
+        return {"scale": [p.detach().clone() for p in self.scale], "zero": [p.detach().clone() for p in self.zero]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, list[Tensor]]) -> None:
+        """The scales and zero points as saved, and the codes that put the checkpoint's draft on their grids (the
+        draft's own rounding finds a group whose scale crossed 0 with its codes the other way up)."""
+        for w, codes, scale, zero, saved_scale, saved_zero in zip(
+            self.weights, self.codes, self.scale, self.zero, state["scale"], state["zero"]
+        ):
+            scale.copy_(saved_scale)
+            zero.copy_(saved_zero)
+            step = torch.where(scale == 0, 1.0, scale)[..., None]
+            codes.copy_((w.view(codes.shape) - zero[..., None]).div_(step).round_().clamp_(-8, 7))
+        self.merge()
+
+
+def average_gradients(params: list[Tensor]) -> None:
+    """Under DDP (a process group of several workers), ``params``' gradients averaged over the workers."""
+    if torch.distributed.is_initialized() and (world := torch.distributed.get_world_size()) > 1:
+        for p in params:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
 
 
 def freeze_all_but_head(model: PreTrainedModel) -> int:
@@ -213,12 +350,17 @@ class Learner:
         self.recipe = resolve_recipe(cfg)
         self.objective = objective or self.kd_objective
         self.bf16, self.max_grad_norm = bool(cfg.bf16) if bf16 is None else bf16, max_grad_norm
-        self.lora = LoRA(draft, int(cfg.train.removeprefix("lora:"))) if cfg.train.startswith("lora:") else None
-        if cfg.train == "head":
+        #: the weights that train where the draft's own do not (``distill.train=lora:R`` or ``scales``)
+        self.adapter: LoRA | GridScales | None = None
+        if cfg.train.startswith("lora:"):
+            self.adapter = LoRA(draft, int(cfg.train.removeprefix("lora:")))
+        elif cfg.train == "scales":
+            self.adapter = GridScales(draft)
+        elif cfg.train == "head":
             freeze_all_but_head(draft)
-        elif cfg.train != "all" and self.lora is None:
+        elif cfg.train != "all":
             freeze_all_but_layers(draft, int(cfg.train.removeprefix("top:")) if cfg.train.startswith("top:") else None)
-        params = None if self.lora is None else self.lora.params
+        params = None if self.adapter is None else self.adapter.params
         self.optimizer, self.scheduler = make_optimizer(draft, cfg.lr, cfg.steps, cfg.warmup_steps, params)
         self.step_count = 0
         if target is not None:
@@ -264,15 +406,15 @@ class Learner:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
             loss = self.objective(self.model, batch, target_logits)
         loss.backward()
-        if self.lora is not None:
-            self.lora.gradients()
+        if self.adapter is not None:
+            self.adapter.gradients()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lora is not None:
-            self.lora.merge()
+        if self.adapter is not None:
+            self.adapter.merge()
         self.model.eval()
         current = self.step_count if current is None else current
         version = current if version is None else version
@@ -292,18 +434,18 @@ class Learner:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, scheduler, step and LoRA's factors (the draft's weights are saved apart, in
+        """Optimizer, scheduler, step and the adapter's weights (the draft's weights are saved apart, in
         ``save_pretrained`` format)."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step_count,
-            **({"lora": self.lora.state_dict()} if self.lora is not None else {}),
+            **({self.adapter.name: self.adapter.state_dict()} if self.adapter is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.lora is not None:
-            self.lora.load_state_dict(state["lora"])
+        if self.adapter is not None:
+            self.adapter.load_state_dict(state[self.adapter.name])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
