@@ -205,6 +205,17 @@ def test_train_top_k_trains_the_last_k_decoder_layers_only():
         load_config(None, ["distill.train=top:0"])
 
 
+def assert_resumes_as_uninterrupted(learner: Learner, target, cfg: DistillConfig, batch) -> None:
+    """A learner resumed from ``learner``'s draft and state takes the same next step on ``batch`` as ``learner``."""
+    import copy
+
+    resumed = Learner(copy.deepcopy(learner.draft), target, cfg, bf16=False)
+    resumed.load_state_dict(copy.deepcopy(learner.state_dict()))
+    learner.step(batch), resumed.step(batch)
+    for (name, mine), theirs in zip(learner.draft.state_dict().items(), resumed.draft.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+
+
 def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tokenizer, task):
     """``distill.train=lora:R``: the gradients of A and B are those of an explicit LoRA forward (W0 + B A through
     ``functional_call``), each step moves the adapted weights by B A alone (rank <= R, everything else as it was),
@@ -268,11 +279,7 @@ def test_lora_steps_as_lora_and_keeps_the_draft_an_ordinary_model(text_pair, tok
     with torch.no_grad():
         torch.testing.assert_close(copied(input_ids=ids).logits, draft(input_ids=ids).logits)
 
-    resumed = Learner(copy.deepcopy(draft), target, cfg, bf16=False)
-    resumed.load_state_dict(copy.deepcopy(learner.state_dict()))
-    learner.step(batch), resumed.step(batch)
-    for (name, mine), theirs in zip(draft.state_dict().items(), resumed.draft.state_dict().values()):
-        torch.testing.assert_close(mine, theirs, msg=name)
+    assert_resumes_as_uninterrupted(learner, target, cfg, batch)
 
     assert load_config(None, ["distill.train=lora:16"]).distill.train == "lora:16"
     with pytest.raises(DistillSpecError, match="distill.train"):
@@ -354,9 +361,5 @@ def test_scales_train_the_draft_on_the_grids_its_4bit_decoding_copy_holds(text_p
         else:
             assert torch.equal(value, start[name])
 
-    resumed = Learner(copy.deepcopy(draft), target, cfg, bf16=False)
-    resumed.load_state_dict(copy.deepcopy(learner.state_dict()))
-    learner.step(batch), resumed.step(batch)
-    for (name, mine), theirs in zip(draft.state_dict().items(), resumed.draft.state_dict().values()):
-        torch.testing.assert_close(mine, theirs, msg=name)
+    assert_resumes_as_uninterrupted(learner, target, cfg, batch)
     assert load_config(None, ["distill.train=scales"]).distill.train == "scales"
